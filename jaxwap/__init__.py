@@ -1,0 +1,30 @@
+"""jaxwap: a workload-aware auto-parallelizer for JAX training steps.
+
+`jaxwap.auto_shard(train_step, params)` reads the step's own cost, picks how many devices
+to use and a PartitionSpec for every parameter (balancing speed against energy), and
+compiles the step with `jax.jit` shardings.
+"""
+
+__version__ = "0.1.0"
+
+from .api import AutoShardedStep, auto_shard, plan  # noqa: E402
+from .cost import Prediction, Strategy  # noqa: E402
+from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec  # noqa: E402
+from .objective import Objective  # noqa: E402
+from .plan import Candidate, ParamPlacement, Plan  # noqa: E402
+
+__all__ = [
+    "AutoShardedStep",
+    "Candidate",
+    "Cluster",
+    "DeviceSpec",
+    "Objective",
+    "ParamPlacement",
+    "Plan",
+    "Prediction",
+    "Strategy",
+    "auto_shard",
+    "builtin_device_names",
+    "device_spec",
+    "plan",
+]

@@ -1,0 +1,230 @@
+"""`auto_shard`: wrap a training step once, run it sharded with no other change.
+
+The wrapped step plans on its first call (from the arguments' shapes only), compiles
+with `jax.jit` in/out shardings, places the arguments on the plan's shardings and runs.
+Outputs that are state (params, optimizer state) come back on the same shardings they
+went in with, so the training loop feeds them back without any resharding; later calls
+with the same shapes reuse the compiled step, new shapes plan again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .cost import DATA, MODEL
+from .objective import Objective
+from .plan import Plan
+from .planner import Planned, flat_leaves, make_plan
+from .state import BATCH, PARAM, LeafTable, abstract_leaf, classify_leaves
+
+# Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
+# on jax 0.10.2; their effect is measured on GPU, not assumed).
+GPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def make_mesh(plan: Plan, devices: Sequence[Any]) -> Mesh:
+    """The plan's (data, model) mesh over its devices, with Auto axes (XLA propagates)."""
+    d, m = plan.mesh_shape[DATA], plan.mesh_shape[MODEL]
+    grid = np.array(list(devices[: d * m]), dtype=object).reshape(d, m)
+    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def leaf_specs(table: LeafTable, plan: Plan) -> list[P]:
+    """The PartitionSpec of every leaf: a param's spec for it and its mirrors, the data
+    axis for batch leaves (when the mesh splits data), replicated otherwise."""
+    d = plan.mesh_shape[DATA]
+    out = []
+    for role in table.roles:
+        if role.kind == PARAM:
+            out.append(plan.params[role.param].partition_spec)
+        elif role.kind == BATCH and d > 1:
+            out.append(P(DATA))
+        else:
+            out.append(P())
+    return out
+
+
+@dataclass(frozen=True)
+class _Executable:
+    planned: Planned
+    mesh: Mesh
+    in_shardings: tuple[NamedSharding, ...]
+    compiled: Any
+    scalar_leaves: tuple[bool, ...]
+
+
+class AutoShardedStep:
+    """A training step that plans, compiles and runs itself sharded. See `auto_shard`."""
+
+    def __init__(self, train_step: Callable, params: Any = None, *,
+                 objective: str | Objective = "balanced", hardware: Any = None,
+                 devices: Sequence[Any] | None = None, memory_budget: float | None = None,
+                 donate: bool = True, num_devices: int | None = None,
+                 compiler_options: dict[str, Any] | None = None) -> None:
+        if not callable(train_step):
+            raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
+        self.train_step = train_step
+        self.params = params
+        self.objective = Objective.parse(objective)
+        self.hardware = hardware
+        self.devices = tuple(devices) if devices is not None else None
+        self.memory_budget = memory_budget
+        self.donate = donate
+        self.num_devices = num_devices
+        self.compiler_options = compiler_options
+        self._plans: dict[Any, Planned] = {}
+        self._execs: dict[Any, _Executable] = {}
+        self._current: Planned | None = None
+        functools.update_wrapper(self, train_step)
+
+    # ------------------------------------------------------------------ planning
+    def _signature(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        flat, treedef, names = flat_leaves(args, kwargs)
+        avals = []
+        for path, leaf in flat:
+            a = abstract_leaf(leaf, f"args{jax.tree_util.keystr(path)}")
+            avals.append((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))))
+        return treedef, names, tuple(avals)
+
+    def _planned(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Planned]:
+        key = self._signature(args, kwargs)
+        if key not in self._plans:
+            self._plans[key] = make_plan(
+                self.train_step, args, kwargs, params=self.params, objective=self.objective,
+                hardware=self.hardware, devices=self.devices, memory_budget=self.memory_budget,
+                num_devices=self.num_devices)
+        self._current = self._plans[key]
+        return key, self._plans[key]
+
+    def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
+        """Plan for these arguments (arrays or jax.ShapeDtypeStruct) without running."""
+        return self._planned(args, kwargs)[1].plan
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent call (or plan_for)."""
+        if self._current is None:
+            raise RuntimeError("no plan yet: call the step, or step.plan_for(*args), first")
+        return self._current.plan
+
+    @property
+    def mesh(self) -> Mesh:
+        return make_mesh(self.plan, self._require().devices)
+
+    def _require(self) -> Planned:
+        if self._current is None:
+            raise RuntimeError("no plan yet: call the step, or step.plan_for(*args), first")
+        return self._current
+
+    # ------------------------------------------------------------------ compile
+    def _compile(self, key: Any, planned: Planned) -> _Executable:
+        plan, layout = planned.plan, planned.layout
+        mesh = make_mesh(plan, planned.devices)
+        in_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.inputs, plan))
+        out_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.outputs, plan))
+        donate = tuple(i for i, r in enumerate(layout.inputs.roles)
+                       if r.kind == PARAM) if self.donate else ()
+        fn, treedef, names = self.train_step, layout.args_treedef, layout.kw_names
+
+        def flat_step(*leaves: Any) -> list[Any]:
+            a, k = jax.tree_util.tree_unflatten(treedef, leaves)
+            return tuple(jax.tree_util.tree_leaves(fn(*a, **dict(zip(names, k, strict=True)))))
+
+        opts = self.compiler_options
+        if opts is None:
+            opts = GPU_COMPILER_OPTIONS if planned.devices[0].platform == "gpu" else {}
+        jitted = jax.jit(flat_step, in_shardings=in_sh, out_shardings=out_sh,
+                         donate_argnums=donate)
+        abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s,
+                                         weak_type=getattr(a, "weak_type", False))
+                    for a, s in zip(layout.inputs.avals, in_sh, strict=True)]
+        compiled = jitted.lower(*abstract).compile(compiler_options=opts or None)
+        scalars = tuple(a.shape == () for a in layout.inputs.avals)
+        return _Executable(planned, mesh, in_sh, compiled, scalars)
+
+    def lower_and_compile(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled step for these arguments (abstract ones allowed); for inspection."""
+        key, planned = self._planned(args, kwargs)
+        if key not in self._execs:
+            self._execs[key] = self._compile(key, planned)
+        return self._execs[key].compiled
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key, planned = self._planned(args, kwargs)
+        if key not in self._execs:
+            self._execs[key] = self._compile(key, planned)
+        ex = self._execs[key]
+        flat, _, _ = flat_leaves(args, kwargs)
+        placed = [jax.device_put(leaf, sh) for (_, leaf), sh in
+                  zip(flat, ex.in_shardings, strict=True)]
+        out = ex.compiled(*placed)
+        return jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)
+
+    def shard(self, tree: Any) -> Any:
+        """Place a pytree the way the current plan wants (params and their mirrors on the
+        params' shardings, batch-leading leaves over the data axis, the rest replicated)."""
+        planned = self._require()
+        mesh = make_mesh(planned.plan, planned.devices)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        table = classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
+                                batch_size=planned.plan.batch_size, infer_batch=False)
+        specs = leaf_specs(table, planned.plan)
+        placed = [jax.device_put(leaf, NamedSharding(mesh, s))
+                  for (_, leaf), s in zip(flat, specs, strict=True)]
+        return jax.tree_util.tree_unflatten(treedef, placed)
+
+    def __repr__(self) -> str:
+        name = getattr(self.train_step, "__name__", repr(self.train_step))
+        return f"AutoShardedStep({name}, objective={self.objective.describe()!r})"
+
+
+def auto_shard(train_step: Callable | None = None, params: Any = None, *,
+               objective: str | Objective = "balanced", hardware: Any = None,
+               devices: Sequence[Any] | None = None, memory_budget: float | None = None,
+               donate: bool = True, num_devices: int | None = None,
+               compiler_options: dict[str, Any] | None = None) -> Any:
+    """Wrap a training step so it plans, compiles and runs itself sharded.
+
+    Args:
+      train_step: the user's step, e.g. `(params, opt_state, batch) -> (params, opt_state,
+        metrics)`. Written for one device; it runs unchanged.
+      params: the parameter pytree (arrays or jax.ShapeDtypeStruct); default: the step's
+        first argument (its `.params` if it is a TrainState).
+      objective: "throughput", "energy", "balanced" or `jaxwap.Objective(max_slowdown=x)`.
+      hardware: a `jaxwap.Cluster` (or profile name) to plan for; default: the devices found.
+      devices: the devices the job may use (default `jax.devices()`); plans may use fewer.
+      memory_budget: bytes per device; default the device memory less 10% headroom.
+      donate: donate the state arguments (params and their mirrors) to the step, as
+        `jax.jit(donate_argnums=...)` would: the state passed in is consumed; use the
+        returned state.
+      num_devices: use exactly this many devices instead of choosing.
+      compiler_options: XLA options for the compile (default: latency hiding on GPU).
+
+    Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
+    """
+    kw = dict(objective=objective, hardware=hardware, devices=devices,
+              memory_budget=memory_budget, donate=donate, num_devices=num_devices,
+              compiler_options=compiler_options)
+    if train_step is None:
+        return lambda fn: AutoShardedStep(fn, params, **kw)
+    return AutoShardedStep(train_step, params, **kw)
+
+
+def plan(train_step: Callable, *args: Any, params: Any = None,
+         objective: str | Objective = "balanced", hardware: Any = None,
+         devices: Sequence[Any] | None = None, memory_budget: float | None = None,
+         num_devices: int | None = None, **kwargs: Any) -> Plan:
+    """Plan `train_step` for these arguments (arrays or jax.ShapeDtypeStruct) without
+    compiling or running anything."""
+    return make_plan(train_step, args, kwargs, params=params, objective=objective,
+                     hardware=hardware, devices=devices, memory_budget=memory_budget,
+                     num_devices=num_devices).plan

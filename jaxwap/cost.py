@@ -1,0 +1,304 @@
+"""The cost model: time, memory, communication and energy of one candidate plan.
+
+A candidate is a mesh (data x model) and a sharding strategy per parameter. Its step
+time is compute + blocking tensor-parallel communication + the part of the gradient
+reduction that backward compute cannot hide:
+
+- compute: every op runs on its share of the work (batched ops over the data axis, a
+  tensor-parallel weight's matmuls also over the model axis, a parameter's own ops
+  such as the optimizer update over however the parameter is sharded); each op costs
+  its kernel launches plus a roofline `max(flops / (peak * eff), bytes / bandwidth)`,
+  where matmul efficiency `w / (w + w_half)` falls as the per-device work `w` shrinks.
+  That fall, with the fixed launch cost, is what makes a small workload slower on
+  many devices.
+- communication: ring collectives, `2(n-1)/n * bytes / bw + 2(n-1) * latency` for an
+  all-reduce and half that for all-gather / reduce-scatter.
+- energy: each used device draws `idle + (max - idle) * utilization` for the step.
+
+Everything here is a prediction; the verification stage compares it with XLA's own
+analysis of the compiled step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .graph import Graph, Layer
+from .hardware import Cluster
+
+DATA, MODEL = "data", "model"
+# Share of the backward pass in a step's batched compute (backward ~ 2x forward).
+BACKWARD_SHARE = 2.0 / 3.0
+# Utilization credited while a device launches kernels or runs collectives.
+SIDE_UTILIZATION = 0.3
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one parameter is laid out on the mesh.
+
+    `spec` is a PartitionSpec as a tuple of per-dim entries (None or an axis name).
+    `tp` is "col" (an output-feature dim over the model axis), "row" (a contracted dim
+    over the model axis) or "none"; `data_sharded` marks ZeRO-3 / FSDP sharding over
+    the data axis.
+    """
+
+    name: str
+    spec: tuple[str | None, ...]
+    tp: str = "none"
+    data_sharded: bool = False
+
+    def shard(self, d: int, m: int) -> int:
+        return (d if self.data_sharded else 1) * (m if self.tp != "none" else 1)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures for one step of one candidate (per device unless stated)."""
+
+    step_time_s: float
+    samples_per_s: float
+    energy_per_step_j: float
+    energy_per_sample_j: float
+    avg_power_w: float            # all devices of the mesh together
+    peak_memory_bytes: float      # per device
+    comm_bytes: float             # bytes each device sends per step
+    compute_time_s: float
+    tp_comm_time_s: float
+    grad_comm_time_s: float
+    exposed_comm_time_s: float
+    flops_per_device: float
+    utilization: float
+    num_devices: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prediction:
+        return cls(**d)
+
+
+# --------------------------------------------------------------------------- collectives
+def all_reduce(nbytes: float, n: int, cluster: Cluster,
+               latency: bool = True) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a ring all-reduce over n devices.
+
+    `latency=False` leaves out the per-step latency, for collectives XLA's combiner
+    merges into one (gradient reductions): their latency is charged once per step.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    sent = 2 * (n - 1) / n * nbytes
+    return sent / cluster.link_bandwidth + latency * 2 * (n - 1) * cluster.link_latency, sent
+
+
+def all_gather(nbytes: float, n: int, cluster: Cluster,
+               latency: bool = True) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a ring all-gather (or reduce-scatter) whose
+    full result is `nbytes`."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    sent = (n - 1) / n * nbytes
+    return sent / cluster.link_bandwidth + latency * (n - 1) * cluster.link_latency, sent
+
+
+# --------------------------------------------------------------------------- compute
+def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float) -> np.ndarray:
+    """Per-op seconds when op k's work is divided by split[k]; also the busy part."""
+    dev = cluster.device
+    f = graph.flops / split
+    b = graph.bytes / split
+    rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32))
+    eff = np.where(graph.is_matmul, f / (f + dev.efficiency_half_flops), 1.0)
+    busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / dev.memory_bandwidth)
+    return busy + graph.kernels * dev.kernel_overhead_s
+
+
+@dataclass(frozen=True)
+class MeshCosts:
+    """What one mesh's costs decompose into, so the solver can add them per parameter.
+
+    `base` is the time of ops no parameter's strategy changes; `param_time[j][s]` the
+    time of param j's ops under its strategy s; `grad_comm[j][s]` the (seconds, bytes)
+    of its gradient reduction over the data axis.
+    """
+
+    d: int
+    m: int
+    base: float
+    base_busy: float
+    base_kernels: float
+    batched_time: float
+    strategies: tuple[tuple[Strategy, ...], ...]
+    param_time: tuple[tuple[float, ...], ...]
+    param_busy: tuple[tuple[float, ...], ...]
+    grad_comm: tuple[tuple[tuple[float, float], ...], ...]
+
+
+def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
+               strategies: Sequence[Sequence[Strategy]]) -> MeshCosts:
+    """Decompose the step's compute and gradient communication on a (d, m) mesh."""
+    dev = cluster.device
+    times: dict[int, np.ndarray] = {}
+    busies: dict[int, np.ndarray] = {}
+
+    def at(split: int) -> tuple[np.ndarray, np.ndarray]:
+        if split not in times:
+            t = op_times(graph, cluster, float(split))
+            times[split] = t
+            busies[split] = t - graph.kernels * dev.kernel_overhead_s
+        return times[split], busies[split]
+
+    batched, owner, tp = graph.batched, graph.owner, graph.tp_param
+    fixed = (batched & (tp < 0)) | (~batched & (owner < 0))
+    t_d, b_d = at(d)
+    t_1, b_1 = at(1)
+    fixed_b = fixed & batched
+    fixed_o = fixed & ~batched
+    base = float(t_d[fixed_b].sum() + t_1[fixed_o].sum())
+    base_busy = float(b_d[fixed_b].sum() + b_1[fixed_o].sum())
+    base_kernels = float(graph.kernels[fixed].sum())
+    batched_time = float(t_d[batched].sum())
+
+    p_time, p_busy, g_comm = [], [], []
+    for j, strats in enumerate(strategies):
+        tp_ops = batched & (tp == j)
+        own_ops = ~batched & (owner == j)
+        row_t, row_b, row_c = [], [], []
+        pbytes = graph.params[j].nbytes
+        for s in strats:
+            tt, bb = at(d * m if s.tp != "none" else d)
+            to, bo = at(s.shard(d, m))
+            row_t.append(float(tt[tp_ops].sum() + to[own_ops].sum()))
+            row_b.append(float(bb[tp_ops].sum() + bo[own_ops].sum()))
+            local = pbytes / (m if s.tp != "none" else 1)
+            if s.data_sharded:
+                t1, s1 = all_gather(local, d, cluster, False)  # reduce-scatter the gradient
+                t2, s2 = all_gather(local, d, cluster, False)  # all-gather the parameter
+                row_c.append((t1 + t2, s1 + s2))
+            else:
+                row_c.append(all_reduce(local, d, cluster, False))
+        p_time.append(tuple(row_t))
+        p_busy.append(tuple(row_b))
+        g_comm.append(tuple(row_c))
+    return MeshCosts(d, m, base, base_busy, base_kernels, batched_time,
+                     tuple(tuple(s) for s in strategies), tuple(p_time), tuple(p_busy),
+                     tuple(g_comm))
+
+
+# --------------------------------------------------------------------------- tensor parallel
+def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,
+                 cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes) of model-axis communication a layer adds, given the previous
+    layer's kind: Megatron's column-then-row pairing costs one all-reduce forward and
+    one backward; an unpaired layer pays gathers to restore a replicated activation."""
+    if m <= 1:
+        return 0.0, 0.0
+    a_in, a_out = layer.act_in_bytes / d, layer.act_out_bytes / d
+    parts: list[tuple[float, float]] = []
+    if kind == "col":
+        if prev == "col":
+            parts.append(all_gather(a_in, m, cluster))
+        if layer.needs_input_grad:
+            parts.append(all_reduce(a_in, m, cluster))
+    elif kind == "row":
+        parts.append(all_reduce(a_out, m, cluster))
+        if prev != "col" and layer.needs_input_grad:
+            parts.append(all_gather(a_in, m, cluster))
+    elif prev == "col":
+        parts.append(all_gather(a_in, m, cluster))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    """A column-sharded last layer leaves its output sharded: gather it for the loss."""
+    if m <= 1 or kind != "col":
+        return 0.0, 0.0
+    return all_gather(layer.act_out_bytes / d, m, cluster)
+
+
+def tp_chain_cost(graph: Graph, kinds: dict[int, str], d: int, m: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    t = b = 0.0
+    prev = "none"
+    for layer in graph.layers:
+        kind = kinds.get(layer.param, "none")
+        dt, db = tp_pair_cost(layer, prev, kind, d, m, cluster)
+        t, b, prev = t + dt, b + db, kind
+    if graph.layers:
+        dt, db = tp_final_cost(graph.layers[-1], prev, d, m, cluster)
+        t, b = t + dt, b + db
+    return t, b
+
+
+# --------------------------------------------------------------------------- one candidate
+def peak_memory(graph: Graph, d: int, m: int, shards: Sequence[int]) -> tuple[float, int]:
+    """(peak live bytes per device, index of the peak point)."""
+    w = np.empty(graph.live.shape[1])
+    w[0] = 1.0 / d
+    w[1] = 1.0
+    w[2:] = 1.0 / np.asarray(shards, dtype=np.float64)
+    per_point = graph.live @ w
+    k = int(np.argmax(per_point))
+    return float(per_point[k]), k
+
+
+def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
+    """The full prediction for a mesh's costs and a strategy index per parameter."""
+    d, m = mc.d, mc.m
+    n = d * m
+    dev = cluster.device
+    strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
+    compute = mc.base + sum(mc.param_time[j][s] for j, s in enumerate(choice))
+    busy = mc.base_busy + sum(mc.param_busy[j][s] for j, s in enumerate(choice))
+    grads = [mc.grad_comm[j][s] for j, s in enumerate(choice)]
+    grad_t = sum(g[0] for g in grads) + _combined_latency(strats, d, cluster)
+    grad_b = sum(g[1] for g in grads)
+    kinds = {j: s.tp for j, s in enumerate(strats)}
+    tp_t, tp_b = tp_chain_cost(graph, kinds, d, m, cluster)
+    # Gradient reduction overlaps the backward pass, except the first layer's, whose
+    # gradient is produced last.
+    first = graph.layers[0].param if graph.layers else None
+    last_grad = grads[first][0] if first is not None else 0.0
+    exposed = max(grad_t - BACKWARD_SHARE * mc.batched_time, min(last_grad, grad_t), 0.0)
+    step = compute + tp_t + exposed
+    overhead = compute - busy
+    util = min(1.0, (busy + SIDE_UTILIZATION * (overhead + tp_t + exposed)) / step) if step else 0
+    power = dev.idle_watts + (dev.max_watts - dev.idle_watts) * util
+    energy = n * power * step
+    mem, _ = peak_memory(graph, d, m, [s.shard(d, m) for s in strats])
+    B = graph.batch_size or 1
+    flops_dev = _flops_per_device(graph, d, m, strats)
+    return Prediction(
+        step_time_s=step, samples_per_s=B / step if step else float("inf"),
+        energy_per_step_j=energy, energy_per_sample_j=energy / B, avg_power_w=n * power,
+        peak_memory_bytes=mem, comm_bytes=grad_b + tp_b, compute_time_s=compute,
+        tp_comm_time_s=tp_t, grad_comm_time_s=grad_t, exposed_comm_time_s=exposed,
+        flops_per_device=flops_dev, utilization=util, num_devices=n)
+
+
+def _combined_latency(strats: Sequence[Strategy], d: int, cluster: Cluster) -> float:
+    """Ring latency of the gradient collectives once each: XLA combines the per-parameter
+    all-reduces (and reduce-scatters / all-gathers) of a step into few large ones."""
+    if d <= 1:
+        return 0.0
+    steps = 0
+    if any(not s.data_sharded for s in strats):
+        steps += 2 * (d - 1)
+    if any(s.data_sharded for s in strats):
+        steps += 2 * (d - 1)
+    return steps * cluster.link_latency
+
+
+def _flops_per_device(graph: Graph, d: int, m: int, strats: Sequence[Strategy]) -> float:
+    tp_on = np.array([s.tp != "none" for s in strats] + [False])
+    shard = np.array([s.shard(d, m) for s in strats] + [1])
+    split = np.where(graph.batched, d * np.where(tp_on[graph.tp_param], m, 1),
+                     shard[graph.owner])
+    return float((graph.flops / split).sum())

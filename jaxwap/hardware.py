@@ -1,0 +1,225 @@
+"""Device and link profiles: what the cost model knows about the hardware.
+
+A plan is a prediction, so the hardware it is made for must be explicit. A `DeviceSpec`
+describes one accelerator (how fast it computes and moves memory, how much memory it has,
+how much power it draws idle and flat out, what one kernel launch costs); a `Cluster`
+is N of them joined by links of a given bandwidth and latency. Planning for hardware
+that is not present is a feature: tests ask what the planner would choose on 8 H100s
+while the chosen mesh still runs on simulated CPU devices.
+
+Figures for the built-ins are vendor datasheet numbers (dense, no sparsity) except
+`efficiency_half_flops` and `kernel_overhead_s`, which are typical values until the
+calibration stage measures them on the real device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator as the cost model sees it.
+
+    Attributes:
+      name: profile name ("h100-sxm", ...).
+      peak_flops: dense 16-bit (bf16/fp16) matmul peak, flop/s.
+      memory_bandwidth: main-memory bandwidth, bytes/s.
+      memory_bytes: usable memory per device, bytes.
+      idle_watts: power drawn when allocated but idle.
+      max_watts: power at full load (board limit).
+      kernel_overhead_s: fixed cost of one kernel launch; it is what makes many tiny
+        kernels slow whatever the device count.
+      peak_flops_f32: float32 matmul peak (TF32 tensor cores where XLA uses them by
+        default); defaults to peak_flops / 2.
+      efficiency_half_flops: per-kernel work (flops) at which a kernel reaches half the
+        peak; efficiency = w / (w + this). It is why splitting small work over more
+        devices stops paying.
+      link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
+      link_latency_s: default per-hop latency of that link.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bandwidth: float
+    memory_bytes: float
+    idle_watts: float
+    max_watts: float
+    kernel_overhead_s: float = 5e-6
+    peak_flops_f32: float | None = None
+    efficiency_half_flops: float = 2e8
+    link_bandwidth: float = 25 * GB
+    link_latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"DeviceSpec {self.name!r}: {field} must be > 0, "
+                                 f"got {getattr(self, field)!r}")
+        if self.idle_watts < 0 or self.idle_watts > self.max_watts:
+            raise ValueError(f"DeviceSpec {self.name!r}: idle_watts must be in "
+                             f"[0, max_watts], got {self.idle_watts!r}")
+
+    def flops_rate(self, dtype: Any) -> float:
+        """Peak matmul rate for operands of `dtype` (16-bit types get the tensor-core peak)."""
+        itemsize = np.dtype(dtype).itemsize if dtype is not None else 4
+        if itemsize <= 2:
+            return self.peak_flops
+        return self.peak_flops_f32 if self.peak_flops_f32 is not None else self.peak_flops / 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
+        return cls(**d)
+
+
+_BUILTIN: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        DeviceSpec("h100-sxm", peak_flops=989e12, peak_flops_f32=494e12,
+                   memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=70,
+                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
+                   link_bandwidth=450 * GB, link_latency_s=3e-6),
+        DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
+                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=75,
+                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
+                   link_bandwidth=450 * GB, link_latency_s=3e-6),
+        DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
+                   memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=55,
+                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
+                   link_bandwidth=300 * GB, link_latency_s=4e-6),
+        DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
+                   memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=50,
+                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
+                   link_bandwidth=300 * GB, link_latency_s=4e-6),
+        DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
+                   memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
+                   max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
+                   link_bandwidth=150 * GB, link_latency_s=5e-6),
+        # A share of a host CPU as one simulated XLA device: a few cores' worth of
+        # vector throughput, DRAM bandwidth, and a watts figure for a socket share.
+        DeviceSpec("cpu", peak_flops=1e11, peak_flops_f32=1e11, memory_bandwidth=2e10,
+                   memory_bytes=8 * GiB, idle_watts=5, max_watts=30,
+                   kernel_overhead_s=2e-6, efficiency_half_flops=2e6,
+                   link_bandwidth=10 * GB, link_latency_s=5e-6),
+    )
+}
+
+# jax `device_kind` substrings -> built-in profile, most specific first.
+_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
+    ("h200", "h200"),
+    ("h100", "h100-sxm"),
+    ("a100-sxm4-80gb", "a100-sxm-80gb"),
+    ("a100 80gb", "a100-sxm-80gb"),
+    ("a100", "a100-sxm-40gb"),
+    ("v100", "v100-sxm2"),
+    ("cpu", "cpu"),
+)
+
+
+def device_spec(name: str | DeviceSpec) -> DeviceSpec:
+    """A built-in profile by name (or the spec itself)."""
+    if isinstance(name, DeviceSpec):
+        return name
+    key = str(name).lower()
+    if key not in _BUILTIN:
+        raise ValueError(f"unknown device profile {name!r}; built-ins are "
+                         f"{sorted(_BUILTIN)} (or pass a jaxwap.DeviceSpec)")
+    return _BUILTIN[key]
+
+
+def builtin_device_names() -> tuple[str, ...]:
+    return tuple(sorted(_BUILTIN))
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N identical devices joined by one kind of link.
+
+    `link_bandwidth` is bytes/s per device per direction (what one ring step moves);
+    `link_latency` is seconds per ring step. Both default to the device profile's
+    own peer link (NVLink for SXM parts), so `Cluster("h100-sxm", 8)` is an HGX box and
+    `Cluster("h100-sxm", 8, link_bandwidth=25e9)` the same GPUs on PCIe.
+    """
+
+    device: DeviceSpec
+    num_devices: int
+    link_bandwidth: float
+    link_latency: float
+
+    def __init__(self, device: str | DeviceSpec, num_devices: int,
+                 link_bandwidth: float | None = None,
+                 link_latency: float | None = None) -> None:
+        spec = device_spec(device)
+        if not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+            raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
+        bw = spec.link_bandwidth if link_bandwidth is None else float(link_bandwidth)
+        lat = spec.link_latency_s if link_latency is None else float(link_latency)
+        if bw <= 0 or lat < 0:
+            raise ValueError(f"Cluster link_bandwidth must be > 0 and link_latency >= 0, "
+                             f"got {bw!r}, {lat!r}")
+        object.__setattr__(self, "device", spec)
+        object.__setattr__(self, "num_devices", int(num_devices))
+        object.__setattr__(self, "link_bandwidth", bw)
+        object.__setattr__(self, "link_latency", lat)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device.to_dict(), "num_devices": self.num_devices,
+                "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Cluster:
+        return cls(DeviceSpec.from_dict(d["device"]), d["num_devices"],
+                   d["link_bandwidth"], d["link_latency"])
+
+
+def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
+    """The profile of the devices found, and a note when it had to be guessed.
+
+    Devices must be of one kind: a plan over mixed kinds would need a per-device model
+    that v1 does not have, so that is an error rather than a silent average.
+    """
+    kinds = {d.device_kind for d in devices}
+    if len(kinds) != 1:
+        raise ValueError(f"devices of several kinds {sorted(kinds)}: jaxwap plans over "
+                         f"one kind; pass devices= of one kind")
+    kind = kinds.pop()
+    platform = devices[0].platform
+    low = kind.lower()
+    name = next((prof for pat, prof in _KIND_PATTERNS if pat in low), None)
+    if name is None and platform == "cpu":
+        name = "cpu"
+    note = None
+    if name is None:
+        name = "h100-sxm" if platform == "gpu" else "cpu"
+        note = (f"device kind {kind!r} has no built-in profile; planning with {name!r}. "
+                f"Pass hardware=jaxwap.Cluster(jaxwap.DeviceSpec(...), n) for real figures.")
+        warnings.warn(note, stacklevel=3)
+    spec = _BUILTIN[name]
+    memory = _device_memory_limit(devices[0])
+    if memory is not None:
+        spec = dataclasses.replace(spec, memory_bytes=float(memory))
+    return Cluster(spec, len(devices)), note
+
+
+def _device_memory_limit(device: Any) -> int | None:
+    """The device's own memory limit where JAX exposes it (GPU/TPU), else None."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - CPU and some plugins raise; the profile then decides
+        return None
+    if not stats:
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None

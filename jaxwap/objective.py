@@ -1,0 +1,92 @@
+"""What "best" means: the objective that ranks candidate plans.
+
+Fast and frugal pull against each other: more devices usually cut step time but each
+one draws power, and past some point communication eats the gain. The objective turns a
+candidate's predicted time and energy into one score (lower is better).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+KINDS = ("throughput", "energy", "balanced", "max_slowdown")
+
+
+class _Scored(Protocol):
+    step_time_s: float
+    energy_per_step_j: float
+
+
+@dataclass(frozen=True)
+class Objective:
+    """How candidates are ranked.
+
+    - "throughput": least step time.
+    - "energy": least energy per step (the batch is fixed, so also per sample).
+    - "balanced": Zeus's cost eta*E + (1-eta)*P_max*N*T, with N the devices available
+      to the job: time is charged at the whole allocation's peak power, so using fewer
+      devices is only rewarded when it does not stretch the step much.
+    - `Objective(max_slowdown=x)`: least energy among candidates within (1+x) of the
+      fastest candidate's step time.
+    """
+
+    kind: str = "balanced"
+    eta: float = 0.5
+    max_slowdown: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_slowdown is not None:
+            if self.kind not in ("balanced", "max_slowdown"):
+                raise ValueError(f"Objective(kind={self.kind!r}) does not take max_slowdown")
+            if not self.max_slowdown >= 0:
+                raise ValueError(f"Objective max_slowdown must be >= 0, got {self.max_slowdown!r}")
+            object.__setattr__(self, "kind", "max_slowdown")
+        if self.kind not in KINDS:
+            raise ValueError(f"objective must be one of {KINDS} or jaxwap.Objective(...), "
+                             f"got {self.kind!r}")
+        if self.kind == "max_slowdown" and self.max_slowdown is None:
+            raise ValueError("Objective(kind='max_slowdown') needs max_slowdown=x")
+        if not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"Objective eta must be in [0, 1], got {self.eta!r}")
+
+    @classmethod
+    def parse(cls, objective: str | Objective) -> Objective:
+        if isinstance(objective, Objective):
+            return objective
+        if isinstance(objective, str):
+            return cls(kind=objective)
+        raise TypeError(f"objective must be a str or jaxwap.Objective, got {type(objective)}")
+
+    def scores(self, preds: Sequence[_Scored], *, max_watts: float,
+               num_devices_available: int) -> list[float]:
+        """One score per prediction (lower is better); inf where the objective excludes it."""
+        if not preds:
+            return []
+        if self.kind == "throughput":
+            return [p.step_time_s for p in preds]
+        if self.kind == "energy":
+            return [p.energy_per_step_j for p in preds]
+        if self.kind == "balanced":
+            return [self.eta * p.energy_per_step_j
+                    + (1 - self.eta) * max_watts * num_devices_available * p.step_time_s
+                    for p in preds]
+        fastest = min(p.step_time_s for p in preds)
+        limit = fastest * (1 + float(self.max_slowdown or 0.0)) * (1 + 1e-12)
+        return [p.energy_per_step_j if p.step_time_s <= limit else float("inf")
+                for p in preds]
+
+    def describe(self) -> str:
+        if self.kind == "balanced":
+            return f"balanced (Zeus cost, eta={self.eta:g})"
+        if self.kind == "max_slowdown":
+            return f"least energy within {100 * float(self.max_slowdown or 0):g}% of the fastest"
+        return self.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "eta": self.eta, "max_slowdown": self.max_slowdown}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Objective:
+        return cls(kind=d["kind"], eta=d["eta"], max_slowdown=d["max_slowdown"])

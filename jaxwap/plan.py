@@ -1,0 +1,240 @@
+"""The `Plan`: jaxwap's product, a frozen and serialisable record of a decision.
+
+It holds the mesh, the devices, the PartitionSpec of every parameter, the predicted
+figures, and every candidate considered with why it lost, so that a person can read
+(`explain()`), keep (`to_json()`), and compare the decision later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from .cost import Prediction
+from .hardware import Cluster
+from .objective import Objective
+
+PLAN_FORMAT = 1
+
+
+def spec_to_json(spec: tuple[Any, ...]) -> list[Any]:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def spec_from_json(entries: list[Any]) -> tuple[Any, ...]:
+    return tuple(tuple(e) if isinstance(e, list) else e for e in entries)
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """One parameter's layout: path in the params tree, shape, dtype, spec, strategy."""
+
+    path: tuple[str, ...]
+    keystr: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple[Any, ...]
+    strategy: str
+
+    @property
+    def partition_spec(self) -> P:
+        return P(*self.spec)
+
+    @property
+    def nbytes(self) -> int:
+        import numpy as np
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": list(self.path), "keystr": self.keystr, "shape": list(self.shape),
+                "dtype": self.dtype, "spec": spec_to_json(self.spec), "strategy": self.strategy}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ParamPlacement:
+        return cls(tuple(d["path"]), d["keystr"], tuple(d["shape"]), d["dtype"],
+                   spec_from_json(d["spec"]), d["strategy"])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One mesh considered: its best assignment's prediction and the verdict."""
+
+    mesh_shape: tuple[tuple[str, int], ...]
+    predicted: Prediction
+    score: float
+    fits: bool
+    chosen: bool
+    reason: str
+    strategy_counts: tuple[tuple[str, int], ...]
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for _, s in self.mesh_shape:
+            n *= s
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mesh_shape": [list(x) for x in self.mesh_shape],
+                "predicted": self.predicted.to_dict(),
+                "score": self.score if self.score != float("inf") else None,
+                "fits": self.fits, "chosen": self.chosen, "reason": self.reason,
+                "strategy_counts": [list(x) for x in self.strategy_counts]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Candidate:
+        return cls(tuple((a, int(s)) for a, s in d["mesh_shape"]),
+                   Prediction.from_dict(d["predicted"]),
+                   float("inf") if d["score"] is None else d["score"], d["fits"],
+                   d["chosen"], d["reason"], tuple((a, int(c)) for a, c in d["strategy_counts"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a training step is sharded, and why.
+
+    `param_specs` is a pytree of `PartitionSpec` shaped like the params (a nested dict
+    keyed by path tokens for a plan loaded from JSON, which has no treedef).
+    """
+
+    mesh_shape: dict[str, int]
+    device_ids: tuple[int, ...]
+    params: tuple[ParamPlacement, ...]
+    objective: Objective
+    predicted: Prediction
+    candidates: tuple[Candidate, ...]
+    hardware: Cluster
+    batch_size: int | None
+    memory_budget_bytes: float
+    planning_time_s: dict[str, float]
+    notes: tuple[str, ...] = ()
+    version: str = ""
+    _treedef: Any = field(default=None, compare=False, repr=False)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.mesh_shape.values():
+            n *= s
+        return n
+
+    @property
+    def param_specs(self) -> Any:
+        specs = [p.partition_spec for p in self.params]
+        if self._treedef is not None:
+            return jax.tree_util.tree_unflatten(self._treedef, specs)
+        if len(self.params) == 1 and not self.params[0].path:
+            return specs[0]
+        tree: dict[str, Any] = {}
+        for p, s in zip(self.params, specs, strict=True):
+            node = tree
+            for tok in p.path[:-1]:
+                node = node.setdefault(tok, {})
+            node[p.path[-1]] = s
+        return tree
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT, "version": self.version,
+            "mesh_shape": dict(self.mesh_shape), "device_ids": list(self.device_ids),
+            "params": [p.to_dict() for p in self.params],
+            "objective": self.objective.to_dict(), "predicted": self.predicted.to_dict(),
+            "candidates": [c.to_dict() for c in self.candidates],
+            "hardware": self.hardware.to_dict(), "batch_size": self.batch_size,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "planning_time_s": dict(self.planning_time_s), "notes": list(self.notes),
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if d.get("format") != PLAN_FORMAT:
+            raise ValueError(f"unsupported plan format {d.get('format')!r} "
+                             f"(this jaxwap reads format {PLAN_FORMAT})")
+        return cls(
+            mesh_shape={k: int(v) for k, v in d["mesh_shape"].items()},
+            device_ids=tuple(int(i) for i in d["device_ids"]),
+            params=tuple(ParamPlacement.from_dict(p) for p in d["params"]),
+            objective=Objective.from_dict(d["objective"]),
+            predicted=Prediction.from_dict(d["predicted"]),
+            candidates=tuple(Candidate.from_dict(c) for c in d["candidates"]),
+            hardware=Cluster.from_dict(d["hardware"]), batch_size=d["batch_size"],
+            memory_budget_bytes=d["memory_budget_bytes"],
+            planning_time_s=dict(d["planning_time_s"]), notes=tuple(d["notes"]),
+            version=d.get("version", ""))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    # ------------------------------------------------------------------ explain
+    def explain(self, max_params: int = 40) -> str:
+        """A report a person reads: the decision, the layout, the figures, the losers."""
+        pr = self.predicted
+        hw = self.hardware
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        lines = [
+            f"jaxwap plan: {self.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
+            f"objective {self.objective.describe()}",
+            f"hardware: {hw.num_devices} x {hw.device.name} "
+            f"({_si(hw.device.peak_flops, 'flop/s')} bf16, {_si(hw.device.memory_bandwidth, 'B/s')}, "
+            f"{_si(hw.device.memory_bytes, 'B')}), links {_si(hw.link_bandwidth, 'B/s')} / "
+            f"{hw.link_latency * 1e6:.1f} us",
+            f"devices: {list(self.device_ids)}   batch: {self.batch_size}   memory budget: "
+            f"{_si(self.memory_budget_bytes, 'B')} per device",
+            "",
+            "predicted (model, not measured):",
+            f"  step time       {pr.step_time_s * 1e3:10.3f} ms   ({pr.samples_per_s:,.0f} samples/s)",
+            f"  compute         {pr.compute_time_s * 1e3:10.3f} ms   utilization {pr.utilization:.0%}",
+            f"  communication   {pr.exposed_comm_time_s * 1e3:10.3f} ms exposed of "
+            f"{pr.grad_comm_time_s * 1e3:.3f} ms gradient reduction; "
+            f"{pr.tp_comm_time_s * 1e3:.3f} ms tensor-parallel; "
+            f"{_si(pr.comm_bytes, 'B')} sent per device",
+            f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
+            f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
+            f"  peak memory     {_si(pr.peak_memory_bytes, 'B'):>10} per device",
+            "",
+            "parameters:",
+        ]
+        width = max((len(p.keystr) for p in self.params), default=10)
+        width = min(max(width, 10), 60)
+        lines.append(f"  {'path':<{width}}  {'shape':<20} {'size':>10}  {'strategy':<14} spec")
+        shown = sorted(self.params, key=lambda p: -p.nbytes)[:max_params]
+        order = {id(p): i for i, p in enumerate(self.params)}
+        for p in sorted(shown, key=lambda p: order[id(p)]):
+            lines.append(f"  {p.keystr[:width]:<{width}}  {str(p.shape):<20} "
+                         f"{_si(p.nbytes, 'B'):>10}  {p.strategy:<14} {P(*p.spec)}")
+        if len(self.params) > max_params:
+            lines.append(f"  ... {len(self.params) - max_params} smaller parameters not shown")
+        lines += ["", "candidates (every mesh considered, by score):",
+                  f"  {'mesh':<12} {'step ms':>10} {'samples/s':>11} {'J/step':>9} "
+                  f"{'W':>7} {'mem/dev':>9}  verdict"]
+        for c in sorted(self.candidates, key=lambda c: (not c.chosen, c.score)):
+            cp = c.predicted
+            shape = "x".join(str(s) for _, s in c.mesh_shape)
+            lines.append(f"  {shape:<12} {cp.step_time_s * 1e3:10.3f} {cp.samples_per_s:11,.0f} "
+                         f"{cp.energy_per_step_j:9.3f} {cp.avg_power_w:7.0f} "
+                         f"{_si(cp.peak_memory_bytes, 'B'):>9}  "
+                         f"{'CHOSEN' if c.chosen else c.reason}")
+        t = self.planning_time_s
+        lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"

@@ -1,0 +1,200 @@
+"""Planning: abstract arguments in, `Plan` out. No real arrays, no device work.
+
+trace (jaxpr of the step from abstract leaves) -> graph (costs and dataflow) ->
+search (meshes x per-parameter strategies under the memory budget) -> Plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import __version__
+from .cost import DATA, MODEL
+from .graph import Graph, analyze
+from .hardware import Cluster, DeviceSpec, detect_cluster
+from .objective import Objective
+from .plan import Candidate, ParamPlacement, Plan
+from .solve import SearchResult, search, uses_model_axis
+from .state import BATCH, LeafTable, ParamInfo, check_params_found, classify_leaves, param_infos
+
+# Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
+MEMORY_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class ArgLayout:
+    """The step's arguments flattened: per-leaf paths, avals and roles, and how to rebuild."""
+
+    args_treedef: Any
+    kw_names: tuple[str, ...]
+    inputs: LeafTable
+    outputs: LeafTable
+    out_treedef: Any
+    params: tuple[ParamInfo, ...]
+    params_treedef: Any
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A plan with what it takes to compile it."""
+
+    plan: Plan
+    layout: ArgLayout
+    graph: Graph
+    devices: tuple[Any, ...]
+
+
+def resolve_cluster(hardware: Any, devices: Sequence[Any]) -> tuple[Cluster, str | None]:
+    if hardware is None:
+        return detect_cluster(devices)
+    if isinstance(hardware, Cluster):
+        return hardware, None
+    if isinstance(hardware, (str, DeviceSpec)):
+        return Cluster(hardware, len(devices)), None
+    raise TypeError(f"hardware must be None, a jaxwap.Cluster, a DeviceSpec or a profile "
+                    f"name, got {type(hardware).__name__}")
+
+
+def find_params(args: Sequence[Any], params: Any) -> Any:
+    """The params tree: given, or the first argument (its `.params` for a TrainState)."""
+    if params is not None:
+        return params
+    if not args:
+        raise ValueError("the step was called with no positional arguments, so there is no "
+                         "first argument to take as the parameters: pass params=")
+    first = args[0]
+    inner = getattr(first, "params", None)
+    if inner is not None and not isinstance(first, dict) and jax.tree_util.tree_leaves(inner):
+        return inner
+    return first
+
+
+def flat_leaves(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list, Any, tuple[str, ...]]:
+    """(path, leaf) pairs of (args, kwargs) with readable roots, and how to rebuild them."""
+    names = tuple(sorted(kwargs))
+    tree = (tuple(args), tuple(kwargs[k] for k in names))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return flat, treedef, names
+
+
+def _root_path(path: Sequence[Any], names: tuple[str, ...]) -> tuple[str, Sequence[Any]]:
+    which, idx = path[0].idx, path[1].idx
+    root = f"args[{idx}]" if which == 0 else f"kwargs[{names[idx]!r}]"
+    return root, path[2:]
+
+
+def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
+              params: Any) -> tuple[ArgLayout, Any]:
+    """Classify every argument leaf, trace the step, classify every output leaf."""
+    ptree = find_params(args, params)
+    infos, ptreedef = param_infos(ptree)
+    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
+                if isinstance(leaf, (jax.Array, np.ndarray))}
+    flat, treedef, names = flat_leaves(args, kwargs)
+    inputs = classify_leaves([(*_root_path(path, names), leaf) for path, leaf in flat],
+                             infos, identity=identity)
+    check_params_found(inputs, infos)
+
+    def flat_fn(*leaves: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(treedef, leaves)
+        return fn(*a, **dict(zip(names, k, strict=True)))
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*inputs.avals)
+    out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
+    outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
+                              batch_size=inputs.batch_size, infer_batch=False)
+    return ArgLayout(treedef, names, inputs, outputs, out_treedef, infos, ptreedef), closed
+
+
+def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,
+              objective: str | Objective, hardware: Any, devices: Sequence[Any] | None,
+              memory_budget: float | None, num_devices: int | None = None) -> Planned:
+    """Plan `fn` for these (abstract or concrete) arguments."""
+    obj = Objective.parse(objective)
+    devs = tuple(devices) if devices is not None else tuple(jax.devices())
+    if not devs:
+        raise ValueError("devices= is empty: jaxwap needs at least one device to plan for")
+    cluster, note = resolve_cluster(hardware, devs)
+    notes = [note] if note else []
+    usable = min(cluster.num_devices, len(devs))
+    if cluster.num_devices > len(devs):
+        notes.append(f"the hardware profile has {cluster.num_devices} devices but only "
+                     f"{len(devs)} are present; candidates use at most {len(devs)}")
+    if num_devices is not None and not 1 <= num_devices <= usable:
+        raise ValueError(f"num_devices={num_devices} is outside 1..{usable} (devices usable)")
+    budget = float(memory_budget) if memory_budget is not None else \
+        cluster.device.memory_bytes * (1 - MEMORY_HEADROOM)
+    if budget <= 0:
+        raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget!r}")
+
+    t0 = time.perf_counter()
+    layout, closed = layout_of(fn, args, kwargs, params)
+    t1 = time.perf_counter()
+    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
+                    layout.inputs.batch_size)
+    t2 = time.perf_counter()
+    result = search(graph, cluster, obj, usable, budget, num_devices)
+    t3 = time.perf_counter()
+    if graph.unmodeled:
+        notes.append("ops priced by a generic rule (no roofline rule): "
+                     + ", ".join(graph.unmodeled))
+    best = result.results[result.best]
+    if not best.fits:
+        raise MemoryError(_nothing_fits(result, budget, layout.inputs.batch_size))
+    plan = _build_plan(result, graph, layout, obj, cluster, devs, budget,
+                       {"trace": t1 - t0, "analyze": t2 - t1, "search": t3 - t2}, notes)
+    return Planned(plan, layout, graph, devs[: plan.num_devices])
+
+
+def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
+    best = result.results[result.best]
+    from .plan import _si
+    return (f"no candidate plan fits the memory budget of {_si(budget, 'B')} per device: the "
+            f"smallest, mesh data={best.d} x model={best.m}, needs "
+            f"{_si(best.predicted.peak_memory_bytes, 'B')} per device. Use more devices, a "
+            f"smaller batch (now {batch}), a smaller model, or a larger memory_budget=.")
+
+
+def _build_plan(result: SearchResult, graph: Graph, layout: ArgLayout, obj: Objective,
+                cluster: Cluster, devs: Sequence[Any], budget: float,
+                timing: dict[str, float], notes: list[str]) -> Plan:
+    best = result.results[result.best]
+    placements = tuple(
+        ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name)
+        for p, s in zip(layout.params, best.strategies, strict=True))
+    bp = best.predicted
+    cands = []
+    for i, (r, score) in enumerate(zip(result.results, result.scores, strict=True)):
+        p = r.predicted
+        if i == result.best:
+            reason = "chosen"
+        elif not r.fits:
+            reason = f"over memory budget ({p.peak_memory_bytes / budget:.2f}x)"
+        elif not uses_model_axis(r):
+            reason = "no parameter gains from the model axis: it would only duplicate work"
+        elif score == float("inf"):
+            reason = "outside the allowed slowdown"
+        else:
+            reason = (f"score {score / result.scores[result.best]:.2f}x: "
+                      f"{p.step_time_s / bp.step_time_s:.2f}x time, "
+                      f"{p.energy_per_step_j / bp.energy_per_step_j:.2f}x energy")
+        counts = Counter(s.name for s in r.strategies)
+        cands.append(Candidate(((DATA, r.d), (MODEL, r.m)), p, float(score), r.fits,
+                               i == result.best, reason, tuple(sorted(counts.items()))))
+    return Plan(
+        mesh_shape={DATA: best.d, MODEL: best.m},
+        device_ids=tuple(int(d.id) for d in devs[: best.d * best.m]),
+        params=placements, objective=obj, predicted=bp, candidates=tuple(cands),
+        hardware=cluster, batch_size=layout.inputs.batch_size, memory_budget_bytes=budget,
+        planning_time_s=timing, notes=tuple(notes),
+        version=__version__, _treedef=layout.params_treedef)
+
+
+__all__ = ["Planned", "ArgLayout", "make_plan", "MEMORY_HEADROOM", "BATCH"]

@@ -1,0 +1,180 @@
+"""Which leaf of the step's arguments is what: parameter (or a mirror of one), batch, other.
+
+The step is opaque, so its arguments' roles are inferred from structure, not declared:
+- a leaf whose key path ends with a parameter's path (relative to the params tree) and
+  has its shape is that parameter or mirrors it (the params themselves, optax moments,
+  `TrainState.params` and its `opt_state`, an `nnx.State`): it takes the parameter's
+  sharding, so optimizer state is sharded exactly like what it tracks;
+- a leaf whose leading dimension is the batch size is data, split over the data axis;
+- everything else (scalars, step counters, PRNG keys) is replicated.
+The batch size is the leading dimension most common among the non-parameter leaves.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+PARAM, BATCH, OTHER = "param", "batch", "other"
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter leaf: its path within the params tree, shape and dtype."""
+
+    path: tuple[str, ...]
+    keystr: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class LeafRole:
+    """The role of one flattened leaf; `param` indexes `ParamInfo`s when kind == PARAM."""
+
+    kind: str
+    param: int = -1
+
+
+def key_token(key: Any) -> str:
+    """A key-path entry as a plain token, so a dict key and an attribute of one name match."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_tokens(path: Sequence[Any]) -> tuple[str, ...]:
+    return tuple(key_token(k) for k in path)
+
+
+def is_key_dtype(dtype: Any) -> bool:
+    try:
+        return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    except TypeError:
+        return False
+
+
+def abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
+    """A leaf as a ShapeDtypeStruct; anything that is not array-like is a clear error."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=None)
+    if isinstance(leaf, (bool, int, float, complex)):
+        # Python scalars are traced as weakly typed 0-d arrays, as jax.jit does.
+        dtype = jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)
+        return jax.ShapeDtypeStruct((), dtype, weak_type=not isinstance(leaf, bool))
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+    raise TypeError(f"{where}: expected an array, jax.ShapeDtypeStruct or Python scalar, "
+                    f"got {type(leaf).__name__} ({leaf!r:.80})")
+
+
+def param_infos(params: Any) -> tuple[tuple[ParamInfo, ...], Any]:
+    """Flatten the params tree into ParamInfos (paths relative to it) and its treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    if not flat:
+        raise ValueError("params has no array leaves: pass the parameter pytree "
+                         "(arrays or jax.ShapeDtypeStruct)")
+    infos = []
+    for path, leaf in flat:
+        where = f"params{jax.tree_util.keystr(path)}"
+        if isinstance(leaf, (bool, int, float, complex)):
+            raise TypeError(f"{where}: a parameter must be an array or jax.ShapeDtypeStruct, "
+                            f"got the Python scalar {leaf!r}")
+        a = abstract_leaf(leaf, where)
+        if is_key_dtype(a.dtype):
+            raise TypeError(f"{where}: a PRNG key is not a parameter")
+        infos.append(ParamInfo(path_tokens(path), jax.tree_util.keystr(path),
+                               tuple(int(s) for s in a.shape), str(np.dtype(a.dtype))))
+    return tuple(infos), treedef
+
+
+def match_param(tokens: tuple[str, ...], shape: tuple[int, ...],
+                params: Sequence[ParamInfo]) -> int:
+    """The parameter a leaf mirrors (longest matching path suffix, same shape), or -1."""
+    best, best_len = -1, -1
+    for j, p in enumerate(params):
+        n = len(p.path)
+        if p.shape == shape and n > best_len and n <= len(tokens) and tokens[len(tokens) - n:] == p.path:
+            best, best_len = j, n
+    return best
+
+
+@dataclass(frozen=True)
+class LeafTable:
+    """Every flattened leaf of the step's (args, kwargs) with its abstract value and role."""
+
+    paths: tuple[str, ...]
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    roles: tuple[LeafRole, ...]
+    batch_size: int | None
+
+
+def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
+                    params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
+                    batch_size: int | None = None, infer_batch: bool = True) -> LeafTable:
+    """Assign roles to `(root, key path, leaf)` entries: param mirror, batch, or other.
+
+    `identity` maps id(array) -> param index for leaves that are the user's own param
+    arrays, which settles them whatever their path. `batch_size` fixes B (outputs are
+    classified with the inputs' B); otherwise it is inferred.
+    """
+    identity = identity or {}
+    paths, avals, param_of = [], [], []
+    for root, path, leaf in entries:
+        where = f"{root}{jax.tree_util.keystr(tuple(path))}"
+        a = abstract_leaf(leaf, where)
+        shape = tuple(int(s) for s in a.shape)
+        j = identity.get(id(leaf), -1)
+        if j < 0:
+            j = match_param(path_tokens(path), shape, params)
+        paths.append(where)
+        avals.append(a)
+        param_of.append(j)
+
+    if batch_size is None and infer_batch:
+        counts: Counter[int] = Counter()
+        for a, j in zip(avals, param_of, strict=True):
+            if j < 0 and len(a.shape) >= 1 and not is_key_dtype(a.dtype):
+                counts[int(a.shape[0])] += 1
+        if counts:
+            top = max(counts.values())
+            batch_size = max(b for b, c in counts.items() if c == top)
+
+    roles = []
+    for a, j in zip(avals, param_of, strict=True):
+        if j >= 0:
+            roles.append(LeafRole(PARAM, j))
+        elif (batch_size is not None and len(a.shape) >= 1 and not is_key_dtype(a.dtype)
+              and int(a.shape[0]) == batch_size):
+            roles.append(LeafRole(BATCH))
+        else:
+            roles.append(LeafRole(OTHER))
+    return LeafTable(tuple(paths), tuple(avals), tuple(roles), batch_size)
+
+
+def check_params_found(table: LeafTable, params: Sequence[ParamInfo]) -> None:
+    """Every parameter must appear among the arguments, or the plan would shard nothing."""
+    found = {r.param for r in table.roles if r.kind == PARAM}
+    missing = [p for j, p in enumerate(params) if j not in found]
+    if missing:
+        shown = ", ".join(f"params{p.keystr} {p.shape}" for p in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"params not found among the step's arguments: {shown}{more}. "
+                         f"Pass the same params pytree (or one of the same structure and "
+                         f"shapes) that the step receives.")
