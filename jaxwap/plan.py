@@ -180,20 +180,23 @@ class Plan:
         """A report a person reads: the decision, the layout, the figures, the losers."""
         pr = self.predicted
         hw = self.hardware
+        dev = hw.device
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         lines = [
             f"jaxwap plan: {self.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
             f"objective {self.objective.describe()}",
             f"hardware: {hw.num_devices} x {hw.device.name} "
-            f"({_si(hw.device.peak_flops, 'flop/s')} bf16, {_si(hw.device.memory_bandwidth, 'B/s')}, "
-            f"{_si(hw.device.memory_bytes, 'B')}), links {_si(hw.link_bandwidth, 'B/s')} / "
+            f"({_si(dev.peak_flops, 'flop/s')} bf16, {_si(dev.memory_bandwidth, 'B/s')}, "
+            f"{_si(dev.memory_bytes, 'B')}), links {_si(hw.link_bandwidth, 'B/s')} / "
             f"{hw.link_latency * 1e6:.1f} us",
             f"devices: {list(self.device_ids)}   batch: {self.batch_size}   memory budget: "
             f"{_si(self.memory_budget_bytes, 'B')} per device",
             "",
             "predicted (model, not measured):",
-            f"  step time       {pr.step_time_s * 1e3:10.3f} ms   ({pr.samples_per_s:,.0f} samples/s)",
-            f"  compute         {pr.compute_time_s * 1e3:10.3f} ms   utilization {pr.utilization:.0%}",
+            f"  step time       {pr.step_time_s * 1e3:10.3f} ms   "
+            f"({pr.samples_per_s:,.0f} samples/s)",
+            f"  compute         {pr.compute_time_s * 1e3:10.3f} ms   "
+            f"utilization {pr.utilization:.0%}",
             f"  communication   {pr.exposed_comm_time_s * 1e3:10.3f} ms exposed of "
             f"{pr.grad_comm_time_s * 1e3:.3f} ms gradient reduction; "
             f"{pr.tp_comm_time_s * 1e3:.3f} ms tensor-parallel; "

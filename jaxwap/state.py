@@ -110,7 +110,8 @@ def match_param(tokens: tuple[str, ...], shape: tuple[int, ...],
     best, best_len = -1, -1
     for j, p in enumerate(params):
         n = len(p.path)
-        if p.shape == shape and n > best_len and n <= len(tokens) and tokens[len(tokens) - n:] == p.path:
+        if (p.shape == shape and best_len < n <= len(tokens)
+                and tokens[len(tokens) - n:] == p.path):
             best, best_len = j, n
     return best
 
