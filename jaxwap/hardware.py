@@ -41,9 +41,10 @@ class DeviceSpec:
         kernels slow whatever the device count.
       peak_flops_f32: float32 matmul peak (TF32 tensor cores where XLA uses them by
         default); defaults to peak_flops / 2.
-      efficiency_half_flops: per-kernel work (flops) at which a kernel reaches half the
-        peak; efficiency = w / (w + this). It is why splitting small work over more
-        devices stops paying.
+      efficiency_half_flops: per-kernel work (flops) at which a matmul reaches half the
+        peak; efficiency = w / (w + this), so a matmul costs (w + this) / peak: small
+        ones cannot fill the device, which is why splitting small work stops paying.
+        Defaults to one microsecond of peak work.
       link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
       link_latency_s: default per-hop latency of that link.
     """
@@ -56,7 +57,7 @@ class DeviceSpec:
     max_watts: float
     kernel_overhead_s: float = 5e-6
     peak_flops_f32: float | None = None
-    efficiency_half_flops: float = 2e8
+    efficiency_half_flops: float | None = None
     link_bandwidth: float = 25 * GB
     link_latency_s: float = 10e-6
 
@@ -65,6 +66,8 @@ class DeviceSpec:
             if not getattr(self, field) > 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be > 0, "
                                  f"got {getattr(self, field)!r}")
+        if self.efficiency_half_flops is None:
+            object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
             raise ValueError(f"DeviceSpec {self.name!r}: idle_watts must be in "
                              f"[0, max_watts], got {self.idle_watts!r}")

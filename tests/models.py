@@ -1,0 +1,66 @@
+"""Small models and steps the tests share (kept tiny: the suite runs on 2 CPU cores)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MLP(nn.Module):
+    widths: Sequence[int] = (64, 64, 10)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for w in self.widths[:-1]:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(self.widths[-1])(x)
+
+
+class CNN(nn.Module):
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.relu(nn.Conv(16, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = nn.relu(nn.Conv(32, (3, 3))(x))
+        x = nn.max_pool(x, (2, 2), (2, 2))
+        x = x.reshape(x.shape[0], -1)
+        x = nn.relu(nn.Dense(64)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+def make_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
+    """An ordinary single-device train step: (params, opt_state, batch) -> (.., .., metrics)."""
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = model.apply(p, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return train_step
+
+
+def setup(model: nn.Module, x_shape: tuple[int, ...], num_classes: int = 10,
+          tx: optax.GradientTransformation | None = None, seed: int = 0) -> tuple:
+    """(step, params, opt_state, batch) with a deterministic batch."""
+    tx = tx or optax.adam(1e-2)
+    kx, ky, kp = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, x_shape)
+    y = jax.random.randint(ky, (x_shape[0],), 0, num_classes)
+    params = model.init(kp, x)
+    return make_step(model, tx), params, tx.init(params), {"x": x, "y": y}
+
+
+def copy_tree(tree: Any) -> Any:
+    """A deep copy on the default device, so donation of one copy cannot touch the other."""
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)

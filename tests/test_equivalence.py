@@ -1,0 +1,158 @@
+"""A step written for one device gives the same numbers under auto_shard."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import CNN, MLP, copy_tree, setup
+
+import jaxwap
+
+# float32 on CPU: sharded reductions sum in a different order, so results agree to
+# rounding, not bit for bit. 3 adam steps with lr 1e-2 stay well inside this.
+RTOL, ATOL = 2e-5, 2e-6
+
+SLOW_LINKS = jaxwap.DeviceSpec(
+    "slow-link-test", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=4e6,
+    idle_watts=10, max_watts=100, kernel_overhead_s=1e-6, link_bandwidth=1e9,
+    link_latency_s=1e-6)
+
+
+def run_both(step, params, opt_state, batch, n_steps=3, **kw):
+    ref_p, ref_o = copy_tree(params), copy_tree(opt_state)
+    single = jax.jit(step)
+    for _ in range(n_steps):
+        ref_p, ref_o, ref_m = single(ref_p, ref_o, batch)
+    sharded = jaxwap.auto_shard(step, params, **kw)
+    p, o = copy_tree(params), copy_tree(opt_state)
+    for _ in range(n_steps):
+        p, o, m = sharded(p, o, batch)
+    return (ref_p, ref_o, ref_m), (p, o, m), sharded
+
+
+def assert_trees_close(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=RTOL, atol=ATOL), a, b)
+
+
+@pytest.mark.parametrize("num_devices", [8, 4])
+def test_mlp_data_parallel_matches_single_device(num_devices):
+    step, params, opt, batch = setup(MLP(), (32, 16))
+    ref, out, sharded = run_both(step, params, opt, batch, num_devices=num_devices,
+                                 hardware=jaxwap.Cluster("h100-sxm", 8))
+    assert sharded.plan.num_devices == num_devices
+    assert_trees_close(ref[0], out[0])
+    assert_trees_close(ref[1], out[1])
+    np.testing.assert_allclose(ref[2]["loss"], out[2]["loss"], rtol=RTOL)
+
+
+def test_cnn_matches_single_device():
+    step, params, opt, batch = setup(CNN(), (16, 16, 16, 3), tx=optax.sgd(0.05, momentum=0.9))
+    ref, out, sharded = run_both(step, params, opt, batch,
+                                 hardware=jaxwap.Cluster("h100-sxm", 8), num_devices=8)
+    assert sharded.plan.mesh_shape["data"] > 1
+    assert_trees_close(ref[0], out[0])
+
+
+def test_tensor_parallel_and_fsdp_plan_matches_single_device():
+    """Slow links and a tiny memory force column/row tensor parallel plus FSDP specs."""
+    model = MLP((512, 512, 512, 16))
+    # SGD: Adam's g/sqrt(v) turns rounding noise in near-zero gradients into full steps
+    step, params, opt, batch = setup(model, (256, 64), num_classes=16,
+                                     tx=optax.sgd(0.1, momentum=0.9))
+    ref, out, sharded = run_both(step, params, opt, batch, objective="throughput",
+                                 hardware=jaxwap.Cluster(SLOW_LINKS, 8))
+    strategies = {p.strategy for p in sharded.plan.params}
+    assert any(s.startswith("tp-col") for s in strategies), strategies
+    assert any(s.startswith("tp-row") for s in strategies), strategies
+    assert any("fsdp" in s for s in strategies), strategies
+    assert sharded.plan.mesh_shape["model"] > 1
+    assert_trees_close(ref[0], out[0])
+    assert_trees_close(ref[1], out[1])
+
+
+def test_outputs_keep_the_plans_shardings_and_the_step_is_reused():
+    step, params, opt, batch = setup(MLP((64, 64, 10)), (32, 16))
+    sharded = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster(SLOW_LINKS, 8),
+                                objective="throughput")
+    p, o, _ = sharded(copy_tree(params), copy_tree(opt), batch)
+    plan = sharded.plan
+    specs = plan.param_specs
+    got = jax.tree.map(lambda a: a.sharding.spec, p)
+    assert jax.tree.structure(got) == jax.tree.structure(specs)
+    for g, s in zip(jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, jax.P)),
+                    jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P)),
+                    strict=True):
+        assert tuple(g) == tuple(s) or (all(e is None for e in g) and all(e is None for e in s))
+    # adam moments mirror the params: same shardings
+    mu = o[0].mu
+    for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(p), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    # feeding the outputs back reuses the compiled step and keeps the plan
+    before = len(sharded._execs)
+    p, o, _ = sharded(p, o, batch)
+    assert len(sharded._execs) == before and sharded.plan is plan
+
+
+def test_new_shapes_plan_again():
+    step, params, opt, batch = setup(MLP(), (32, 16))
+    sharded = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster("h100-sxm", 8))
+    sharded(copy_tree(params), copy_tree(opt), batch)
+    first = sharded.plan
+    small = jax.tree.map(lambda a: a[:8], batch)
+    sharded(copy_tree(params), copy_tree(opt), small)
+    assert sharded.plan.batch_size == 8 and first.batch_size == 32
+
+
+def test_decorator_forms_and_train_state():
+    from flax.training import train_state
+
+    model = MLP()
+    _, params, _, batch = setup(model, (32, 16))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                          tx=optax.adam(1e-2))
+
+    def loss_fn(p, b):
+        logits = model.apply(p, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    ref_state = jax.jit(train_step)(copy_tree(state), batch)[0]
+
+    @jaxwap.auto_shard
+    def bare(state, batch):
+        return train_step(state, batch)
+
+    @jaxwap.auto_shard(objective="throughput", hardware=jaxwap.Cluster("h100-sxm", 8),
+                       num_devices=8)
+    def configured(state, batch):
+        return train_step(state, batch)
+
+    for wrapped in (bare, configured):
+        new_state, _ = wrapped(copy_tree(state), batch)
+        assert_trees_close(ref_state.params, new_state.params)
+    # the TrainState's params and adam moments were recognised as parameters
+    plan = configured.plan
+    assert plan.num_devices == 8
+    assert len(plan.params) == len(jax.tree.leaves(params))
+    mu = new_state.opt_state[0].mu
+    for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(new_state.params), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_shard_places_a_tree_like_the_plan():
+    step, params, opt, batch = setup(MLP((512, 512, 512, 16)), (16, 64), num_classes=16)
+    sharded = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster(SLOW_LINKS, 8),
+                                objective="throughput")
+    sharded.plan_for(params, opt, batch)
+    placed = sharded.shard(params)
+    for leaf, pl in zip(jax.tree.leaves(placed), sharded.plan.params, strict=True):
+        assert tuple(leaf.sharding.spec) == tuple(pl.spec)
+    placed_batch = sharded.shard(batch)
+    d = sharded.plan.mesh_shape["data"]
+    assert placed_batch["x"].addressable_shards[0].data.shape[0] == 16 // d
