@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from .cost import DATA, MODEL
 from .objective import Objective
 from .plan import Plan
-from .planner import Planned, flat_leaves, make_plan
+from .planner import Planned, flat_leaves, leaf_entries, make_plan
 from .state import BATCH, PARAM, LeafTable, abstract_leaf, classify_leaves
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
@@ -87,10 +87,10 @@ class AutoShardedStep:
 
     # ------------------------------------------------------------------ planning
     def _signature(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        flat, treedef, names = flat_leaves(args, kwargs)
+        entries, treedef, names = leaf_entries(args, kwargs)
         avals = []
-        for path, leaf in flat:
-            a = abstract_leaf(leaf, f"args{jax.tree_util.keystr(path)}")
+        for root, path, leaf in entries:
+            a = abstract_leaf(leaf, f"{root}{jax.tree_util.keystr(tuple(path))}")
             avals.append((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))))
         return treedef, names, tuple(avals)
 

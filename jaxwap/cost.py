@@ -108,14 +108,17 @@ def all_gather(nbytes: float, n: int, cluster: Cluster,
 
 
 # --------------------------------------------------------------------------- compute
-def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float) -> np.ndarray:
-    """Per-op seconds when op k's work is divided by split[k]; also the busy part."""
+def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
+             speed: float = 1.0) -> np.ndarray:
+    """Per-op seconds when op k's work is divided by split[k] on devices running `speed`
+    times their profile (see Cluster.shared_compute)."""
     dev = cluster.device
     f = graph.flops / split
     b = graph.bytes / split
-    rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32))
-    eff = np.where(graph.is_matmul, f / (f + dev.efficiency_half_flops), 1.0)
-    busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / dev.memory_bandwidth)
+    rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
+    half = float(dev.efficiency_half_flops or 0.0) * speed
+    eff = np.where(graph.is_matmul, f / (f + half), 1.0)
+    busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / (dev.memory_bandwidth * speed))
     return busy + graph.kernels * dev.kernel_overhead_s
 
 
@@ -146,10 +149,11 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     dev = cluster.device
     times: dict[int, np.ndarray] = {}
     busies: dict[int, np.ndarray] = {}
+    speed = cluster.speedup_when_using(d * m)
 
     def at(split: int) -> tuple[np.ndarray, np.ndarray]:
         if split not in times:
-            t = op_times(graph, cluster, float(split))
+            t = op_times(graph, cluster, float(split), speed)
             times[split] = t
             busies[split] = t - graph.kernels * dev.kernel_overhead_s
         return times[split], busies[split]
@@ -270,7 +274,8 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     step = compute + tp_t + exposed
     overhead = compute - busy
     util = min(1.0, (busy + SIDE_UTILIZATION * (overhead + tp_t + exposed)) / step) if step else 0
-    power = dev.idle_watts + (dev.max_watts - dev.idle_watts) * util
+    power = (dev.idle_watts + (dev.max_watts - dev.idle_watts) * util) \
+        * cluster.speedup_when_using(n)
     energy = n * power * step
     mem, _ = peak_memory(graph, d, m, [s.shard(d, m) for s in strats])
     B = graph.batch_size or 1

@@ -66,6 +66,14 @@ class DeviceSpec:
             if not getattr(self, field) > 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be > 0, "
                                  f"got {getattr(self, field)!r}")
+        for field, low, strict in (("peak_flops_f32", 0.0, True),
+                                   ("efficiency_half_flops", 0.0, True),
+                                   ("kernel_overhead_s", 0.0, False),
+                                   ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False)):
+            v = getattr(self, field)
+            if v is not None and not (v > low if strict else v >= low):
+                raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
+                                 f"{'>' if strict else '>='} {low:g}, got {v!r}")
         if self.efficiency_half_flops is None:
             object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
@@ -110,11 +118,12 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=150 * GB, link_latency_s=5e-6),
-        # A share of a host CPU as one simulated XLA device: a few cores' worth of
-        # vector throughput, DRAM bandwidth, and a watts figure for a socket share.
-        DeviceSpec("cpu", peak_flops=1e11, peak_flops_f32=1e11, memory_bandwidth=2e10,
-                   memory_bytes=8 * GiB, idle_watts=5, max_watts=30,
-                   kernel_overhead_s=2e-6, efficiency_half_flops=2e6,
+        # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
+        # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
+        # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
+        DeviceSpec("cpu", peak_flops=5e10, peak_flops_f32=5e10, memory_bandwidth=1e10,
+                   memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
+                   kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
                    link_bandwidth=10 * GB, link_latency_s=5e-6),
     )
 }
@@ -154,16 +163,21 @@ class Cluster:
     `link_latency` is seconds per ring step. Both default to the device profile's
     own peer link (NVLink for SXM parts), so `Cluster("h100-sxm", 8)` is an HGX box and
     `Cluster("h100-sxm", 8, link_bandwidth=25e9)` the same GPUs on PCIe.
+
+    `shared_compute=True` says the devices are slices of one pool (simulated CPU devices
+    on one host): a mesh of n of them runs at `num_devices / n` times the per-device
+    figures, since the devices left out leave their share to those used.
     """
 
     device: DeviceSpec
     num_devices: int
     link_bandwidth: float
     link_latency: float
+    shared_compute: bool
 
     def __init__(self, device: str | DeviceSpec, num_devices: int,
                  link_bandwidth: float | None = None,
-                 link_latency: float | None = None) -> None:
+                 link_latency: float | None = None, shared_compute: bool = False) -> None:
         spec = device_spec(device)
         if not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
             raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
@@ -176,15 +190,21 @@ class Cluster:
         object.__setattr__(self, "num_devices", int(num_devices))
         object.__setattr__(self, "link_bandwidth", bw)
         object.__setattr__(self, "link_latency", lat)
+        object.__setattr__(self, "shared_compute", bool(shared_compute))
+
+    def speedup_when_using(self, n: int) -> float:
+        """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
+        return self.num_devices / n if self.shared_compute else 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device.to_dict(), "num_devices": self.num_devices,
-                "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency}
+                "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
+                "shared_compute": self.shared_compute}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
         return cls(DeviceSpec.from_dict(d["device"]), d["num_devices"],
-                   d["link_bandwidth"], d["link_latency"])
+                   d["link_bandwidth"], d["link_latency"], d.get("shared_compute", False))
 
 
 def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
@@ -213,7 +233,31 @@ def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
     memory = _device_memory_limit(devices[0])
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))
+    if platform == "cpu":
+        return Cluster(_host_share(spec, devices), len(devices), shared_compute=True), note
     return Cluster(spec, len(devices)), note
+
+
+def _host_share(spec: DeviceSpec, devices: Sequence[Any]) -> DeviceSpec:
+    """CPU devices of one process share the host's cores and memory bus: with 8 simulated
+    devices on 2 cores each device holds a quarter core when all run, and one device alone
+    gets both cores (XLA's CPU thread pool is shared). More devices add no compute, and
+    the plan says so instead of promising a speed-up the host cannot give."""
+    import os
+
+    local = sum(1 for d in devices if d.process_index == devices[0].process_index)
+    cores = os.cpu_count() or 1
+    share = cores / max(local, 1)
+    try:
+        host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: keep the profile's figure
+        host_memory = spec.memory_bytes * max(local, 1)
+    return dataclasses.replace(
+        spec, name=f"cpu ({cores} cores / {local} devices)", peak_flops=spec.peak_flops * share,
+        peak_flops_f32=(spec.peak_flops_f32 or spec.peak_flops) * share,
+        memory_bandwidth=spec.memory_bandwidth * share, max_watts=spec.max_watts * share,
+        memory_bytes=float(host_memory) / max(local, 1),
+        idle_watts=spec.idle_watts * share, efficiency_half_flops=None)
 
 
 def _device_memory_limit(device: Any) -> int | None:

@@ -21,6 +21,20 @@ from .objective import Objective
 PLAN_FORMAT = 1
 
 
+class FrozenDict(dict):
+    """A dict that cannot change and can be hashed, so a frozen Plan is frozen all through."""
+
+    def _readonly(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a Plan is immutable; build a new one instead")
+
+    __setitem__ = __delitem__ = _readonly  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
+    __ior__ = _readonly  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+
 def spec_to_json(spec: tuple[Any, ...]) -> list[Any]:
     return [list(e) if isinstance(e, tuple) else e for e in spec]
 
@@ -114,6 +128,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     version: str = ""
     _treedef: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh_shape", FrozenDict(self.mesh_shape))
+        object.__setattr__(self, "planning_time_s", FrozenDict(self.planning_time_s))
 
     # ------------------------------------------------------------------ views
     @property

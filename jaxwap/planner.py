@@ -90,6 +90,13 @@ def _root_path(path: Sequence[Any], names: tuple[str, ...]) -> tuple[str, Sequen
     return root, path[2:]
 
 
+def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
+                 ) -> tuple[list[tuple[str, Sequence[Any], Any]], Any, tuple[str, ...]]:
+    """(root, key path, leaf) for every leaf of (args, kwargs), roots like `args[2]`."""
+    flat, treedef, names = flat_leaves(args, kwargs)
+    return [(*_root_path(path, names), leaf) for path, leaf in flat], treedef, names
+
+
 def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               params: Any) -> tuple[ArgLayout, Any]:
     """Classify every argument leaf, trace the step, classify every output leaf."""
@@ -97,9 +104,8 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     infos, ptreedef = param_infos(ptree)
     identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
                 if isinstance(leaf, (jax.Array, np.ndarray))}
-    flat, treedef, names = flat_leaves(args, kwargs)
-    inputs = classify_leaves([(*_root_path(path, names), leaf) for path, leaf in flat],
-                             infos, identity=identity)
+    entries, treedef, names = leaf_entries(args, kwargs)
+    inputs = classify_leaves(entries, infos, identity=identity)
     check_params_found(inputs, infos)
 
     def flat_fn(*leaves: Any) -> Any:
@@ -127,6 +133,9 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     if cluster.num_devices > len(devs):
         notes.append(f"the hardware profile has {cluster.num_devices} devices but only "
                      f"{len(devs)} are present; candidates use at most {len(devs)}")
+    if num_devices is not None and (isinstance(num_devices, bool)
+                                    or not isinstance(num_devices, (int, np.integer))):
+        raise TypeError(f"num_devices must be an int or None, got {num_devices!r}")
     if num_devices is not None and not 1 <= num_devices <= usable:
         raise ValueError(f"num_devices={num_devices} is outside 1..{usable} (devices usable)")
     budget = float(memory_budget) if memory_budget is not None else \

@@ -213,6 +213,14 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
         # the objective ranks fitting candidates only; within max_slowdown the "fastest"
         # is the fastest that fits
         fit_idx = [i for i, r in enumerate(results) if r.fits and uses_model_axis(r)]
+        if not fit_idx:
+            shown = ", ".join(f"{r.d}x{r.m}" for r in results)
+            raise ValueError(
+                f"every usable mesh ({shown}) needs a model axis (batch "
+                f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "
+                f"over data), but no parameter gains from being split over it: the devices "
+                f"would only duplicate work. Use fewer devices (num_devices=) or a batch "
+                f"size divisible by the device count.")
         fit_scores = objective.scores([results[i].predicted for i in fit_idx],
                                       max_watts=cluster.device.max_watts,
                                       num_devices_available=cluster.num_devices)
