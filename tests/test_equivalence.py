@@ -20,12 +20,12 @@ SLOW_LINKS = jaxwap.DeviceSpec(
     link_latency_s=1e-6)
 
 
-def run_both(step, params, opt_state, batch, n_steps=3, **kw):
+def run_both(step, params, opt_state, batch, n_steps=3, pass_params=True, **kw):
     ref_p, ref_o = copy_tree(params), copy_tree(opt_state)
     single = jax.jit(step)
     for _ in range(n_steps):
         ref_p, ref_o, ref_m = single(ref_p, ref_o, batch)
-    sharded = jaxwap.auto_shard(step, params, **kw)
+    sharded = jaxwap.auto_shard(step, params if pass_params else None, **kw)
     p, o = copy_tree(params), copy_tree(opt_state)
     for _ in range(n_steps):
         p, o, m = sharded(p, o, batch)
@@ -156,3 +156,40 @@ def test_shard_places_a_tree_like_the_plan():
     placed_batch = sharded.shard(batch)
     d = sharded.plan.mesh_shape["data"]
     assert placed_batch["x"].addressable_shards[0].data.shape[0] == 16 // d
+
+
+def test_nnx_state_params_and_their_optimizer_moments():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.l1 = nnx.Linear(16, 64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    graphdef, params = nnx.split(Net(nnx.Rngs(0)), nnx.Param)
+    tx = optax.adam(1e-2)
+    opt = tx.init(params)
+
+    def step(params, opt_state, batch):
+        def loss_fn(p):
+            logits = nnx.merge(graphdef, p)(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    batch = {"x": jax.random.normal(jax.random.key(1), (32, 16)),
+             "y": jax.numpy.arange(32) % 10}
+    # params omitted: the first argument (an nnx.State) is taken as the parameters
+    ref, out, sharded = run_both(step, params, opt, batch, objective="throughput",
+                                 hardware=jaxwap.Cluster("h100-sxm", 8), num_devices=8,
+                                 pass_params=False)
+    assert len(sharded.plan.params) == 4
+    assert_trees_close(ref[0], out[0])
+    mu = out[1][0].mu
+    for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(out[0]), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
