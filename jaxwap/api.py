@@ -22,7 +22,14 @@ from jax.sharding import PartitionSpec as P
 from .cost import DATA, MODEL
 from .objective import Objective
 from .plan import Plan
-from .planner import Planned, flat_leaves, leaf_entries, make_plan
+from .planner import (
+    Planned,
+    flat_leaves,
+    globalize,
+    is_process_local,
+    leaf_entries,
+    make_plan,
+)
 from .state import BATCH, PARAM, LeafTable, abstract_leaf, classify_leaves
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
@@ -50,6 +57,18 @@ def leaf_specs(table: LeafTable, plan: Plan) -> list[P]:
         else:
             out.append(P())
     return out
+
+
+def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any:
+    """Put one argument leaf on its sharding. With several processes, host data cannot be
+    `device_put` onto devices of other processes: a process-local batch slice becomes its
+    rows of the global array, and state (the same on every process) is sliced per device."""
+    if jax.process_count() == 1 or not is_process_local(leaf):
+        return jax.device_put(leaf, sharding)
+    local = np.asarray(leaf)
+    if local.shape != tuple(aval.shape):
+        return jax.make_array_from_process_local_data(sharding, local, tuple(aval.shape))
+    return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
 @dataclass(frozen=True)
@@ -164,8 +183,8 @@ class AutoShardedStep:
             self._execs[key] = self._compile(key, planned)
         ex = self._execs[key]
         flat, _, _ = flat_leaves(args, kwargs)
-        placed = [jax.device_put(leaf, sh) for (_, leaf), sh in
-                  zip(flat, ex.in_shardings, strict=True)]
+        placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
+                  zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
         out = ex.compiled(*placed)
         return jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)
 
@@ -175,11 +194,15 @@ class AutoShardedStep:
         planned = self._require()
         mesh = make_mesh(planned.plan, planned.devices)
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        table = classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
-                                batch_size=planned.plan.batch_size, infer_batch=False)
-        specs = leaf_specs(table, planned.plan)
-        placed = [jax.device_put(leaf, NamedSharding(mesh, s))
-                  for (_, leaf), s in zip(flat, specs, strict=True)]
+        leaves = [leaf for _, leaf in flat]
+        # with several processes the tree holds this process's slice of the batch
+        batch = planned.layout.inputs.batch_size
+        local_batch = batch // jax.process_count() if batch else None
+        table = globalize(
+            classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
+                            batch_size=local_batch, infer_batch=False), leaves)
+        placed = [place(leaf, NamedSharding(mesh, s), aval) for leaf, s, aval
+                  in zip(leaves, leaf_specs(table, planned.plan), table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def __repr__(self) -> str:

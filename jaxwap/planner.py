@@ -105,7 +105,8 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
                 if isinstance(leaf, (jax.Array, np.ndarray))}
     entries, treedef, names = leaf_entries(args, kwargs)
-    inputs = classify_leaves(entries, infos, identity=identity)
+    inputs = globalize(classify_leaves(entries, infos, identity=identity),
+                       [leaf for _, _, leaf in entries])
     check_params_found(inputs, infos)
 
     def flat_fn(*leaves: Any) -> Any:
@@ -117,6 +118,34 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
                               batch_size=inputs.batch_size, infer_batch=False)
     return ArgLayout(treedef, names, inputs, outputs, out_treedef, infos, ptreedef), closed
+
+
+def is_process_local(leaf: Any) -> bool:
+    """Host data (numpy, Python scalars, arrays on this process's devices only), as opposed
+    to a global jax.Array or an abstract ShapeDtypeStruct, which already say global shapes."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return False
+    if isinstance(leaf, jax.Array):
+        return leaf.is_fully_addressable
+    return True
+
+
+def globalize(table: LeafTable, leaves: Sequence[Any]) -> LeafTable:
+    """With several processes, each passes its own slice of the batch: a process-local
+    batch leaf stands for `process_count` times its rows. Everything else (params, state)
+    is the same on every process. A no-op with one process."""
+    nproc = jax.process_count()
+    if nproc == 1 or table.batch_size is None:
+        return table
+    avals = list(table.avals)
+    for i, (role, leaf) in enumerate(zip(table.roles, leaves, strict=True)):
+        if role.kind == BATCH and is_process_local(leaf):
+            a = avals[i]
+            avals[i] = jax.ShapeDtypeStruct((a.shape[0] * nproc, *a.shape[1:]), a.dtype)
+    batch = table.batch_size * nproc if any(
+        r.kind == BATCH and is_process_local(x) for r, x in zip(table.roles, leaves,
+                                                                 strict=True)) else table.batch_size
+    return LeafTable(table.paths, tuple(avals), table.roles, batch)
 
 
 def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,

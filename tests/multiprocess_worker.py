@@ -1,0 +1,55 @@
+"""One process of a 2-process CPU run (started by test_multiprocess.py, not collected).
+
+Each process owns 4 CPU devices and passes its own half of the global batch as numpy; the
+auto-sharded step runs over all 8 devices and must equal one process's plain jax.jit step
+on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = ""
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 4)
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid, initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from models import MLP, make_step  # noqa: E402
+
+import jaxwap  # noqa: E402
+
+model, tx = MLP((64, 64, 10)), optax.sgd(0.1, momentum=0.9)
+rng = np.random.default_rng(0)
+x = rng.standard_normal((32, 16)).astype(np.float32)
+y = (np.arange(32) % 10).astype(np.int32)
+local = jax.local_devices()[0]
+params = jax.device_put(model.init(jax.random.key(0), x[:1]), local)
+opt = jax.device_put(tx.init(params), local)
+step = make_step(model, tx)
+
+ref_p, ref_o = params, opt
+for _ in range(3):
+    ref_p, ref_o, _ = jax.jit(step)(ref_p, ref_o, {"x": x, "y": y})
+
+half = slice(16 * pid, 16 * (pid + 1))
+batch = {"x": x[half], "y": y[half]}
+sharded = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster("h100-sxm", 8),
+                            num_devices=8, objective="throughput")
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = sharded(p, o, batch)
+assert sharded.plan.batch_size == 32, sharded.plan.batch_size
+assert sharded.plan.num_devices == 8
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+print(f"process {pid}: OK mesh={dict(sharded.plan.mesh_shape)}", flush=True)
