@@ -193,3 +193,25 @@ def test_nnx_state_params_and_their_optimizer_moments():
     mu = out[1][0].mu
     for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(out[0]), strict=True):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_python_scalars_and_keyword_arguments():
+    model = MLP()
+    _, params, _, batch = setup(model, (32, 16))
+
+    def sgd_step(params, batch, lr, *, scale=1.0):
+        def loss_fn(p):
+            logits = model.apply(p, batch["x"]) * scale
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), loss
+
+    sharded = jaxwap.auto_shard(sgd_step, hardware=jaxwap.Cluster("h100-sxm", 8),
+                                num_devices=8)
+    ref = jax.jit(sgd_step)(copy_tree(params), batch, 0.1, scale=2.0)
+    out = sharded(copy_tree(params), batch, 0.1, scale=2.0)
+    assert_trees_close(ref, out)
+    # a different learning rate value is the same signature: no new plan or compile
+    sharded(out[0], batch, 0.05, scale=2.0)
+    assert len(sharded._execs) == 1
