@@ -35,13 +35,18 @@ class CNN(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
-def make_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
-    """An ordinary single-device train step: (params, opt_state, batch) -> (.., .., metrics)."""
+def make_step(model: nn.Module, tx: optax.GradientTransformation,
+              regression: bool = False) -> Any:
+    """An ordinary single-device train step: (params, opt_state, batch) -> (.., .., metrics).
+
+    Cross-entropy on integer labels, or mean squared error on float targets."""
 
     def train_step(params, opt_state, batch):
         def loss_fn(p):
-            logits = model.apply(p, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            out = model.apply(p, batch["x"])
+            if regression:
+                return jnp.mean((out - batch["y"]) ** 2)
+            return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -64,3 +69,16 @@ def setup(model: nn.Module, x_shape: tuple[int, ...], num_classes: int = 10,
 def copy_tree(tree: Any) -> Any:
     """A deep copy on the default device, so donation of one copy cannot touch the other."""
     return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
+
+
+def abstract_setup(widths: Sequence[int], batch: int, in_dim: int, *,
+                   regression: bool = False,
+                   tx: optax.GradientTransformation | None = None) -> tuple:
+    """(step, params, opt_state, batch), all jax.ShapeDtypeStruct: planning needs no arrays."""
+    model, tx = MLP(tuple(widths)), tx or optax.adam(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, in_dim), jnp.float32))
+    y = (jax.ShapeDtypeStruct((batch, widths[-1]), jnp.float32) if regression
+         else jax.ShapeDtypeStruct((batch,), jnp.int32))
+    data = {"x": jax.ShapeDtypeStruct((batch, in_dim), jnp.float32), "y": y}
+    return make_step(model, tx, regression), params, jax.eval_shape(tx.init, params), data

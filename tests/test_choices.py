@@ -3,27 +3,14 @@ many; the objective moves the choice where time and energy disagree."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
-from models import MLP, make_step
+from models import abstract_setup
 
 import jaxwap
 from jaxwap.cost import all_gather, all_reduce
 
 # Fast devices joined by slow links (PCIe-class, high latency).
 FAST_SLOW = jaxwap.Cluster("h100-sxm", 8, link_bandwidth=10e9, link_latency=30e-6)
-
-
-def abstract_setup(widths, batch, features):
-    """Abstract (ShapeDtypeStruct) arguments: planning never needs real arrays."""
-    import optax
-    model, tx = MLP(widths), optax.adam(1e-3)
-    x = jax.ShapeDtypeStruct((batch, features), jnp.float32)
-    params = jax.eval_shape(model.init, jax.random.key(0), x)
-    opt = jax.eval_shape(tx.init, params)
-    b = {"x": x, "y": jax.ShapeDtypeStruct((batch,), jnp.int32)}
-    return make_step(model, tx), params, opt, b
 
 
 def test_tiny_workload_gets_fewer_devices_than_a_large_one():

@@ -6,28 +6,15 @@ from __future__ import annotations
 import functools
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from models import abstract_setup
 
 import jaxwap
 
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
-
-
-class MLP(nn.Module):
-    features: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self, x):
-        for i, f in enumerate(self.features):
-            x = nn.Dense(f)(x)
-            if i + 1 < len(self.features):
-                x = nn.relu(x)
-        return x
 
 
 def materialize(shapes, rng):
@@ -47,25 +34,12 @@ def make_setup(features=(32, 16, 4), in_dim=8, batch=16, seed=0):
     Cached per configuration: tests here never donate these arrays (a test that runs the
     step passes copies), so sharing them is safe.
     """
-    model = MLP(tuple(features))
-    tx = optax.adam(1e-3)
     rng = np.random.default_rng(seed)
     # Built from shapes with numpy values: eager flax/optax init compiles many tiny ops.
-    params = materialize(jax.eval_shape(model.init, jax.random.PRNGKey(seed),
-                                        jax.ShapeDtypeStruct((1, in_dim), jnp.float32)), rng)
-    opt_state = materialize(jax.eval_shape(tx.init, params), None)
-    data = {"x": jnp.asarray(rng.standard_normal((batch, in_dim), dtype=np.float32)),
-            "y": jnp.asarray(rng.standard_normal((batch, features[-1]), dtype=np.float32))}
-
-    def train_step(params, opt_state, batch):
-        def loss_fn(p):
-            return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
-    return train_step, params, opt_state, data
+    train_step, params, opt_state, data = abstract_setup(features, batch, in_dim,
+                                                         regression=True)
+    return (train_step, materialize(params, rng), materialize(opt_state, None),
+            materialize(data, rng))
 
 
 def snapshot(*trees):

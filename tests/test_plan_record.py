@@ -10,9 +10,9 @@ import json
 import math
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
 import optax
 import pytest
@@ -23,40 +23,10 @@ import jaxwap
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
 
 
-class MLP(nn.Module):
-    features: tuple[int, ...]
-
-    @nn.compact
-    def __call__(self, x):
-        for i, f in enumerate(self.features):
-            x = nn.Dense(f)(x)
-            if i + 1 < len(self.features):
-                x = nn.relu(x)
-        return x
-
-
-def make_step(model, tx):
-    def train_step(params, opt_state, batch):
-        def loss_fn(p):
-            return jnp.mean((model.apply(p, batch["x"]) - batch["y"]) ** 2)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
-
-    return train_step
-
-
 @functools.cache
 def abstract_setup(features=(32, 16, 4), in_dim=8, batch=16):
     """(train_step, params, opt_state, batch), all jax.ShapeDtypeStruct: no arrays."""
-    model, tx = MLP(tuple(features)), optax.adam(1e-3)
-    params = jax.eval_shape(model.init, jax.random.PRNGKey(0),
-                            jax.ShapeDtypeStruct((1, in_dim), jnp.float32))
-    opt_state = jax.eval_shape(tx.init, params)
-    data = {"x": jax.ShapeDtypeStruct((batch, in_dim), jnp.float32),
-            "y": jax.ShapeDtypeStruct((batch, features[-1]), jnp.float32)}
-    return make_step(model, tx), params, opt_state, data
+    return models.abstract_setup(features, batch, in_dim, regression=True)
 
 
 # name -> (setup kwargs, plan kwargs). "single" is the 1-device balanced choice for a small
