@@ -220,7 +220,9 @@ def _rule_cost(eqn: Any) -> tuple[float, float] | None:
         res = rule(ctx, *shapes, **eqn.params)
     except Exception:  # noqa: BLE001 - a rule that cannot price this eqn: fall back, recorded
         return None
-    return float(res.flops), float(res.hbm_bytes or res.unfused_hbm_bytes)
+    # some rules (conv_general_dilated) fill only the unfused counts
+    return (float(max(res.flops, res.unfused_flops)),
+            float(res.hbm_bytes or res.unfused_hbm_bytes))
 
 
 def _kind(prim: str) -> str:

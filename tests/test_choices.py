@@ -3,6 +3,8 @@ many; the objective moves the choice where time and energy disagree."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
 from models import abstract_setup
 
@@ -87,3 +89,18 @@ def test_predicted_compute_follows_the_jaxpr_flops():
     expected = fwd + 2 * 128 * 64 * 256 + 2 * (2 * 128 * 256 * 10)
     assert plan.predicted.flops_per_device >= expected
     assert plan.predicted.flops_per_device < expected * 1.2
+
+
+def test_convolution_flops_are_counted():
+    import optax
+    from models import CNN, make_step
+
+    model, tx = CNN(), optax.sgd(0.1)
+    x = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    batch = {"x": x, "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
+    plan = jaxwap.plan(make_step(model, tx), params, jax.eval_shape(tx.init, params), batch,
+                       hardware=FAST_SLOW, num_devices=1)
+    # the first conv alone: 2 * 8 images * 16*16 positions * 3*3*3 taps * 16 channels, fwd
+    conv1_fwd = 2 * 8 * 16 * 16 * 27 * 16
+    assert plan.predicted.flops_per_device > 3 * conv1_fwd

@@ -1,0 +1,175 @@
+"""How long jaxwap takes to plan AlexNet and VGG-16 (trace + analysis + search, no compile).
+
+    .venv/bin/python benchmarks/plan_time.py                  # 224 px, batch 128
+    .venv/bin/python benchmarks/plan_time.py --image-size 64  # quicker
+
+Plans the examples' own training step (the same model, Adam and loss as
+`examples/common.py`) for 8 devices under two hardware profiles: an HGX H100 box
+(`Cluster("h100-sxm", 8)`, NVLink defaults) and the same GPUs on PCIe (25 GB/s, 10 us
+links). Everything is abstract (`jax.eval_shape` / `jax.ShapeDtypeStruct`): no parameter
+is allocated and nothing is compiled, so this runs anywhere, on 8 simulated CPU devices,
+and measures the planner alone, i.e. the overhead auto_shard adds before the first compile.
+
+Each plan is made `--repeats + 1` times: the first time includes one-off costs (tracing
+caches, imports inside jax); the repeats show the steady cost of planning a new step.
+`jaxwap.plan` keeps no cache of its own, so a repeat really plans again.
+
+Prints each plan's `explain()` and a summary table, and writes
+`benchmarks/results/plan_time.json`.
+"""
+
+from __future__ import annotations
+
+import os
+
+# 8 simulated CPU devices, set before jax is imported: the plans are for hardware that need
+# not be present, and the planner only needs the device count to match.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import common  # noqa: E402  (examples/common.py: imports no jax itself)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from models import VGG16, AlexNet  # noqa: E402
+
+import jaxwap  # noqa: E402
+
+NUM_DEVICES = 8
+MODELS = {"AlexNet": AlexNet, "VGG-16": VGG16}
+
+
+def clusters() -> dict[str, jaxwap.Cluster]:
+    """The two 8-GPU systems compared: same GPUs, links 18x apart in bandwidth."""
+    return {
+        "h100-sxm x8 NVLink": jaxwap.Cluster("h100-sxm", num_devices=NUM_DEVICES),
+        "h100-sxm x8 PCIe": jaxwap.Cluster("h100-sxm", num_devices=NUM_DEVICES,
+                                           link_bandwidth=25e9, link_latency=10e-6),
+    }
+
+
+def abstract_inputs(model_cls: type, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
+    """(train_step, params, opt_state, batch) with every array a jax.ShapeDtypeStruct."""
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    model = model_cls(num_classes=args.num_classes, dtype=dtype)
+    tx = common.make_optimizer(args.lr)
+    image = jax.ShapeDtypeStruct((args.batch_size, args.image_size, args.image_size, 3),
+                                 jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(0), image)
+    opt_state = jax.eval_shape(tx.init, params)
+    batch = {"image": image, "label": jax.ShapeDtypeStruct((args.batch_size,), jnp.int32)}
+    return common.make_train_step(model, tx), params, opt_state, batch
+
+
+def time_plan(train_step: Any, params: Any, opt_state: Any, batch: Any,
+              cluster: jaxwap.Cluster, repeats: int) -> tuple[jaxwap.Plan, float, list[float]]:
+    """Plan repeats + 1 times; return the last plan, the first time and the repeat times."""
+    times = []
+    plan = None
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        plan = jaxwap.plan(train_step, params, opt_state, batch, hardware=cluster,
+                           objective="balanced")
+        times.append(time.perf_counter() - t0)
+    assert plan is not None
+    return plan, times[0], times[1:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="compute dtype, as the examples use on GPU")
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=3e-5, help="irrelevant to the plan; kept "
+                   "equal to the examples' default so the step is theirs exactly")
+    p.add_argument("--repeats", type=int, default=2, help="timed plans after the first")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_time.json")
+    p.add_argument("--quiet", action="store_true", help="skip the explain() tables")
+    args = p.parse_args()
+
+    print(f"jax {jax.__version__}, jaxwap {jaxwap.__version__}, {len(jax.devices())} x "
+          f"{jax.devices()[0].device_kind}; batch {args.batch_size}, {args.image_size}px, "
+          f"{args.dtype}")
+    rows = []
+    for model_name, model_cls in MODELS.items():
+        train_step, params, opt_state, batch = abstract_inputs(model_cls, args)
+        n_params = sum(x.size for x in jax.tree.leaves(params))
+        for cluster_name, cluster in clusters().items():
+            plan, first, repeats = time_plan(train_step, params, opt_state, batch, cluster,
+                                             args.repeats)
+            pred = plan.predicted
+            row = {
+                "model": model_name,
+                "params_m": round(n_params / 1e6, 3),
+                "hardware": cluster_name,
+                "link_bandwidth": cluster.link_bandwidth,
+                "link_latency": cluster.link_latency,
+                "first_plan_s": first,
+                "repeat_plan_s": repeats,
+                "repeat_plan_median_s": statistics.median(repeats) if repeats else None,
+                "planner_phases_s": dict(plan.planning_time_s),
+                "mesh_shape": dict(plan.mesh_shape),
+                "num_devices": plan.num_devices,
+                "predicted": {
+                    "step_time_s": pred.step_time_s,
+                    "samples_per_s": pred.samples_per_s,
+                    "energy_per_sample_j": pred.energy_per_sample_j,
+                    "avg_power_w": pred.avg_power_w,
+                },
+            }
+            rows.append(row)
+            if not args.quiet:
+                print(f"\n=== {model_name} on {cluster_name} ===")
+                print(plan.explain())
+
+    print(f"\n{'model':8s} {'hardware':20s} {'first s':>8s} {'repeat s':>9s}  "
+          f"{'mesh':16s} {'step ms':>8s} {'samples/s':>10s} {'J/sample':>9s}")
+    for r in rows:
+        mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_shape"].items())
+        pr = r["predicted"]
+        rep = r["repeat_plan_median_s"]
+        print(f"{r['model']:8s} {r['hardware']:20s} {r['first_plan_s']:8.3f} "
+              f"{rep if rep is not None else float('nan'):9.3f}  {mesh:16s} "
+              f"{pr['step_time_s'] * 1e3:8.2f} {pr['samples_per_s']:10.0f} "
+              f"{pr['energy_per_sample_j']:9.4f}")
+
+    argv0 = Path(sys.argv[0]).resolve()
+    script = str(argv0.relative_to(ROOT)) if argv0.is_relative_to(ROOT) else argv0.name
+    record = {
+        "command": shlex.join(["python", script, *sys.argv[1:]]),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxwap_version": jaxwap.__version__,
+        "python_version": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "simulated_devices": len(jax.devices()),
+        "config": {"batch_size": args.batch_size, "image_size": args.image_size,
+                   "dtype": args.dtype, "num_classes": args.num_classes,
+                   "objective": "balanced", "optimizer": "adam", "repeats": args.repeats},
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
