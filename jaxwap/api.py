@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
+from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh
 from .cost import DATA, MODEL
 from .objective import Objective
 from .plan import Plan
@@ -30,33 +29,7 @@ from .planner import (
     leaf_entries,
     make_plan,
 )
-from .state import BATCH, PARAM, LeafTable, abstract_leaf, classify_leaves
-
-# Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
-# on jax 0.10.2; their effect is measured on GPU, not assumed).
-GPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
-
-
-def make_mesh(plan: Plan, devices: Sequence[Any]) -> Mesh:
-    """The plan's (data, model) mesh over its devices, with Auto axes (XLA propagates)."""
-    d, m = plan.mesh_shape[DATA], plan.mesh_shape[MODEL]
-    grid = np.array(list(devices[: d * m]), dtype=object).reshape(d, m)
-    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def leaf_specs(table: LeafTable, plan: Plan) -> list[P]:
-    """The PartitionSpec of every leaf: a param's spec for it and its mirrors, the data
-    axis for batch leaves (when the mesh splits data), replicated otherwise."""
-    d = plan.mesh_shape[DATA]
-    out = []
-    for role in table.roles:
-        if role.kind == PARAM:
-            out.append(plan.params[role.param].partition_spec)
-        elif role.kind == BATCH and d > 1:
-            out.append(P(DATA))
-        else:
-            out.append(P())
-    return out
+from .state import abstract_leaf, classify_leaves
 
 
 def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any:
@@ -71,15 +44,6 @@ def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any
     return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
-@dataclass(frozen=True)
-class _Executable:
-    planned: Planned
-    mesh: Mesh
-    in_shardings: tuple[NamedSharding, ...]
-    compiled: Any
-    scalar_leaves: tuple[bool, ...]
-
-
 class AutoShardedStep:
     """A training step that plans, compiles and runs itself sharded. See `auto_shard`."""
 
@@ -87,7 +51,7 @@ class AutoShardedStep:
                  objective: str | Objective = "balanced", hardware: Any = None,
                  devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                  donate: bool = True, num_devices: int | None = None,
-                 compiler_options: dict[str, Any] | None = None) -> None:
+                 compiler_options: dict[str, Any] | None = None, verify: int = 3) -> None:
         if not callable(train_step):
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
         self.train_step = train_step
@@ -99,8 +63,9 @@ class AutoShardedStep:
         self.donate = donate
         self.num_devices = num_devices
         self.compiler_options = compiler_options
+        self.verify = verify
         self._plans: dict[Any, Planned] = {}
-        self._execs: dict[Any, _Executable] = {}
+        self._execs: dict[Any, CompiledStep] = {}
         self._current: Planned | None = None
         functools.update_wrapper(self, train_step)
 
@@ -119,7 +84,8 @@ class AutoShardedStep:
             self._plans[key] = make_plan(
                 self.train_step, args, kwargs, params=self.params, objective=self.objective,
                 hardware=self.hardware, devices=self.devices, memory_budget=self.memory_budget,
-                num_devices=self.num_devices)
+                num_devices=self.num_devices, verify=self.verify, donate=self.donate,
+                compiler_options=self.compiler_options)
         self._current = self._plans[key]
         return key, self._plans[key]
 
@@ -136,7 +102,8 @@ class AutoShardedStep:
 
     @property
     def mesh(self) -> Mesh:
-        return make_mesh(self.plan, self._require().devices)
+        plan = self.plan
+        return make_mesh(plan.mesh_shape[DATA], plan.mesh_shape[MODEL], self._require().devices)
 
     def _require(self) -> Planned:
         if self._current is None:
@@ -144,44 +111,24 @@ class AutoShardedStep:
         return self._current
 
     # ------------------------------------------------------------------ compile
-    def _compile(self, key: Any, planned: Planned) -> _Executable:
-        plan, layout = planned.plan, planned.layout
-        mesh = make_mesh(plan, planned.devices)
-        in_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.inputs, plan))
-        out_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.outputs, plan))
-        donate = tuple(i for i, r in enumerate(layout.inputs.roles)
-                       if r.kind == PARAM) if self.donate else ()
-        fn, treedef, names = self.train_step, layout.args_treedef, layout.kw_names
-
-        def flat_step(*leaves: Any) -> list[Any]:
-            a, k = jax.tree_util.tree_unflatten(treedef, leaves)
-            return tuple(jax.tree_util.tree_leaves(fn(*a, **dict(zip(names, k, strict=True)))))
-
-        opts = self.compiler_options
-        if opts is None:
-            opts = GPU_COMPILER_OPTIONS if planned.devices[0].platform == "gpu" else {}
-        jitted = jax.jit(flat_step, in_shardings=in_sh, out_shardings=out_sh,
-                         donate_argnums=donate)
-        abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s,
-                                         weak_type=getattr(a, "weak_type", False))
-                    for a, s in zip(layout.inputs.avals, in_sh, strict=True)]
-        compiled = jitted.lower(*abstract).compile(compiler_options=opts or None)
-        scalars = tuple(a.shape == () for a in layout.inputs.avals)
-        return _Executable(planned, mesh, in_sh, compiled, scalars)
+    def _compile(self, key: Any, planned: Planned) -> CompiledStep:
+        if key not in self._execs:
+            plan = planned.plan
+            self._execs[key] = planned.compiled or compile_layout(
+                self.train_step, planned.layout, plan.mesh_shape[DATA], plan.mesh_shape[MODEL],
+                [p.spec for p in plan.params], planned.devices, donate=self.donate,
+                compiler_options=self.compiler_options)
+        return self._execs[key]
 
     def lower_and_compile(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled step for these arguments (abstract ones allowed); for inspection."""
         key, planned = self._planned(args, kwargs)
-        if key not in self._execs:
-            self._execs[key] = self._compile(key, planned)
-        return self._execs[key].compiled
+        return self._compile(key, planned).compiled
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, planned = self._planned(args, kwargs)
-        if key not in self._execs:
-            self._execs[key] = self._compile(key, planned)
-        ex = self._execs[key]
+        ex = self._compile(key, planned)
         flat, _, _ = flat_leaves(args, kwargs)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
@@ -192,7 +139,7 @@ class AutoShardedStep:
         """Place a pytree the way the current plan wants (params and their mirrors on the
         params' shardings, batch-leading leaves over the data axis, the rest replicated)."""
         planned = self._require()
-        mesh = make_mesh(planned.plan, planned.devices)
+        mesh = self.mesh
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         leaves = [leaf for _, leaf in flat]
         # with several processes the tree holds this process's slice of the batch
@@ -202,7 +149,9 @@ class AutoShardedStep:
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
                             batch_size=local_batch, infer_batch=False), leaves)
         placed = [place(leaf, NamedSharding(mesh, s), aval) for leaf, s, aval
-                  in zip(leaves, leaf_specs(table, planned.plan), table.avals, strict=True)]
+                  in zip(leaves, leaf_specs(table, [p.spec for p in planned.plan.params],
+                                            planned.plan.mesh_shape[DATA]),
+                         table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def __repr__(self) -> str:
@@ -214,7 +163,7 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
                objective: str | Objective = "balanced", hardware: Any = None,
                devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                donate: bool = True, num_devices: int | None = None,
-               compiler_options: dict[str, Any] | None = None) -> Any:
+               compiler_options: dict[str, Any] | None = None, verify: int = 3) -> Any:
     """Wrap a training step so it plans, compiles and runs itself sharded.
 
     Args:
@@ -231,12 +180,14 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
         returned state.
       num_devices: use exactly this many devices instead of choosing.
       compiler_options: XLA options for the compile (default: latency hiding on GPU).
+      verify: compile the analytic search's best candidates until this many fit by XLA's
+        own memory analysis, and choose among them on XLA's figures (0: trust the model).
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """
     kw = dict(objective=objective, hardware=hardware, devices=devices,
               memory_budget=memory_budget, donate=donate, num_devices=num_devices,
-              compiler_options=compiler_options)
+              compiler_options=compiler_options, verify=verify)
     if train_step is None:
         return lambda fn: AutoShardedStep(fn, params, **kw)
     return AutoShardedStep(train_step, params, **kw)
@@ -245,9 +196,9 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
 def plan(train_step: Callable, *args: Any, params: Any = None,
          objective: str | Objective = "balanced", hardware: Any = None,
          devices: Sequence[Any] | None = None, memory_budget: float | None = None,
-         num_devices: int | None = None, **kwargs: Any) -> Plan:
+         num_devices: int | None = None, verify: int = 3, **kwargs: Any) -> Plan:
     """Plan `train_step` for these arguments (arrays or jax.ShapeDtypeStruct) without
-    compiling or running anything."""
+    running anything: only the verified finalists are compiled (`verify=0`: nothing is)."""
     return make_plan(train_step, args, kwargs, params=params, objective=objective,
                      hardware=hardware, devices=devices, memory_budget=memory_budget,
-                     num_devices=num_devices).plan
+                     num_devices=num_devices, verify=verify).plan

@@ -74,6 +74,8 @@ class Prediction:
     flops_per_device: float
     utilization: float
     num_devices: int
+    busy_time_s: float = 0.0      # the roofline part of compute (no launch overhead)
+    batched_time_s: float = 0.0   # compute of batched ops: the backward pass hides in it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,7 +287,8 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         energy_per_step_j=energy, energy_per_sample_j=energy / B, avg_power_w=n * power,
         peak_memory_bytes=mem, comm_bytes=grad_b + tp_b, compute_time_s=compute,
         tp_comm_time_s=tp_t, grad_comm_time_s=grad_t, exposed_comm_time_s=exposed,
-        flops_per_device=flops_dev, utilization=util, num_devices=n)
+        flops_per_device=flops_dev, utilization=util, num_devices=n, busy_time_s=busy,
+        batched_time_s=mc.batched_time)
 
 
 def _combined_latency(strats: Sequence[Strategy], d: int, cluster: Cluster) -> float:

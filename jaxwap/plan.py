@@ -8,6 +8,7 @@ figures, and every candidate considered with why it lost, so that a person can r
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from .cost import Prediction
 from .hardware import Cluster
 from .objective import Objective
+from .verify import CompiledFigures
 
 PLAN_FORMAT = 1
 
@@ -84,6 +86,8 @@ class Candidate:
     chosen: bool
     reason: str
     strategy_counts: tuple[tuple[str, int], ...]
+    compiled: CompiledFigures | None = None   # XLA's figures, when verified
+    verified: Prediction | None = None        # the model fed those figures
 
     @property
     def num_devices(self) -> int:
@@ -97,14 +101,17 @@ class Candidate:
                 "predicted": self.predicted.to_dict(),
                 "score": self.score if self.score != float("inf") else None,
                 "fits": self.fits, "chosen": self.chosen, "reason": self.reason,
-                "strategy_counts": [list(x) for x in self.strategy_counts]}
+                "strategy_counts": [list(x) for x in self.strategy_counts],
+                "compiled": self.compiled.to_dict() if self.compiled else None,
+                "verified": self.verified.to_dict() if self.verified else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Candidate:
         return cls(tuple((a, int(s)) for a, s in d["mesh_shape"]),
                    Prediction.from_dict(d["predicted"]),
                    float("inf") if d["score"] is None else d["score"], d["fits"],
-                   d["chosen"], d["reason"], tuple((a, int(c)) for a, c in d["strategy_counts"]))
+                   d["chosen"], d["reason"], tuple((a, int(c)) for a, c in d["strategy_counts"]),
+                   _opt(CompiledFigures, d.get("compiled")), _opt(Prediction, d.get("verified")))
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ class Plan:
     planning_time_s: dict[str, float]
     notes: tuple[str, ...] = ()
     version: str = ""
+    compiled: CompiledFigures | None = None   # XLA's per-device figures for this plan
+    verified: Prediction | None = None        # the model fed XLA's figures (what chose it)
     _treedef: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +176,8 @@ class Plan:
             "hardware": self.hardware.to_dict(), "batch_size": self.batch_size,
             "memory_budget_bytes": self.memory_budget_bytes,
             "planning_time_s": dict(self.planning_time_s), "notes": list(self.notes),
+            "compiled": self.compiled.to_dict() if self.compiled else None,
+            "verified": self.verified.to_dict() if self.verified else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -187,7 +198,8 @@ class Plan:
             hardware=Cluster.from_dict(d["hardware"]), batch_size=d["batch_size"],
             memory_budget_bytes=d["memory_budget_bytes"],
             planning_time_s=dict(d["planning_time_s"]), notes=tuple(d["notes"]),
-            version=d.get("version", ""))
+            version=d.get("version", ""), compiled=_opt(CompiledFigures, d.get("compiled")),
+            verified=_opt(Prediction, d.get("verified")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -222,6 +234,28 @@ class Plan:
             f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
             f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
             f"  peak memory     {_si(pr.peak_memory_bytes, 'B'):>10} per device",
+        ]
+        if self.compiled is not None:
+            c, v = self.compiled, self.verified
+            kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"
+                            for x in c.collectives)
+            lines += [
+                "",
+                "compiled (XLA's own analysis of this plan, per device):",
+                f"  memory          {_si(c.memory_bytes, 'B'):>10}   "
+                f"(model {_err(pr.peak_memory_bytes, c.memory_bytes)})   "
+                f"argument {_si(c.argument_bytes, 'B')}, output {_si(c.output_bytes, 'B')}, "
+                f"temp {_si(c.temp_bytes, 'B')}, aliased {_si(c.alias_bytes, 'B')}",
+                f"  flops           {_si(c.flops, 'flop'):>10}   "
+                f"(model {_err(pr.flops_per_device, c.flops)})",
+                f"  communication   {_si(c.comm_bytes, 'B'):>10}   "
+                f"(model {_err(pr.comm_bytes, c.comm_bytes)})   "
+                f"{', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'no collectives'}",
+            ]
+            if v is not None:
+                lines.append(f"  model fed these figures: step {v.step_time_s * 1e3:.3f} ms, "
+                             f"{v.energy_per_step_j:.3f} J/step (what the choice was made on)")
+        lines += [
             "",
             "parameters:",
         ]
@@ -236,14 +270,16 @@ class Plan:
         if len(self.params) > max_params:
             lines.append(f"  ... {len(self.params) - max_params} smaller parameters not shown")
         lines += ["", "candidates (every mesh considered, by score):",
+                  "  (basis: XLA = the model fed XLA's compiled figures; model = analytic)",
                   f"  {'mesh':<12} {'step ms':>10} {'samples/s':>11} {'J/step':>9} "
-                  f"{'W':>7} {'mem/dev':>9}  verdict"]
+                  f"{'W':>7} {'mem/dev':>9} {'basis':>5}  verdict"]
         for c in sorted(self.candidates, key=lambda c: (not c.chosen, c.score)):
-            cp = c.predicted
+            cp = c.verified or c.predicted
             shape = "x".join(str(s) for _, s in c.mesh_shape)
             lines.append(f"  {shape:<12} {cp.step_time_s * 1e3:10.3f} {cp.samples_per_s:11,.0f} "
                          f"{cp.energy_per_step_j:9.3f} {cp.avg_power_w:7.0f} "
-                         f"{_si(cp.peak_memory_bytes, 'B'):>9}  "
+                         f"{_si(cp.peak_memory_bytes, 'B'):>9} "
+                         f"{'XLA' if c.verified else 'model':>5}  "
                          f"{'CHOSEN' if c.chosen else c.reason}")
         t = self.planning_time_s
         lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
@@ -252,6 +288,17 @@ class Plan:
 
     def __str__(self) -> str:
         return self.explain()
+
+
+def _err(predicted: float, actual: float) -> str:
+    """The model's figure and its error relative to XLA's."""
+    if actual == 0:
+        return f"{predicted:.3g}"
+    return f"{_si(predicted, '')}, {100 * (predicted - actual) / actual:+.0f}%"
+
+
+def _opt(cls: Any, d: dict[str, Any] | None) -> Any:
+    return cls.from_dict(d) if d is not None else None
 
 
 def _si(x: float, unit: str) -> str:

@@ -23,6 +23,7 @@ from .objective import Objective
 from .plan import Candidate, ParamPlacement, Plan
 from .solve import SearchResult, search, uses_model_axis
 from .state import BATCH, LeafTable, ParamInfo, check_params_found, classify_leaves, param_infos
+from .verify import Verification, run_verification
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
 MEMORY_HEADROOM = 0.10
@@ -43,12 +44,14 @@ class ArgLayout:
 
 @dataclass(frozen=True)
 class Planned:
-    """A plan with what it takes to compile it."""
+    """A plan with what it takes to compile it (and, when verified, its compiled step)."""
 
     plan: Plan
     layout: ArgLayout
     graph: Graph
     devices: tuple[Any, ...]
+    search: SearchResult
+    compiled: Any = None
 
 
 def resolve_cluster(hardware: Any, devices: Sequence[Any]) -> tuple[Cluster, str | None]:
@@ -150,8 +153,14 @@ def globalize(table: LeafTable, leaves: Sequence[Any]) -> LeafTable:
 
 def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,
               objective: str | Objective, hardware: Any, devices: Sequence[Any] | None,
-              memory_budget: float | None, num_devices: int | None = None) -> Planned:
-    """Plan `fn` for these (abstract or concrete) arguments."""
+              memory_budget: float | None, num_devices: int | None = None,
+              verify: int = 3, donate: bool = True,
+              compiler_options: dict[str, Any] | None = None) -> Planned:
+    """Plan `fn` for these (abstract or concrete) arguments.
+
+    `verify=k` compiles the analytic search's best candidates until k fit by XLA's own
+    memory analysis and chooses among them on XLA's figures; `verify=0` trusts the model.
+    """
     obj = Objective.parse(objective)
     devs = tuple(devices) if devices is not None else tuple(jax.devices())
     if not devs:
@@ -171,6 +180,9 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         cluster.device.memory_bytes * (1 - MEMORY_HEADROOM)
     if budget <= 0:
         raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget!r}")
+    if isinstance(verify, bool) or not isinstance(verify, (int, np.integer)) or verify < 0:
+        raise ValueError(f"verify must be an int >= 0 (how many candidates to compile), "
+                         f"got {verify!r}")
 
     t0 = time.perf_counter()
     layout, closed = layout_of(fn, args, kwargs, params)
@@ -186,9 +198,19 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     best = result.results[result.best]
     if not best.fits:
         raise MemoryError(_nothing_fits(result, budget, layout.inputs.batch_size))
-    plan = _build_plan(result, graph, layout, obj, cluster, devs, budget,
-                       {"trace": t1 - t0, "analyze": t2 - t1, "search": t3 - t2}, notes)
-    return Planned(plan, layout, graph, devs[: plan.num_devices])
+    timing = {"trace": t1 - t0, "analyze": t2 - t1, "search": t3 - t2}
+    ver = None
+    if verify:
+        ver = run_verification(fn, layout, result, cluster, obj, budget, devs, int(verify),
+                               layout.inputs.batch_size or 1, donate=donate,
+                               compiler_options=compiler_options)
+        timing["verify"] = ver.verify_time_s
+        if ver.best < 0:
+            raise MemoryError(_nothing_fits_compiled(ver, result, budget,
+                                                     layout.inputs.batch_size))
+    plan = _build_plan(result, ver, graph, layout, obj, cluster, devs, budget, timing, notes)
+    return Planned(plan, layout, graph, devs[: plan.num_devices], result,
+                   ver.compiled_best if ver else None)
 
 
 def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
@@ -200,36 +222,75 @@ def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str
             f"smaller batch (now {batch}), a smaller model, or a larger memory_budget=.")
 
 
-def _build_plan(result: SearchResult, graph: Graph, layout: ArgLayout, obj: Objective,
-                cluster: Cluster, devs: Sequence[Any], budget: float,
-                timing: dict[str, float], notes: list[str]) -> Plan:
-    best = result.results[result.best]
+def _nothing_fits_compiled(ver: Verification, result: SearchResult, budget: float,
+                           batch: int | None) -> str:
+    from .plan import _si
+    if not ver.figures:
+        errors = "; ".join(f"{result.results[i].d}x{result.results[i].m}: {e}"
+                           for i, e in list(ver.failed.items())[:3])
+        return f"no candidate plan compiled: {errors}"
+    i = min(ver.figures, key=lambda i: ver.figures[i].memory_bytes)
+    r = result.results[i]
+    return (f"no candidate plan fits the memory budget of {_si(budget, 'B')} per device by "
+            f"XLA's own memory analysis: the smallest compiled, mesh data={r.d} x model={r.m}, "
+            f"needs {_si(ver.figures[i].memory_bytes, 'B')} per device (the model predicted "
+            f"{_si(r.predicted.peak_memory_bytes, 'B')}). Use more devices, a smaller batch "
+            f"(now {batch}), a smaller model, or a larger memory_budget=.")
+
+
+def _build_plan(result: SearchResult, ver: Verification | None, graph: Graph,
+                layout: ArgLayout, obj: Objective, cluster: Cluster, devs: Sequence[Any],
+                budget: float, timing: dict[str, float], notes: list[str]) -> Plan:
+    chosen = ver.best if ver is not None else result.best
+    scores = list(result.scores)
+    if ver is not None:
+        # verified candidates are ranked on XLA's figures; the rest keep analytic scores
+        for i, s in enumerate(ver.scores):
+            if i in ver.figures:
+                scores[i] = s
+    best = result.results[chosen]
     placements = tuple(
         ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name)
         for p, s in zip(layout.params, best.strategies, strict=True))
-    bp = best.predicted
+    figs = ver.figures if ver is not None else {}
+    vpreds = ver.predictions if ver is not None else {}
+    failed = ver.failed if ver is not None else {}
+    # the chosen candidate's figures, on the basis it was chosen on
+    ref = vpreds.get(chosen, best.predicted)
     cands = []
-    for i, (r, score) in enumerate(zip(result.results, result.scores, strict=True)):
-        p = r.predicted
-        if i == result.best:
+    for i, r in enumerate(result.results):
+        p = vpreds.get(i, r.predicted)
+        basis = "compiled" if i in vpreds else "predicted"
+        if i == chosen:
             reason = "chosen"
+        elif i in failed:
+            reason = f"did not compile: {failed[i]}"
+        elif i in figs and figs[i].memory_bytes > budget:
+            reason = (f"over memory budget by XLA's analysis "
+                      f"({figs[i].memory_bytes / budget:.2f}x)")
         elif not r.fits:
             reason = f"over memory budget ({p.peak_memory_bytes / budget:.2f}x)"
         elif not uses_model_axis(r):
             reason = "no parameter gains from the model axis: it would only duplicate work"
-        elif score == float("inf"):
+        elif scores[i] == float("inf") and result.scores[i] == float("inf"):
             reason = "outside the allowed slowdown"
+        elif ver is not None and i not in vpreds:
+            ratio = result.scores[i] / result.scores[result.best]
+            reason = f"not verified (analytic score {ratio:.2f}x the analytic best)"
         else:
-            reason = (f"score {score / result.scores[result.best]:.2f}x: "
-                      f"{p.step_time_s / bp.step_time_s:.2f}x time, "
-                      f"{p.energy_per_step_j / bp.energy_per_step_j:.2f}x energy")
+            reason = (f"{basis} score {scores[i] / scores[chosen]:.2f}x: "
+                      f"{p.step_time_s / ref.step_time_s:.2f}x time, "
+                      f"{p.energy_per_step_j / ref.energy_per_step_j:.2f}x energy")
         counts = Counter(s.name for s in r.strategies)
-        cands.append(Candidate(((DATA, r.d), (MODEL, r.m)), p, float(score), r.fits,
-                               i == result.best, reason, tuple(sorted(counts.items()))))
+        cands.append(Candidate(((DATA, r.d), (MODEL, r.m)), r.predicted, float(scores[i]),
+                               r.fits and (i not in figs or figs[i].memory_bytes <= budget),
+                               i == chosen, reason, tuple(sorted(counts.items())),
+                               compiled=figs.get(i), verified=vpreds.get(i)))
     return Plan(
         mesh_shape={DATA: best.d, MODEL: best.m},
         device_ids=tuple(int(d.id) for d in devs[: best.d * best.m]),
-        params=placements, objective=obj, predicted=bp, candidates=tuple(cands),
+        params=placements, objective=obj, predicted=best.predicted, candidates=tuple(cands),
+        compiled=figs.get(chosen), verified=vpreds.get(chosen),
         hardware=cluster, batch_size=layout.inputs.batch_size, memory_budget_bytes=budget,
         planning_time_s=timing, notes=tuple(notes),
         version=__version__, _treedef=layout.params_treedef)

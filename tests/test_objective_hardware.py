@@ -346,8 +346,10 @@ def test_planner_choice_follows_objective(objective, metric):
 
     batch = {"x": jax.ShapeDtypeStruct((batch, din), jnp.float32),
              "y": jax.ShapeDtypeStruct((batch, dout), jnp.float32)}
-    plan = jaxwap.plan(train_step, params, jax.eval_shape(tx.init, params), batch,
-                       hardware=Cluster("h100-sxm", 8), objective=objective)
+    opt_state = jax.eval_shape(tx.init, params)
+    # analytic only: every ranked candidate is scored on the model's prediction
+    plan = jaxwap.plan(train_step, params, opt_state, batch,
+                       hardware=Cluster("h100-sxm", 8), objective=objective, verify=0)
     assert plan.objective == Objective(objective)
     ranked = [c for c in plan.candidates if math.isfinite(c.score)]
     assert ranked
@@ -355,3 +357,12 @@ def test_planner_choice_follows_objective(objective, metric):
     assert getattr(chosen.predicted, metric) == min(getattr(c.predicted, metric)
                                                      for c in ranked)
     assert all(c.score == getattr(c.predicted, metric) for c in ranked)
+    # verified: the finalists are scored on the model fed XLA's figures
+    plan = jaxwap.plan(train_step, params, opt_state, batch,
+                       hardware=Cluster("h100-sxm", 8), objective=objective, verify=2)
+    verified = [c for c in plan.candidates if c.verified is not None and c.fits]
+    chosen = next(c for c in plan.candidates if c.chosen)
+    assert chosen in verified and plan.verified == chosen.verified
+    assert getattr(chosen.verified, metric) == min(getattr(c.verified, metric)
+                                                    for c in verified)
+    assert all(c.score == getattr(c.verified, metric) for c in verified)
