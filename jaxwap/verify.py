@@ -102,17 +102,24 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
-def _iota_groups(spec: str) -> list[list[int]]:
-    """`[G,S]<=[dims]T(perm)`: iota(prod dims) reshaped to dims, transposed, reshaped to [G,S]."""
-    m = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", spec)
+def _iota_ids(spec: str) -> tuple[np.ndarray, list[int] | None]:
+    """XLA's iota device lists: `[G,S]<=[dims]T(perm)` or `[dims]T(perm)` / `[dims]`:
+    iota(prod dims) reshaped to dims and transposed, then (first form) reshaped to [G,S]."""
+    m = re.match(r"\[([0-9,]+)\](?:<=\[([0-9,]+)\])?(?:T\(([0-9,]+)\))?", spec)
     if not m:
         raise ValueError(f"unrecognised replica_groups {spec!r}")
-    out_shape = [int(x) for x in m.group(1).split(",")]
-    dims = [int(x) for x in m.group(2).split(",")]
+    first = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")] if m.group(2) else first
     ids = np.arange(int(np.prod(dims))).reshape(dims)
     if m.group(3):
         ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return ids.reshape(out_shape[0], -1).tolist()
+    return ids.reshape(-1), (first if m.group(2) else None)
+
+
+def _iota_groups(spec: str) -> list[list[int]]:
+    ids, shape = _iota_ids(spec)
+    groups = shape[0] if shape else 1
+    return ids.reshape(groups, -1).tolist()
 
 
 def _mesh_groups(spec: str) -> list[list[int]]:
@@ -125,7 +132,7 @@ def _mesh_groups(spec: str) -> list[list[int]]:
     sizes = [int(s) for _, s in axes]
     n = int(np.prod(sizes))
     if m.group(2):
-        ids = np.array(_iota_groups(m.group(2).strip())).reshape(-1)
+        ids = _iota_ids(m.group(2).strip())[0]
     else:
         ids = np.arange(n)
     grid = ids.reshape(sizes)
