@@ -78,16 +78,33 @@ def abstract_inputs(model_cls: type, args: argparse.Namespace) -> tuple[Any, Any
 
 def time_plan(train_step: Any, params: Any, opt_state: Any, batch: Any,
               cluster: jaxwap.Cluster, repeats: int) -> tuple[jaxwap.Plan, float, list[float]]:
-    """Plan repeats + 1 times; return the last plan, the first time and the repeat times."""
+    """Plan repeats + 1 times, analytic only (verify=0: no XLA compile) and without the
+    plan cache, so every repeat really plans; return the last plan, the first time and
+    the repeat times."""
     times = []
     plan = None
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         plan = jaxwap.plan(train_step, params, opt_state, batch, hardware=cluster,
-                           objective="balanced")
+                           objective="balanced", verify=0, cache=False)
         times.append(time.perf_counter() - t0)
     assert plan is not None
     return plan, times[0], times[1:]
+
+
+def time_cached_plan(train_step: Any, params: Any, opt_state: Any, batch: Any,
+                     cluster: jaxwap.Cluster) -> float:
+    """A second planning of the same step with the plan cache: the step is traced again
+    (jax's trace cache makes that cheap), the plan is read back, nothing is searched."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        store = jaxwap.PlanCache(d)
+        kw = dict(hardware=cluster, objective="balanced", verify=0, cache=store)
+        jaxwap.plan(train_step, params, opt_state, batch, **kw)
+        t0 = time.perf_counter()
+        jaxwap.plan(train_step, params, opt_state, batch, **kw)
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -115,6 +132,7 @@ def main() -> None:
         for cluster_name, cluster in clusters().items():
             plan, first, repeats = time_plan(train_step, params, opt_state, batch, cluster,
                                              args.repeats)
+            cached = time_cached_plan(train_step, params, opt_state, batch, cluster)
             pred = plan.predicted
             row = {
                 "model": model_name,
@@ -125,6 +143,7 @@ def main() -> None:
                 "first_plan_s": first,
                 "repeat_plan_s": repeats,
                 "repeat_plan_median_s": statistics.median(repeats) if repeats else None,
+                "cached_plan_s": cached,
                 "planner_phases_s": dict(plan.planning_time_s),
                 "mesh_shape": dict(plan.mesh_shape),
                 "num_devices": plan.num_devices,
@@ -140,14 +159,15 @@ def main() -> None:
                 print(f"\n=== {model_name} on {cluster_name} ===")
                 print(plan.explain())
 
-    print(f"\n{'model':8s} {'hardware':20s} {'first s':>8s} {'repeat s':>9s}  "
+    print(f"\n{'model':8s} {'hardware':20s} {'first s':>8s} {'repeat s':>9s} {'cached s':>9s}  "
           f"{'mesh':16s} {'step ms':>8s} {'samples/s':>10s} {'J/sample':>9s}")
     for r in rows:
         mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_shape"].items())
         pr = r["predicted"]
         rep = r["repeat_plan_median_s"]
         print(f"{r['model']:8s} {r['hardware']:20s} {r['first_plan_s']:8.3f} "
-              f"{rep if rep is not None else float('nan'):9.3f}  {mesh:16s} "
+              f"{rep if rep is not None else float('nan'):9.3f} {r['cached_plan_s']:9.3f}  "
+              f"{mesh:16s} "
               f"{pr['step_time_s'] * 1e3:8.2f} {pr['samples_per_s']:10.0f} "
               f"{pr['energy_per_sample_j']:9.4f}")
 

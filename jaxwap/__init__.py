@@ -8,6 +8,7 @@ compiles the step with `jax.jit` shardings.
 __version__ = "0.1.0"
 
 from .api import AutoShardedStep, auto_shard, plan  # noqa: E402
+from .cache import PlanCache  # noqa: E402
 from .cost import Prediction, Strategy  # noqa: E402
 from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec  # noqa: E402
 from .objective import Objective  # noqa: E402
@@ -21,6 +22,7 @@ __all__ = [
     "Objective",
     "ParamPlacement",
     "Plan",
+    "PlanCache",
     "Prediction",
     "Strategy",
     "auto_shard",

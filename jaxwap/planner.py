@@ -6,6 +6,8 @@ search (meshes x per-parameter strategies under the memory budget) -> Plan.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -16,6 +18,7 @@ import jax
 import numpy as np
 
 from . import __version__
+from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .cost import DATA, MODEL
 from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster
@@ -48,9 +51,9 @@ class Planned:
 
     plan: Plan
     layout: ArgLayout
-    graph: Graph
+    graph: Graph | None            # None for a plan read back from the cache
     devices: tuple[Any, ...]
-    search: SearchResult
+    search: SearchResult | None    # None for a plan read back from the cache
     compiled: Any = None
 
 
@@ -112,11 +115,13 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
                        [leaf for _, _, leaf in entries])
     check_params_found(inputs, infos)
 
-    def flat_fn(*leaves: Any) -> Any:
-        a, k = jax.tree_util.tree_unflatten(treedef, leaves)
-        return fn(*a, **dict(zip(names, k, strict=True)))
-
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*inputs.avals)
+    # Trace the user's function itself (not a wrapper made here), so jax's own tracing
+    # cache, keyed on the function, makes a second planning of the same step cheap.
+    abs_args, abs_kw = jax.tree_util.tree_unflatten(treedef, inputs.avals)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+        *abs_args, **dict(zip(names, abs_kw, strict=True)))
+    if len(closed.jaxpr.invars) != len(inputs.avals):  # pragma: no cover - jax invariant
+        raise RuntimeError("jaxpr inputs do not match the flattened arguments")
     out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
                               batch_size=inputs.batch_size, infer_batch=False)
@@ -155,11 +160,15 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
               objective: str | Objective, hardware: Any, devices: Sequence[Any] | None,
               memory_budget: float | None, num_devices: int | None = None,
               verify: int = 3, donate: bool = True,
-              compiler_options: dict[str, Any] | None = None) -> Planned:
+              compiler_options: dict[str, Any] | None = None,
+              cache: bool | PlanCache = True) -> Planned:
     """Plan `fn` for these (abstract or concrete) arguments.
 
     `verify=k` compiles the analytic search's best candidates until k fit by XLA's own
     memory analysis and chooses among them on XLA's figures; `verify=0` trusts the model.
+    `cache` (True: the default directory, or a `PlanCache`) reads back a plan made before
+    for the same step, arguments, devices, hardware and settings instead of searching;
+    a hit has no search record or compiled executable (`Planned.search is None`).
     """
     obj = Objective.parse(objective)
     devs = tuple(devices) if devices is not None else tuple(jax.devices())
@@ -187,6 +196,21 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     t0 = time.perf_counter()
     layout, closed = layout_of(fn, args, kwargs, params)
     t1 = time.perf_counter()
+    store = (cache if isinstance(cache, PlanCache) else PlanCache()) if cache else None
+    key = None
+    if store is not None:
+        key = plan_key(
+            jaxpr=jaxpr_fingerprint(closed),
+            args=list(zip(layout.inputs.paths, layout.inputs.avals, layout.inputs.roles,
+                          strict=True)),
+            params=layout.params, devices=devs, hardware=cluster, objective=obj,
+            memory_budget=budget, num_devices=num_devices, verify=int(verify),
+            donate=bool(donate), compiler_options=compiler_options,
+            xla_flags=os.environ.get("XLA_FLAGS"))
+        hit = store.get(key)
+        if hit is not None:
+            plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
+            return Planned(plan, layout, None, devs[: plan.num_devices], None, None)
     graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
                     layout.inputs.batch_size)
     t2 = time.perf_counter()
@@ -209,6 +233,8 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             raise MemoryError(_nothing_fits_compiled(ver, result, budget,
                                                      layout.inputs.batch_size))
     plan = _build_plan(result, ver, graph, layout, obj, cluster, devs, budget, timing, notes)
+    if store is not None and key is not None:
+        store.put(key, plan)
     return Planned(plan, layout, graph, devs[: plan.num_devices], result,
                    ver.compiled_best if ver else None)
 

@@ -6,3 +6,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Plans made by the tests go to a fresh cache directory per session, never the user's.
+if "JAXWAP_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAXWAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxwap-test-cache-")

@@ -139,7 +139,7 @@ def test_verify_zero_compiles_nothing_and_bad_values_are_refused():
 def test_the_run_reuses_the_verified_executable():
     from models import copy_tree, setup
     step, params, opt, batch = setup(__import__("models").MLP(), (32, 16))
-    sharded = jaxwap.auto_shard(step, params, hardware=H100X8, num_devices=8)
+    sharded = jaxwap.auto_shard(step, params, hardware=H100X8, num_devices=8, cache=False)
     sharded(copy_tree(params), copy_tree(opt), batch)
     key = next(iter(sharded._plans))
     assert sharded._execs[key] is sharded._plans[key].compiled
