@@ -52,7 +52,7 @@ class AutoShardedStep:
                  devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                  donate: bool = True, num_devices: int | None = None,
                  compiler_options: dict[str, Any] | None = None, verify: int = 3,
-                 cache: Any = True) -> None:
+                 cache: Any = True, batch_size: int | None = None) -> None:
         if not callable(train_step):
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
         self.train_step = train_step
@@ -66,6 +66,7 @@ class AutoShardedStep:
         self.compiler_options = compiler_options
         self.verify = verify
         self.cache = cache
+        self.batch_size = batch_size
         self._plans: dict[Any, Planned] = {}
         self._execs: dict[Any, CompiledStep] = {}
         self._current: Planned | None = None
@@ -87,7 +88,8 @@ class AutoShardedStep:
                 self.train_step, args, kwargs, params=self.params, objective=self.objective,
                 hardware=self.hardware, devices=self.devices, memory_budget=self.memory_budget,
                 num_devices=self.num_devices, verify=self.verify, donate=self.donate,
-                compiler_options=self.compiler_options, cache=self.cache)
+                compiler_options=self.compiler_options, cache=self.cache,
+                batch_size=self.batch_size)
         self._current = self._plans[key]
         return key, self._plans[key]
 
@@ -166,7 +168,7 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
                devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                donate: bool = True, num_devices: int | None = None,
                compiler_options: dict[str, Any] | None = None, verify: int = 3,
-               cache: Any = True) -> Any:
+               cache: Any = True, batch_size: int | None = None) -> Any:
     """Wrap a training step so it plans, compiles and runs itself sharded.
 
     Args:
@@ -187,12 +189,15 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
         own memory analysis, and choose among them on XLA's figures (0: trust the model).
       cache: read back a plan made before for the same step and settings (True: the
         directory in $JAXWAP_CACHE_DIR or ~/.cache/jaxwap; a `jaxwap.PlanCache`; False).
+      batch_size: the global batch size, when the most common leading dimension of the
+        arguments that are not state is not it.
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """
     kw = dict(objective=objective, hardware=hardware, devices=devices,
               memory_budget=memory_budget, donate=donate, num_devices=num_devices,
-              compiler_options=compiler_options, verify=verify, cache=cache)
+              compiler_options=compiler_options, verify=verify, cache=cache,
+              batch_size=batch_size)
     if train_step is None:
         return lambda fn: AutoShardedStep(fn, params, **kw)
     return AutoShardedStep(train_step, params, **kw)
@@ -202,9 +207,10 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
          objective: str | Objective = "balanced", hardware: Any = None,
          devices: Sequence[Any] | None = None, memory_budget: float | None = None,
          num_devices: int | None = None, verify: int = 3, cache: Any = True,
-         **kwargs: Any) -> Plan:
+         batch_size: int | None = None, **kwargs: Any) -> Plan:
     """Plan `train_step` for these arguments (arrays or jax.ShapeDtypeStruct) without
     running anything: only the verified finalists are compiled (`verify=0`: nothing is)."""
     return make_plan(train_step, args, kwargs, params=params, objective=objective,
                      hardware=hardware, devices=devices, memory_budget=memory_budget,
-                     num_devices=num_devices, verify=verify, cache=cache).plan
+                     num_devices=num_devices, verify=verify, cache=cache,
+                     batch_size=batch_size).plan

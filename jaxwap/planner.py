@@ -25,7 +25,16 @@ from .hardware import Cluster, DeviceSpec, detect_cluster
 from .objective import Objective
 from .plan import Candidate, ParamPlacement, Plan
 from .solve import SearchResult, search, uses_model_axis
-from .state import BATCH, LeafTable, ParamInfo, check_params_found, classify_leaves, param_infos
+from .state import (
+    BATCH,
+    PARAM,
+    LeafTable,
+    ParamInfo,
+    check_params_found,
+    classify_leaves,
+    param_infos,
+    path_tokens,
+)
 from .verify import Verification, run_verification
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
@@ -104,28 +113,76 @@ def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
 
 
 def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
-              params: Any) -> tuple[ArgLayout, Any]:
-    """Classify every argument leaf, trace the step, classify every output leaf."""
+              params: Any, batch_size: int | None = None) -> tuple[ArgLayout, Any]:
+    """Classify every argument leaf, trace the step, classify every output leaf.
+
+    The step is traced before the inputs are settled: a leaf it hands back at the same
+    path and shape (batch-norm statistics, a step counter) is carried state, not data,
+    whatever its leading dimension. Outputs take the role of the input they mirror, so
+    state comes back on the sharding it went in with.
+    """
     ptree = find_params(args, params)
     infos, ptreedef = param_infos(ptree)
     identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
                 if isinstance(leaf, (jax.Array, np.ndarray))}
     entries, treedef, names = leaf_entries(args, kwargs)
-    inputs = globalize(classify_leaves(entries, infos, identity=identity),
-                       [leaf for _, _, leaf in entries])
-    check_params_found(inputs, infos)
+    leaves = [leaf for _, _, leaf in entries]
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+            batch_size, (int, np.integer)) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    infer = batch_size is None
+    first = classify_leaves(entries, infos, identity=identity, batch_size=batch_size,
+                            infer_batch=infer)
 
-    # Trace the user's function itself (not a wrapper made here), so jax's own tracing
-    # cache, keyed on the function, makes a second planning of the same step cheap.
-    abs_args, abs_kw = jax.tree_util.tree_unflatten(treedef, inputs.avals)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
-        *abs_args, **dict(zip(names, abs_kw, strict=True)))
+    def trace(avals: Sequence[Any]) -> tuple[Any, Any]:
+        # Trace the user's function itself (not a wrapper made here), so jax's own tracing
+        # cache, keyed on the function, makes a second planning of the same step cheap.
+        a, k = jax.tree_util.tree_unflatten(treedef, avals)
+        return jax.make_jaxpr(fn, return_shape=True)(*a, **dict(zip(names, k, strict=True)))
+
+    closed, out_shape = trace(first.avals)
+    out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
+    returned = [(path_tokens(p), tuple(int(d) for d in x.shape)) for p, x in out_flat]
+
+    def carried(tokens: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+        n = len(tokens)
+        return n > 0 and any(len(t) >= n and t[len(t) - n:] == tokens and s == shape
+                             for t, s in returned)
+
+    inputs = globalize(classify_leaves(entries, infos, identity=identity,
+                                       batch_size=batch_size, infer_batch=infer,
+                                       carried=carried), leaves)
+    check_params_found(inputs, infos)
+    if batch_size is not None and not any(r.kind == BATCH for r in inputs.roles):
+        raise ValueError(f"batch_size={batch_size}: no argument leaf has it as its leading "
+                         f"dimension")
+    if inputs.avals != first.avals:  # several processes: trace the global shapes
+        closed, out_shape = trace(inputs.avals)
     if len(closed.jaxpr.invars) != len(inputs.avals):  # pragma: no cover - jax invariant
         raise RuntimeError("jaxpr inputs do not match the flattened arguments")
-    out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
     outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
                               batch_size=inputs.batch_size, infer_batch=False)
+    outputs = _mirror_inputs(outputs, returned, entries, inputs)
     return ArgLayout(treedef, names, inputs, outputs, out_treedef, infos, ptreedef), closed
+
+
+def _mirror_inputs(outputs: LeafTable, returned: Sequence[tuple[tuple[str, ...], Any]],
+                   entries: Sequence[tuple[str, Sequence[Any], Any]],
+                   inputs: LeafTable) -> LeafTable:
+    """An output at the path and shape of a non-parameter input takes that input's role."""
+    keyed = [(path_tokens(p), tuple(int(d) for d in a.shape), r)
+             for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles, strict=True)
+             if r.kind != PARAM and len(p) > 0]
+    roles = list(outputs.roles)
+    for i, (tokens, shape) in enumerate(returned):
+        if roles[i].kind == PARAM:
+            continue
+        best = max(((len(t), r) for t, s, r in keyed
+                    if s == shape and len(t) <= len(tokens) and tokens[len(tokens) - len(t):] == t),
+                   default=None, key=lambda x: x[0])
+        if best is not None:
+            roles[i] = best[1]
+    return LeafTable(outputs.paths, outputs.avals, tuple(roles), outputs.batch_size)
 
 
 def is_process_local(leaf: Any) -> bool:
@@ -161,7 +218,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
               memory_budget: float | None, num_devices: int | None = None,
               verify: int = 3, donate: bool = True,
               compiler_options: dict[str, Any] | None = None,
-              cache: bool | PlanCache = True) -> Planned:
+              cache: bool | PlanCache = True, batch_size: int | None = None) -> Planned:
     """Plan `fn` for these (abstract or concrete) arguments.
 
     `verify=k` compiles the analytic search's best candidates until k fit by XLA's own
@@ -194,7 +251,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
                          f"got {verify!r}")
 
     t0 = time.perf_counter()
-    layout, closed = layout_of(fn, args, kwargs, params)
+    layout, closed = layout_of(fn, args, kwargs, params, batch_size)
     t1 = time.perf_counter()
     store = (cache if isinstance(cache, PlanCache) else PlanCache()) if cache else None
     key = None

@@ -6,14 +6,16 @@ The step is opaque, so its arguments' roles are inferred from structure, not dec
   `TrainState.params` and its `opt_state`, an `nnx.State`): it takes the parameter's
   sharding, so optimizer state is sharded exactly like what it tracks;
 - a leaf whose leading dimension is the batch size is data, split over the data axis;
-- everything else (scalars, step counters, PRNG keys) is replicated.
-The batch size is the leading dimension most common among the non-parameter leaves.
+- everything else (scalars, step counters, PRNG keys, state the step hands back such as
+  batch-norm statistics) is replicated.
+The batch size is the leading dimension most common among the leaves that are neither
+parameters nor state the step returns (or the `batch_size=` the user gives).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,41 +130,47 @@ class LeafTable:
 
 def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
-                    batch_size: int | None = None, infer_batch: bool = True) -> LeafTable:
+                    batch_size: int | None = None, infer_batch: bool = True,
+                    carried: Callable[[tuple[str, ...], tuple[int, ...]], bool] | None = None,
+                    ) -> LeafTable:
     """Assign roles to `(root, key path, leaf)` entries: param mirror, batch, or other.
 
     `identity` maps id(array) -> param index for leaves that are the user's own param
     arrays, which settles them whatever their path. `batch_size` fixes B (outputs are
-    classified with the inputs' B); otherwise it is inferred.
+    classified with the inputs' B); otherwise it is inferred. `carried(path, shape)` says
+    a leaf is state the step returns (batch-norm statistics, counters): never data, and
+    not counted when inferring B.
     """
     identity = identity or {}
-    paths, avals, param_of = [], [], []
+    paths, avals, param_of, state = [], [], [], []
     for root, path, leaf in entries:
         where = f"{root}{jax.tree_util.keystr(tuple(path))}"
         a = abstract_leaf(leaf, where)
         shape = tuple(int(s) for s in a.shape)
+        tokens = path_tokens(path)
         j = identity.get(id(leaf), -1)
         if j < 0:
-            j = match_param(path_tokens(path), shape, params)
+            j = match_param(tokens, shape, params)
         paths.append(where)
         avals.append(a)
         param_of.append(j)
+        state.append(j < 0 and carried is not None and carried(tokens, shape))
 
     if batch_size is None and infer_batch:
         counts: Counter[int] = Counter()
-        for a, j in zip(avals, param_of, strict=True):
-            if j < 0 and len(a.shape) >= 1 and not is_key_dtype(a.dtype):
+        for a, j, st in zip(avals, param_of, state, strict=True):
+            if j < 0 and not st and len(a.shape) >= 1 and not is_key_dtype(a.dtype):
                 counts[int(a.shape[0])] += 1
         if counts:
             top = max(counts.values())
             batch_size = max(b for b, c in counts.items() if c == top)
 
     roles = []
-    for a, j in zip(avals, param_of, strict=True):
+    for a, j, st in zip(avals, param_of, state, strict=True):
         if j >= 0:
             roles.append(LeafRole(PARAM, j))
-        elif (batch_size is not None and len(a.shape) >= 1 and not is_key_dtype(a.dtype)
-              and int(a.shape[0]) == batch_size):
+        elif (batch_size is not None and not st and len(a.shape) >= 1
+              and not is_key_dtype(a.dtype) and int(a.shape[0]) == batch_size):
             roles.append(LeafRole(BATCH))
         else:
             roles.append(LeafRole(OTHER))
