@@ -36,6 +36,7 @@ _INSTR = re.compile(
     r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
@@ -184,6 +185,7 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Collec
     out = []
     n_all = mesh_shape[0] * mesh_shape[1]
     for line in hlo_text.splitlines():
+        line = _COMMENT.sub("", line)  # tuple shapes carry /*index=5*/ markers
         mt = _INSTR.search(line)
         if mt is None:
             continue
@@ -279,14 +281,24 @@ class Verification:
 
 def run_verification(fn: Any, layout: Any, result: Any, cluster: Cluster, objective: Any,
                      budget: float, devices: Sequence[Any], k: int, batch_size: int, *,
-                     donate: bool = True,
-                     compiler_options: dict[str, Any] | None = None) -> Verification:
+                     donate: bool = True, compiler_options: dict[str, Any] | None = None,
+                     compile_candidate: Any = None) -> Verification:
     """Compile candidates in the order the analytic search ranks them until `k` of them
-    fit by XLA's memory analysis; choose among those on the model fed XLA's figures."""
+    fit by XLA's memory analysis; choose among those on the model fed XLA's figures.
+
+    `compile_candidate(mesh_result) -> (CompiledFigures, compiled step or None)` replaces
+    the compile (benchmarks replay figures they compiled once)."""
     import time
 
     from .compile import compile_layout
     from .solve import uses_model_axis
+
+    def compile_here(r: Any) -> tuple[CompiledFigures, Any]:
+        cs = compile_layout(fn, layout, r.d, r.m, [s.spec for s in r.strategies], devices,
+                            donate=donate, compiler_options=compiler_options)
+        return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s), cs
+
+    compile_candidate = compile_candidate or compile_here
 
     t0 = time.perf_counter()
     order = sorted((i for i, r in enumerate(result.results)
@@ -301,14 +313,11 @@ def run_verification(fn: Any, layout: Any, result: Any, cluster: Cluster, object
         if len(fitting) >= k:
             break
         r = result.results[i]
-        specs = [s.spec for s in r.strategies]
         try:
-            cs = compile_layout(fn, layout, r.d, r.m, specs, devices, donate=donate,
-                                compiler_options=compiler_options)
+            figs, cs = compile_candidate(r)
         except Exception as e:  # noqa: BLE001 - XLA refusing a candidate is a verdict on it
             failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             continue
-        figs = compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s)
         figures[i] = figs
         preds[i] = with_compiled(r.predicted, figs, cluster, batch_size)
         if figs.memory_bytes <= budget:

@@ -80,6 +80,15 @@ def test_replica_group_syntaxes(text, groups):
     assert sorted(map(sorted, got)) == sorted(map(sorted, groups))
 
 
+def test_combined_all_reduce_with_a_tuple_shape():
+    line = ("%all-reduce.30 = (f32[64]{0}, f32[64,64]{1,0}, f32[192]{0}, f32[192,64]{1,0}, "
+            "f32[64]{0}, /*index=5*/f32[64]{0}) all-reduce(%a, %b, %c, %d, %e, %f), "
+            "channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true")
+    (c,) = parse_collectives(line, (2, 4))
+    assert c.kind == "all-reduce" and c.axes == ("data",) and c.group_size == 2
+    assert c.bytes == 4 * (64 + 64 * 64 + 192 + 192 * 64 + 64 + 64)
+
+
 def test_axes_of_groups():
     assert axes_of([[0, 1, 2, 3], [4, 5, 6, 7]], (2, 4)) == ("model",)
     assert axes_of([[0, 4], [1, 5], [2, 6], [3, 7]], (2, 4)) == ("data",)
