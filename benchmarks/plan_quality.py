@@ -1,0 +1,135 @@
+"""How good the planner's choice is, against an oracle that compiles everything.
+
+    .venv/bin/python benchmarks/plan_quality.py            # full-size models
+    .venv/bin/python benchmarks/plan_quality.py --small    # CI-sized versions
+
+For each model of `benchmarks/zoo.py` and each number of available devices (1, 2, 4, 8 of
+`Cluster("h100-sxm", n)`), the oracle is every candidate of `benchmarks/candidates.py`
+(every mesh of up to n devices with the planner's layout, plain data parallelism and
+FSDP) compiled by XLA and scored by the objective on the cost model fed XLA's figures.
+The planner's choice is what `make_plan` returns with its default verification (the
+three best analytic candidates compiled); it is scored the same way. Regret = the
+choice's score / the oracle's best score - 1.
+
+Planning time is split into trace, analysis + search (analytic), and verification, all
+measured on this machine. Every score is the cost model fed XLA's compiled figures: a
+prediction, not a measurement. Writes `benchmarks/results/plan_quality.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import candidates  # noqa: E402  (sets up 8 simulated devices before jax starts)
+import jax  # noqa: E402
+
+import jaxwap  # noqa: E402
+from jaxwap.verify import run_verification, with_compiled  # noqa: E402
+
+GOAL_REGRET, GOAL_PLAN_S = 0.03, 1.0
+OBJECTIVE = jaxwap.Objective("balanced")
+
+
+def score(pred: jaxwap.Prediction, cluster: jaxwap.Cluster) -> float:
+    return OBJECTIVE.scores([pred], max_watts=cluster.device.max_watts,
+                            num_devices_available=cluster.num_devices)[0]
+
+
+def evaluate(w: Any, planned: Any, records: list[candidates.Record], n: int) -> dict[str, Any]:
+    """The planner's verified choice on n devices vs the best compiled candidate."""
+    cluster = jaxwap.Cluster("h100-sxm", n)
+    B = w.batch_size
+    budget = cluster.device.memory_bytes * 0.9
+    oracle = []
+    for r in records:
+        if r.compiled is None or r.d * r.m > n or r.compiled.memory_bytes > budget:
+            continue
+        vp = with_compiled(r.predicted, r.compiled, cluster, B)
+        oracle.append((score(vp, cluster), r))
+    best_score, best = min(oracle, key=lambda x: x[0])
+
+    # the planner, on n devices: its own search, then its verification, which here reads
+    # the figures compiled once by candidates.py instead of compiling again
+    t0 = time.perf_counter()
+    analytic = candidates.plan_analytic(w, cluster)
+    t_plan = time.perf_counter() - t0
+    compiled = {(r.d, r.m, r.strategies): r.compiled for r in records if r.compiled}
+
+    def replay(mr: Any) -> tuple[Any, None]:
+        figs = compiled.get((mr.d, mr.m, tuple(s.name for s in mr.strategies)))
+        if figs is None:
+            raise RuntimeError("candidate not compiled by candidates.py")
+        return figs, None
+
+    ver = run_verification(w.step, analytic.layout, analytic.search, cluster, OBJECTIVE,
+                           budget, jax.devices(), 3, B, compile_candidate=replay)
+    chosen = analytic.search.results[ver.best]
+    chosen_score = score(ver.predictions[ver.best], cluster)
+    return {
+        "devices": n, "chosen": f"{chosen.d}x{chosen.m}",
+        "chosen_score": chosen_score, "oracle": f"{best.d}x{best.m} {best.variant}",
+        "oracle_score": best_score, "regret": chosen_score / best_score - 1,
+        "candidates_compiled": len(oracle),
+        "analytic_plan_s": t_plan, "phases_s": dict(analytic.plan.planning_time_s),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="alexnet,vgg16,resnet50,gpt2")
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--refresh", action="store_true")
+    args = p.parse_args()
+    rows = []
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        w = candidates.build(name, args.small)
+        print(f"{w.name}: {w.description}", flush=True)
+        planned, records = candidates.load_or_compile(w, args.small, args.refresh)
+        # a real verification run, timed, for the planning-time split
+        t0 = time.perf_counter()
+        real = jaxwap.plan(w.step, *w.args, params=w.params, hardware=candidates.HARDWARE,
+                           cache=False)
+        total = time.perf_counter() - t0
+        for n in (1, 2, 4, 8):
+            row = {"model": w.name, **evaluate(w, planned, records, n)}
+            rows.append(row)
+            print(f"  {n} devices: chose {row['chosen']:5s} oracle {row['oracle']:22s} "
+                  f"regret {100 * row['regret']:5.1f}%   analytic planning "
+                  f"{row['analytic_plan_s']:.2f} s", flush=True)
+        rows[-1]["verified_plan_total_s"] = total
+        rows[-1]["verified_plan_phases_s"] = dict(real.planning_time_s)
+        print(f"  planning with verification on 8 devices: {total:.1f} s "
+              + ", ".join(f"{k} {v:.2f} s" for k, v in real.planning_time_s.items()))
+    regrets = [r["regret"] for r in rows]
+    worst = max(rows, key=lambda r: r["regret"])
+    plan_s = [r["analytic_plan_s"] for r in rows]
+    print(f"\nregret: median {100 * statistics.median(regrets):.1f}%, worst "
+          f"{100 * worst['regret']:.1f}% ({worst['model']} on {worst['devices']} devices); "
+          f"goal <= {100 * GOAL_REGRET:.0f}%: "
+          f"{'met' if worst['regret'] <= GOAL_REGRET else 'missed'}")
+    print(f"analytic planning (trace + search): worst {max(plan_s):.2f} s; goal < "
+          f"{GOAL_PLAN_S:.0f} s: {'met' if max(plan_s) < GOAL_PLAN_S else 'missed'}")
+    record = {"command": "python benchmarks/plan_quality.py " + " ".join(sys.argv[1:]),
+              "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "jaxwap": jaxwap.__version__,
+              "objective": OBJECTIVE.to_dict(),
+              "basis": "scores = the cost model fed XLA's compiled figures (simulated CPU "
+                       "devices, h100-sxm profile); planning times measured on this machine",
+              "rows": rows}
+    suffix = "_small" if args.small else ""
+    (candidates.RESULTS / f"plan_quality{suffix}.json").write_text(
+        json.dumps(record, indent=1) + "\n")
+    print(f"wrote benchmarks/results/plan_quality{suffix}.json")
+
+
+if __name__ == "__main__":
+    main()
