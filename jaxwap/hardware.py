@@ -230,7 +230,7 @@ def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
                 f"Pass hardware=jaxwap.Cluster(jaxwap.DeviceSpec(...), n) for real figures.")
         warnings.warn(note, stacklevel=3)
     spec = _BUILTIN[name]
-    memory = _device_memory_limit(devices[0])
+    memory = device_memory_limit(devices[0])
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))
     if platform == "cpu":
@@ -260,7 +260,7 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any]) -> DeviceSpec:
         idle_watts=spec.idle_watts * share, efficiency_half_flops=None)
 
 
-def _device_memory_limit(device: Any) -> int | None:
+def device_memory_limit(device: Any) -> int | None:
     """The device's own memory limit where JAX exposes it (GPU/TPU), else None."""
     try:
         stats = device.memory_stats()

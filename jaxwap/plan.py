@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from .cost import Prediction
@@ -62,7 +63,6 @@ class ParamPlacement:
 
     @property
     def nbytes(self) -> int:
-        import numpy as np
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from . import __version__
 from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .cost import DATA, MODEL
 from .graph import Graph, analyze
-from .hardware import Cluster, DeviceSpec, detect_cluster
+from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .objective import Objective
 from .plan import Candidate, ParamPlacement, Plan
 from .solve import SearchResult, search, uses_model_axis
@@ -242,8 +242,15 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         raise TypeError(f"num_devices must be an int or None, got {num_devices!r}")
     if num_devices is not None and not 1 <= num_devices <= usable:
         raise ValueError(f"num_devices={num_devices} is outside 1..{usable} (devices usable)")
-    budget = float(memory_budget) if memory_budget is not None else \
-        cluster.device.memory_bytes * (1 - MEMORY_HEADROOM)
+    if memory_budget is not None:
+        budget = float(memory_budget)
+    else:
+        # the profile's memory, or the present devices' own limit where JAX exposes it
+        # (memory_stats()["bytes_limit"]) and it is smaller, less the headroom
+        limit = device_memory_limit(devs[0])
+        memory = cluster.device.memory_bytes if limit is None else \
+            min(cluster.device.memory_bytes, float(limit))
+        budget = memory * (1 - MEMORY_HEADROOM)
     if budget <= 0:
         raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget!r}")
     if isinstance(verify, bool) or not isinstance(verify, (int, np.integer)) or verify < 0:
