@@ -101,14 +101,20 @@ def _variant_choice(strats: Sequence[Sequence[Any]], variant: str,
     return out
 
 
-def enumerate_candidates(w: zoo.Workload, planned: Planned,
-                         cluster: jaxwap.Cluster = HARDWARE, log: Any = print) -> list[Record]:
-    """Compile every (mesh, variant) once; identical layouts are compiled once."""
+Key = tuple[int, int, tuple[str, ...]]
+
+
+def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any],
+                         cluster: jaxwap.Cluster = HARDWARE,
+                         log: Any = print) -> list[Record]:
+    """Every (mesh, variant) priced by the current model; compiled figures come from
+    `known` (layouts compiled before: XLA's figures do not depend on jaxwap's model) or
+    from a compile now. Identical layouts appear once."""
     graph, search = planned.graph, planned.search
     assert graph is not None and search is not None
     devices = jax.devices()
     records: list[Record] = []
-    seen: set[tuple[int, int, tuple[str, ...]]] = set()
+    seen: set[Key] = set()
     for r in search.results:
         if not uses_model_axis(r):
             continue
@@ -120,41 +126,59 @@ def enumerate_candidates(w: zoo.Workload, planned: Planned,
                 continue
             choice = _variant_choice(strats, variant, planner_names)
             layout = tuple(strats[j][c].name for j, c in enumerate(choice))
-            if (r.d, r.m, layout) in seen:
+            key = (r.d, r.m, layout)
+            if key in seen:
                 continue
-            seen.add((r.d, r.m, layout))
+            seen.add(key)
             pred = predict(graph, cluster, mc, choice)
-            specs = [strats[j][c].spec for j, c in enumerate(choice)]
-            t0 = time.perf_counter()
-            try:
-                cs = compile_layout(w.step, planned.layout, r.d, r.m, specs, devices)
-                figs = compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s)
-                err = None
-            except Exception as e:  # noqa: BLE001 - recorded, not hidden
-                figs, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log(f"  {w.name:14s} {r.d}x{r.m} {variant:13s} compiled in "
-                f"{time.perf_counter() - t0:5.1f} s" + (f"  ERROR {err}" if err else ""))
+            if key in known:
+                figs, err = known[key]
+            else:
+                specs = [strats[j][c].spec for j, c in enumerate(choice)]
+                t0 = time.perf_counter()
+                try:
+                    cs = compile_layout(w.step, planned.layout, r.d, r.m, specs, devices)
+                    figs = compiled_figures(cs.compiled, (r.d, r.m), cluster,
+                                            cs.compile_time_s)
+                    err = None
+                except Exception as e:  # noqa: BLE001 - recorded, not hidden
+                    figs, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                log(f"  {w.name:14s} {r.d}x{r.m} {variant:13s} compiled in "
+                    f"{time.perf_counter() - t0:5.1f} s" + (f"  ERROR {err}" if err else ""))
             records.append(Record(r.d, r.m, variant, layout, pred, figs, err))
     return records
 
 
 def load_or_compile(w: zoo.Workload, small: bool, refresh: bool = False,
                     log: Any = print) -> tuple[Planned, list[Record]]:
-    """The records for a workload, from the results file when it matches."""
+    """The records for a workload: predictions from the current model, XLA's figures from
+    the results file for layouts compiled before (same workload, hardware, jax and
+    devices), compiles for the rest; the file is rewritten with everything known."""
     path = RESULTS / f"candidates_{w.name}.json"
     planned = plan_analytic(w)
     meta = {"workload": w.name, "description": w.description, "small": small,
-            "hardware": HARDWARE.to_dict(), "jaxwap": jaxwap.__version__,
-            "jax": jax.__version__, "devices": len(jax.devices())}
+            "hardware": HARDWARE.to_dict(), "jax": jax.__version__,
+            "devices": len(jax.devices())}
+    known: dict[Key, Any] = {}
+    saved_records: list[dict[str, Any]] = []
     if path.exists() and not refresh:
         try:
             saved = json.loads(path.read_text())
             if saved.get("meta") == meta:
-                return planned, [Record.from_dict(r) for r in saved["records"]]
+                saved_records = saved["records"]
+                for rec in map(Record.from_dict, saved_records):
+                    known[(rec.d, rec.m, rec.strategies)] = (rec.compiled, rec.error)
         except (ValueError, KeyError, TypeError):
-            pass
-    records = enumerate_candidates(w, planned, log=log)
+            known, saved_records = {}, []
+    records = enumerate_candidates(w, planned, known, log=log)
+    current = {(r.d, r.m, r.strategies) for r in records}
+    keep = [d for d in saved_records
+            if (d["d"], d["m"], tuple(d["strategies"])) not in current]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": meta, "records": [r.to_dict() for r in records]},
+    path.write_text(json.dumps({"meta": meta, "records": keep + [r.to_dict() for r in records]},
                                indent=1) + "\n")
     return planned, records
+
+
+def compiled_lookup(records: Sequence[Record]) -> dict[Key, CompiledFigures]:
+    return {(r.d, r.m, r.strategies): r.compiled for r in records if r.compiled is not None}

@@ -1,7 +1,10 @@
 """The planner's choices follow from the model: small work wants few devices, large work
-many; the objective moves the choice where time and energy disagree."""
+many; the objective moves the choice where time and energy disagree. These test the
+analytic search (`verify=0`); verification is tested in test_verify.py."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +14,17 @@ from models import abstract_setup
 import jaxwap
 from jaxwap.cost import all_gather, all_reduce
 
+analytic_plan = functools.partial(jaxwap.plan, verify=0, cache=False)
+
 # Fast devices joined by slow links (PCIe-class, high latency).
 FAST_SLOW = jaxwap.Cluster("h100-sxm", 8, link_bandwidth=10e9, link_latency=30e-6)
 
 
 def test_tiny_workload_gets_fewer_devices_than_a_large_one():
-    tiny = jaxwap.plan(*abstract_setup((32, 10), 8, 16), hardware=FAST_SLOW,
+    tiny = analytic_plan(*abstract_setup((32, 10), 8, 16), hardware=FAST_SLOW,
                        objective="throughput")
     # same small weights, a huge batch: compute per gradient byte is what pays for links
-    large = jaxwap.plan(*abstract_setup((512, 512, 10), 262144, 512),
+    large = analytic_plan(*abstract_setup((512, 512, 10), 262144, 512),
                         hardware=FAST_SLOW, objective="throughput")
     assert tiny.num_devices == 1
     assert large.num_devices >= 4
@@ -28,7 +33,7 @@ def test_tiny_workload_gets_fewer_devices_than_a_large_one():
 
 def test_objective_changes_the_choice_where_the_model_says_so():
     args = abstract_setup((512, 512, 10), 262144, 512)
-    plans = {o: jaxwap.plan(*args, hardware=FAST_SLOW, objective=o)
+    plans = {o: analytic_plan(*args, hardware=FAST_SLOW, objective=o)
              for o in ("throughput", "energy", "balanced")}
     # the model's own numbers: the fastest candidate and the least-energy candidate
     cands = plans["throughput"].candidates
@@ -41,7 +46,7 @@ def test_objective_changes_the_choice_where_the_model_says_so():
     assert (plans["energy"].predicted.energy_per_step_j
             <= plans["throughput"].predicted.energy_per_step_j)
     # max_slowdown lies between: least energy among those within 5% of the fastest
-    slow = jaxwap.plan(*args, hardware=FAST_SLOW, objective=jaxwap.Objective(max_slowdown=0.05))
+    slow = analytic_plan(*args, hardware=FAST_SLOW, objective=jaxwap.Objective(max_slowdown=0.05))
     assert slow.predicted.step_time_s <= fastest.predicted.step_time_s * 1.05 * (1 + 1e-9)
     allowed = [c for c in cands if c.predicted.step_time_s <= fastest.predicted.step_time_s
                * 1.05 * (1 + 1e-9) and c.fits]
@@ -51,8 +56,8 @@ def test_objective_changes_the_choice_where_the_model_says_so():
 
 def test_slower_links_mean_fewer_or_equal_devices():
     args = abstract_setup((1024, 1024, 1000), 256, 1024)
-    nvlink = jaxwap.plan(*args, hardware=jaxwap.Cluster("h100-sxm", 8), objective="balanced")
-    pcie = jaxwap.plan(*args, hardware=jaxwap.Cluster("h100-sxm", 8, link_bandwidth=2e9,
+    nvlink = analytic_plan(*args, hardware=jaxwap.Cluster("h100-sxm", 8), objective="balanced")
+    pcie = analytic_plan(*args, hardware=jaxwap.Cluster("h100-sxm", 8, link_bandwidth=2e9,
                                                         link_latency=50e-6),
                        objective="balanced")
     assert pcie.num_devices <= nvlink.num_devices
@@ -61,10 +66,10 @@ def test_slower_links_mean_fewer_or_equal_devices():
 
 def test_memory_pressure_shards_parameters_and_every_plan_fits():
     args = abstract_setup((2048, 2048, 1000), 64, 1024)
-    roomy = jaxwap.plan(*args, hardware=FAST_SLOW, objective="energy")
+    roomy = analytic_plan(*args, hardware=FAST_SLOW, objective="energy")
     assert roomy.num_devices == 1
     budget = roomy.predicted.peak_memory_bytes * 0.5
-    tight = jaxwap.plan(*args, hardware=FAST_SLOW, objective="energy", memory_budget=budget)
+    tight = analytic_plan(*args, hardware=FAST_SLOW, objective="energy", memory_budget=budget)
     assert tight.predicted.peak_memory_bytes <= budget
     assert tight.num_devices > 1
     assert any(p.strategy != "replicate" for p in tight.params)
@@ -83,7 +88,7 @@ def test_ring_formulas():
 
 def test_predicted_compute_follows_the_jaxpr_flops():
     step, params, opt, batch = abstract_setup((256, 10), 128, 64)
-    plan = jaxwap.plan(step, params, opt, batch, hardware=FAST_SLOW, num_devices=1)
+    plan = analytic_plan(step, params, opt, batch, hardware=FAST_SLOW, num_devices=1)
     # forward + two backward matmuls per Dense layer (the first layer needs no dx)
     fwd = 2 * 128 * (64 * 256 + 256 * 10)
     expected = fwd + 2 * 128 * 64 * 256 + 2 * (2 * 128 * 256 * 10)
@@ -99,7 +104,7 @@ def test_convolution_flops_are_counted():
     x = jax.ShapeDtypeStruct((8, 16, 16, 3), jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), x)
     batch = {"x": x, "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
-    plan = jaxwap.plan(make_step(model, tx), params, jax.eval_shape(tx.init, params), batch,
+    plan = analytic_plan(make_step(model, tx), params, jax.eval_shape(tx.init, params), batch,
                        hardware=FAST_SLOW, num_devices=1)
     # the first conv alone: 2 * 8 images * 16*16 positions * 3*3*3 taps * 16 channels, fwd
     conv1_fwd = 2 * 8 * 16 * 16 * 27 * 16

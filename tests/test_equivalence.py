@@ -15,7 +15,7 @@ import jaxwap
 RTOL, ATOL = 2e-5, 2e-6
 
 SLOW_LINKS = jaxwap.DeviceSpec(
-    "slow-link-test", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=4e6,
+    "slow-link-test", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=3e6,
     idle_watts=10, max_watts=100, kernel_overhead_s=1e-6, link_bandwidth=1e9,
     link_latency_s=1e-6)
 
@@ -62,8 +62,9 @@ def test_tensor_parallel_and_fsdp_plan_matches_single_device():
     # SGD: Adam's g/sqrt(v) turns rounding noise in near-zero gradients into full steps
     step, params, opt, batch = setup(model, (256, 64), num_classes=16,
                                      tx=optax.sgd(0.1, momentum=0.9))
+    # the analytic plan (verify=0): XLA's figures for so small a program would move it
     ref, out, sharded = run_both(step, params, opt, batch, objective="throughput",
-                                 hardware=jaxwap.Cluster(SLOW_LINKS, 8))
+                                 hardware=jaxwap.Cluster(SLOW_LINKS, 8), verify=0)
     strategies = {p.strategy for p in sharded.plan.params}
     assert any(s.startswith("tp-col") for s in strategies), strategies
     assert any(s.startswith("tp-row") for s in strategies), strategies
