@@ -88,6 +88,12 @@ class Candidate:
     strategy_counts: tuple[tuple[str, int], ...]
     compiled: CompiledFigures | None = None   # XLA's figures, when verified
     verified: Prediction | None = None        # the model fed those figures
+    variant: str = "planner"                  # or "data-parallel", the baseline layout
+
+    @property
+    def label(self) -> str:
+        shape = "x".join(str(s) for _, s in self.mesh_shape)
+        return shape if self.variant == "planner" else f"{shape} dp"
 
     @property
     def num_devices(self) -> int:
@@ -103,7 +109,8 @@ class Candidate:
                 "fits": self.fits, "chosen": self.chosen, "reason": self.reason,
                 "strategy_counts": [list(x) for x in self.strategy_counts],
                 "compiled": self.compiled.to_dict() if self.compiled else None,
-                "verified": self.verified.to_dict() if self.verified else None}
+                "verified": self.verified.to_dict() if self.verified else None,
+                "variant": self.variant}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Candidate:
@@ -111,7 +118,8 @@ class Candidate:
                    Prediction.from_dict(d["predicted"]),
                    float("inf") if d["score"] is None else d["score"], d["fits"],
                    d["chosen"], d["reason"], tuple((a, int(c)) for a, c in d["strategy_counts"]),
-                   _opt(CompiledFigures, d.get("compiled")), _opt(Prediction, d.get("verified")))
+                   _opt(CompiledFigures, d.get("compiled")), _opt(Prediction, d.get("verified")),
+                   d.get("variant", "planner"))
 
 
 @dataclass(frozen=True)
@@ -270,13 +278,13 @@ class Plan:
         if len(self.params) > max_params:
             lines.append(f"  ... {len(self.params) - max_params} smaller parameters not shown")
         lines += ["", "candidates (every mesh considered, by score):",
-                  "  (basis: XLA = the model fed XLA's compiled figures; model = analytic)",
+                  "  (basis: XLA = the model fed XLA's compiled figures; model = analytic; "
+                  "dp = plain data parallelism, the baseline)",
                   f"  {'mesh':<12} {'step ms':>10} {'samples/s':>11} {'J/step':>9} "
                   f"{'W':>7} {'mem/dev':>9} {'basis':>5}  verdict"]
         for c in sorted(self.candidates, key=lambda c: (not c.chosen, c.score)):
             cp = c.verified or c.predicted
-            shape = "x".join(str(s) for _, s in c.mesh_shape)
-            lines.append(f"  {shape:<12} {cp.step_time_s * 1e3:10.3f} {cp.samples_per_s:11,.0f} "
+            lines.append(f"  {c.label:<12} {cp.step_time_s * 1e3:10.3f} {cp.samples_per_s:11,.0f} "
                          f"{cp.energy_per_step_j:9.3f} {cp.avg_power_w:7.0f} "
                          f"{_si(cp.peak_memory_bytes, 'B'):>9} "
                          f"{'XLA' if c.verified else 'model':>5}  "

@@ -375,7 +375,8 @@ def _build_plan(result: SearchResult, ver: Verification | None, graph: Graph,
         cands.append(Candidate(((DATA, r.d), (MODEL, r.m)), r.predicted, float(scores[i]),
                                r.fits and (i not in figs or figs[i].memory_bytes <= budget),
                                i == chosen, reason, tuple(sorted(counts.items())),
-                               compiled=figs.get(i), verified=vpreds.get(i)))
+                               compiled=figs.get(i), verified=vpreds.get(i),
+                               variant=r.variant))
     return Plan(
         mesh_shape={DATA: best.d, MODEL: best.m},
         device_ids=tuple(int(d.id) for d in devs[: best.d * best.m]),

@@ -45,14 +45,19 @@ class MeshResult:
     strategies: tuple[Strategy, ...]
     predicted: Prediction
     fits: bool
+    variant: str = "planner"   # or "data-parallel": the baseline every user could write
 
 
 @dataclass(frozen=True)
 class SearchResult:
+    """Per-mesh results (and the data-parallel baseline, when it differs), their scores,
+    the analytic best, and the index of the best data-parallel baseline (or -1)."""
+
     results: tuple[MeshResult, ...]
     scores: tuple[float, ...]
     best: int
     skipped: tuple[str, ...]
+    baseline: int = -1
 
 
 def _largest_dim(shape: Sequence[int], dims: Sequence[int], k: int,
@@ -204,7 +209,26 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact)
     if not shapes:
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    results = tuple(solve_mesh(graph, cluster, d, m, budget) for d, m in shapes)
+    results = [solve_mesh(graph, cluster, d, m, budget) for d, m in shapes]
+    # Plain data parallelism (every parameter replicated) is what a user would write by
+    # hand; its best mesh is kept as a candidate of its own so verification can always
+    # weigh the plan against it on XLA's figures.
+    dp = [data_parallel(graph, cluster, d, budget) for d, m in shapes if m == 1]
+    dp = [r for r in dp if r.fits]
+    baseline = -1
+    if dp:
+        dp_scores = objective.scores([r.predicted for r in dp],
+                                     max_watts=cluster.device.max_watts,
+                                     num_devices_available=cluster.num_devices)
+        b = min(range(len(dp)), key=lambda i: (dp_scores[i], dp[i].predicted.step_time_s))
+        same = next((i for i, r in enumerate(results)
+                     if (r.d, r.m) == (dp[b].d, 1) and r.strategies == dp[b].strategies), None)
+        if same is None:
+            results.append(dp[b])
+            baseline = len(results) - 1
+        else:
+            baseline = same
+    results = tuple(results)
     fitting = [r for r in results if r.fits]
     scores: list[float] = [math.inf] * len(results)
     if not fitting:
@@ -228,7 +252,16 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
             scores[i] = s
         best = min(fit_idx, key=lambda i: (scores[i], results[i].predicted.step_time_s,
                                            results[i].d * results[i].m))
-    return SearchResult(results, tuple(scores), best, tuple(skipped))
+    return SearchResult(results, tuple(scores), best, tuple(skipped), baseline)
+
+
+def data_parallel(graph: Graph, cluster: Cluster, d: int, budget: float) -> MeshResult:
+    """Every parameter replicated over a (d, 1) mesh, the batch split d ways."""
+    strategies = [param_strategies(graph, j, d, 1)[:1] for j in range(len(graph.params))]
+    mc = mesh_costs(graph, cluster, d, 1, strategies)
+    pred = predict(graph, cluster, mc, [0] * len(strategies))
+    return MeshResult(d, 1, tuple(s[0] for s in strategies), pred,
+                      pred.peak_memory_bytes <= budget, "data-parallel")
 
 
 def uses_model_axis(r: MeshResult) -> bool:

@@ -235,7 +235,9 @@ def test_candidates_include_fewer_devices_than_available():
     assert min(counts) < H100X8.num_devices
     assert 1 in counts and 8 in counts
     meshes = {c.mesh_shape for c in plan.candidates}
-    assert len(meshes) == len(plan.candidates)  # each mesh once
+    # each mesh once, plus at most the data-parallel baseline as a layout of its own
+    assert len({(c.mesh_shape, c.variant) for c in plan.candidates}) == len(plan.candidates)
+    assert sum(c.variant == "data-parallel" for c in plan.candidates) <= 1
     assert (("data", 1), ("model", 1)) in meshes
     chosen = [c for c in plan.candidates if c.chosen]
     assert len(chosen) == 1

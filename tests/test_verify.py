@@ -152,3 +152,16 @@ def test_the_run_reuses_the_verified_executable():
     sharded(copy_tree(params), copy_tree(opt), batch)
     key = next(iter(sharded._plans))
     assert sharded._execs[key] is sharded._plans[key].compiled
+
+
+def test_the_data_parallel_baseline_is_always_verified():
+    """Whatever the analytic ranking, the best plain data-parallel layout is compiled too,
+    so the plan is never worse than it on XLA's figures."""
+    step, params, opt, batch = abstract_setup((256, 256, 10), 64, 128)
+    plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8, verify=1, cache=False)
+    dp = [c for c in plan.candidates if c.compiled is not None
+          and c.mesh_shape[1] == ("model", 1)
+          and dict(c.strategy_counts) == {"replicate": len(plan.params)}]
+    assert dp, [(c.label, c.strategy_counts) for c in plan.candidates if c.compiled]
+    chosen = next(c for c in plan.candidates if c.chosen)
+    assert chosen.score <= min(c.score for c in dp)
