@@ -116,7 +116,7 @@ def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any
     records: list[Record] = []
     seen: set[Key] = set()
     for r in search.results:
-        if not uses_model_axis(r):
+        if not uses_model_axis(r) or r.variant != "planner":  # the baseline comes below
             continue
         strats = [param_strategies(graph, j, r.d, r.m) for j in range(len(graph.params))]
         mc = mesh_costs(graph, cluster, r.d, r.m, strats)
