@@ -268,7 +268,6 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     """The full prediction for a mesh's costs and a strategy index per parameter."""
     d, m = mc.d, mc.m
     n = d * m
-    dev = cluster.device
     strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
     compute = mc.base + sum(mc.param_time[j][s] for j, s in enumerate(choice))
     busy = mc.base_busy + sum(mc.param_busy[j][s] for j, s in enumerate(choice))
@@ -282,22 +281,34 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     first = graph.layers[0].param if graph.layers else None
     last_grad = grads[first][0] if first is not None else 0.0
     exposed = max(grad_t - BACKWARD_SHARE * mc.batched_time, min(last_grad, grad_t), 0.0)
-    step = compute + tp_t + exposed
-    overhead = compute - busy
-    util = min(1.0, (busy + SIDE_UTILIZATION * (overhead + tp_t + exposed)) / step) if step else 0
+    mem, _ = peak_memory(graph, d, m, [s.shard(d, m) for s in strats])
+    return assemble(cluster, n, graph.batch_size or 1, compute=compute, busy=busy,
+                    blocking=tp_t, grad_comm=grad_t, exposed=exposed,
+                    comm_bytes=grad_b + tp_b, memory=mem,
+                    flops=_flops_per_device(graph, d, m, strats),
+                    batched_time=mc.batched_time)
+
+
+def assemble(cluster: Cluster, n: int, batch: int, *, compute: float, busy: float,
+             blocking: float, grad_comm: float, exposed: float, comm_bytes: float,
+             memory: float, flops: float, batched_time: float) -> Prediction:
+    """A step's time and energy from its parts: compute, blocking communication and the
+    gradient reduction the backward pass does not hide. Each of the n devices draws
+    idle + (max - idle) x utilization, where launches and collectives count partly."""
+    dev = cluster.device
+    step = compute + blocking + exposed
+    side = SIDE_UTILIZATION * (compute - busy + blocking + exposed)
+    util = min(1.0, (busy + side) / step) if step > 0 else 0.0
     power = (dev.idle_watts + (dev.max_watts - dev.idle_watts) * util) \
         * cluster.speedup_when_using(n)
     energy = n * power * step
-    mem, _ = peak_memory(graph, d, m, [s.shard(d, m) for s in strats])
-    B = graph.batch_size or 1
-    flops_dev = _flops_per_device(graph, d, m, strats)
     return Prediction(
-        step_time_s=step, samples_per_s=B / step if step else float("inf"),
-        energy_per_step_j=energy, energy_per_sample_j=energy / B, avg_power_w=n * power,
-        peak_memory_bytes=mem, comm_bytes=grad_b + tp_b, compute_time_s=compute,
-        tp_comm_time_s=tp_t, grad_comm_time_s=grad_t, exposed_comm_time_s=exposed,
-        flops_per_device=flops_dev, utilization=util, num_devices=n, busy_time_s=busy,
-        batched_time_s=mc.batched_time)
+        step_time_s=step, samples_per_s=batch / step if step else float("inf"),
+        energy_per_step_j=energy, energy_per_sample_j=energy / batch, avg_power_w=n * power,
+        peak_memory_bytes=memory, comm_bytes=comm_bytes, compute_time_s=compute,
+        tp_comm_time_s=blocking, grad_comm_time_s=grad_comm, exposed_comm_time_s=exposed,
+        flops_per_device=flops, utilization=util, num_devices=n, busy_time_s=busy,
+        batched_time_s=batched_time)
 
 
 def _combined_latency(strats: Sequence[Strategy], d: int, cluster: Cluster) -> float:

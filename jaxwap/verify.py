@@ -21,10 +21,10 @@ from .cost import (
     BACKWARD_SHARE,
     DATA,
     MODEL,
-    SIDE_UTILIZATION,
     Prediction,
     all_gather,
     all_reduce,
+    assemble,
 )
 from .hardware import Cluster
 
@@ -241,22 +241,10 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
         else:
             blocking += t
     exposed = max(overlappable - BACKWARD_SHARE * pred.batched_time_s * scale, 0.0)
-    step = compute + blocking + exposed
-    dev = cluster.device
-    n = pred.num_devices
-    util = min(1.0, (busy + SIDE_UTILIZATION * (compute - busy + blocking + exposed)) / step) \
-        if step > 0 else 0.0
-    power = (dev.idle_watts + (dev.max_watts - dev.idle_watts) * util) \
-        * cluster.speedup_when_using(n)
-    energy = n * power * step
-    return Prediction(
-        step_time_s=step, samples_per_s=batch_size / step if step else float("inf"),
-        energy_per_step_j=energy, energy_per_sample_j=energy / batch_size,
-        avg_power_w=n * power, peak_memory_bytes=figs.memory_bytes,
-        comm_bytes=figs.comm_bytes, compute_time_s=compute, tp_comm_time_s=blocking,
-        grad_comm_time_s=overlappable, exposed_comm_time_s=exposed,
-        flops_per_device=figs.flops, utilization=util, num_devices=n, busy_time_s=busy,
-        batched_time_s=pred.batched_time_s * scale)
+    return assemble(cluster, pred.num_devices, batch_size, compute=compute, busy=busy,
+                    blocking=blocking, grad_comm=overlappable, exposed=exposed,
+                    comm_bytes=figs.comm_bytes, memory=figs.memory_bytes, flops=figs.flops,
+                    batched_time=pred.batched_time_s * scale)
 
 
 __all__ = ["Collective", "CompiledFigures", "compiled_figures", "parse_collectives",
