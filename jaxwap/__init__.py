@@ -9,13 +9,23 @@ __version__ = "0.1.0"
 
 from .api import AutoShardedStep, auto_shard, plan  # noqa: E402
 from .cache import PlanCache  # noqa: E402
+from .calibrate import Calibration, calibrate, load_calibration  # noqa: E402
 from .cost import Prediction, Strategy  # noqa: E402
+from .energy import EnergyMeter, EnergyReading, measure_energy  # noqa: E402
 from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec  # noqa: E402
+from .measure import Measurement  # noqa: E402
 from .objective import Objective  # noqa: E402
 from .plan import Candidate, ParamPlacement, Plan  # noqa: E402
 
 __all__ = [
     "AutoShardedStep",
+    "Calibration",
+    "EnergyMeter",
+    "EnergyReading",
+    "Measurement",
+    "calibrate",
+    "load_calibration",
+    "measure_energy",
     "Candidate",
     "Cluster",
     "DeviceSpec",

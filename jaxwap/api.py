@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh
 from .cost import DATA, MODEL
+from .measure import measured_choice
 from .objective import Objective
 from .plan import Plan
 from .planner import (
@@ -52,7 +53,8 @@ class AutoShardedStep:
                  devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                  donate: bool = True, num_devices: int | None = None,
                  compiler_options: dict[str, Any] | None = None, verify: int = 3,
-                 cache: Any = True, batch_size: int | None = None) -> None:
+                 cache: Any = True, batch_size: int | None = None,
+                 measure: bool | int = False) -> None:
         if not callable(train_step):
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
         self.train_step = train_step
@@ -67,6 +69,14 @@ class AutoShardedStep:
         self.verify = verify
         self.cache = cache
         self.batch_size = batch_size
+        if isinstance(measure, bool):
+            self.measure_steps = 5 if measure else 0
+        elif isinstance(measure, int) and measure >= 1:
+            self.measure_steps = measure
+        else:
+            raise ValueError(f"measure must be a bool or a positive number of steps, "
+                             f"got {measure!r}")
+        self._measured: set[Any] = set()
         self._plans: dict[Any, Planned] = {}
         self._execs: dict[Any, CompiledStep] = {}
         self._current: Planned | None = None
@@ -132,8 +142,14 @@ class AutoShardedStep:
     # ------------------------------------------------------------------ run
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, planned = self._planned(args, kwargs)
-        ex = self._compile(key, planned)
         flat, _, _ = flat_leaves(args, kwargs)
+        if self.measure_steps and key not in self._measured:
+            planned = measured_choice(self.train_step, planned, [leaf for _, leaf in flat],
+                                      self.measure_steps, place,
+                                      compiler_options=self.compiler_options)
+            self._plans[key] = self._current = planned
+            self._measured.add(key)
+        ex = self._compile(key, planned)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
         out = ex.compiled(*placed)
@@ -168,7 +184,8 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
                devices: Sequence[Any] | None = None, memory_budget: float | None = None,
                donate: bool = True, num_devices: int | None = None,
                compiler_options: dict[str, Any] | None = None, verify: int = 3,
-               cache: Any = True, batch_size: int | None = None) -> Any:
+               cache: Any = True, batch_size: int | None = None,
+               measure: bool | int = False) -> Any:
     """Wrap a training step so it plans, compiles and runs itself sharded.
 
     Args:
@@ -191,13 +208,16 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
         directory in $JAXWAP_CACHE_DIR or ~/.cache/jaxwap; a `jaxwap.PlanCache`; False).
       batch_size: the global batch size, when the most common leading dimension of the
         arguments that are not state is not it.
+      measure: on the first call, run the verified finalists on the devices (True: 5
+        steps each after a warm-up, or this many) and choose on measured time and energy
+        (NVML energy where available, modeled and labelled so otherwise).
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """
     kw = dict(objective=objective, hardware=hardware, devices=devices,
               memory_budget=memory_budget, donate=donate, num_devices=num_devices,
               compiler_options=compiler_options, verify=verify, cache=cache,
-              batch_size=batch_size)
+              batch_size=batch_size, measure=measure)
     if train_step is None:
         return lambda fn: AutoShardedStep(fn, params, **kw)
     return AutoShardedStep(train_step, params, **kw)

@@ -207,38 +207,57 @@ class Cluster:
                    d["link_bandwidth"], d["link_latency"], d.get("shared_compute", False))
 
 
+def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:
+    """The built-in profile for a jax `device_kind` (a generic one, with a warning, when
+    the kind is unknown)."""
+    low = kind.lower()
+    name = next((prof for pat, prof in _KIND_PATTERNS if pat in low), None)
+    if name is None and platform == "cpu":
+        name = "cpu"
+    if name is None:
+        name = "h100-sxm" if platform == "gpu" else "cpu"
+        warnings.warn(f"device kind {kind!r} has no built-in profile; planning with {name!r}. "
+                      f"Run `jaxwap calibrate`, or pass hardware=jaxwap.Cluster("
+                      f"jaxwap.DeviceSpec(...), n) for real figures.", stacklevel=3)
+    return _BUILTIN[name]
+
+
 def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
-    """The profile of the devices found, and a note when it had to be guessed.
+    """The profile of the devices found: their calibration (`jaxwap calibrate`) when one
+    is cached for this device kind, driver and jax version, else the built-in profile;
+    and a note saying which.
 
     Devices must be of one kind: a plan over mixed kinds would need a per-device model
     that v1 does not have, so that is an error rather than a silent average.
     """
+    from .calibrate import load_calibration
+
     kinds = {d.device_kind for d in devices}
     if len(kinds) != 1:
         raise ValueError(f"devices of several kinds {sorted(kinds)}: jaxwap plans over "
                          f"one kind; pass devices= of one kind")
     kind = kinds.pop()
     platform = devices[0].platform
-    low = kind.lower()
-    name = next((prof for pat, prof in _KIND_PATTERNS if pat in low), None)
-    if name is None and platform == "cpu":
-        name = "cpu"
+    cal = load_calibration(devices[0])
     note = None
-    if name is None:
-        name = "h100-sxm" if platform == "gpu" else "cpu"
-        note = (f"device kind {kind!r} has no built-in profile; planning with {name!r}. "
-                f"Pass hardware=jaxwap.Cluster(jaxwap.DeviceSpec(...), n) for real figures.")
-        warnings.warn(note, stacklevel=3)
-    spec = _BUILTIN[name]
+    if cal is not None:
+        spec = cal.spec
+        note = f"profile calibrated on {cal.num_devices} x {cal.device_kind}"
+    else:
+        spec = builtin_for_kind(kind, platform)
+        if spec.name not in kind.lower() and platform != "cpu":
+            note = f"device kind {kind!r}: built-in profile {spec.name!r} (not calibrated)"
     memory = device_memory_limit(devices[0])
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))
     if platform == "cpu":
-        return Cluster(_host_share(spec, devices), len(devices), shared_compute=True), note
+        return Cluster(_host_share(spec, devices, calibrated=cal is not None), len(devices),
+                       shared_compute=True), note
     return Cluster(spec, len(devices)), note
 
 
-def _host_share(spec: DeviceSpec, devices: Sequence[Any]) -> DeviceSpec:
+def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = False
+                ) -> DeviceSpec:
     """CPU devices of one process share the host's cores and memory bus: with 8 simulated
     devices on 2 cores each device holds a quarter core when all run, and one device alone
     gets both cores (XLA's CPU thread pool is shared). More devices add no compute, and
@@ -247,13 +266,16 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any]) -> DeviceSpec:
 
     local = sum(1 for d in devices if d.process_index == devices[0].process_index)
     cores = os.cpu_count() or 1
-    share = cores / max(local, 1)
+    # the built-in profile is one core; a calibration measured one device alone, which
+    # XLA runs on the whole host
+    share = (1.0 if calibrated else cores) / max(local, 1)
     try:
         host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not POSIX: keep the profile's figure
         host_memory = spec.memory_bytes * max(local, 1)
     return dataclasses.replace(
-        spec, name=f"cpu ({cores} cores / {local} devices)", peak_flops=spec.peak_flops * share,
+        spec, name=f"{spec.name} ({cores} cores / {local} devices)",
+        peak_flops=spec.peak_flops * share,
         peak_flops_f32=(spec.peak_flops_f32 or spec.peak_flops) * share,
         memory_bandwidth=spec.memory_bandwidth * share, max_watts=spec.max_watts * share,
         memory_bytes=float(host_memory) / max(local, 1),

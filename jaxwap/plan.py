@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from .cost import Prediction
 from .hardware import Cluster
+from .measure import Measurement
 from .objective import Objective
 from .verify import CompiledFigures
 
@@ -89,6 +91,7 @@ class Candidate:
     compiled: CompiledFigures | None = None   # XLA's figures, when verified
     verified: Prediction | None = None        # the model fed those figures
     variant: str = "planner"                  # or "data-parallel", the baseline layout
+    measured: Measurement | None = None       # what it did on the devices (measure=)
 
     @property
     def label(self) -> str:
@@ -110,7 +113,8 @@ class Candidate:
                 "strategy_counts": [list(x) for x in self.strategy_counts],
                 "compiled": self.compiled.to_dict() if self.compiled else None,
                 "verified": self.verified.to_dict() if self.verified else None,
-                "variant": self.variant}
+                "variant": self.variant,
+                "measured": self.measured.to_dict() if self.measured else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Candidate:
@@ -119,7 +123,7 @@ class Candidate:
                    float("inf") if d["score"] is None else d["score"], d["fits"],
                    d["chosen"], d["reason"], tuple((a, int(c)) for a, c in d["strategy_counts"]),
                    _opt(CompiledFigures, d.get("compiled")), _opt(Prediction, d.get("verified")),
-                   d.get("variant", "planner"))
+                   d.get("variant", "planner"), _opt(Measurement, d.get("measured")))
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,7 @@ class Plan:
     version: str = ""
     compiled: CompiledFigures | None = None   # XLA's per-device figures for this plan
     verified: Prediction | None = None        # the model fed XLA's figures (what chose it)
+    measured: Measurement | None = None       # what it did on the devices (measure=)
     _treedef: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -173,6 +178,21 @@ class Plan:
             node[p.path[-1]] = s
         return tree
 
+    # ------------------------------------------------------------------ frontier
+    def frontier(self) -> tuple[Candidate, ...]:
+        """The fitting candidates on the Pareto frontier of step time vs energy per sample
+        (each judged on `verified or predicted`), fastest first."""
+        from .frontier import frontier
+
+        return frontier(self.candidates)
+
+    def plot_frontier(self, path: str | Path) -> Path:
+        """Draw the candidates and the frontier, chosen point marked, as a PNG at `path`.
+        Needs matplotlib (`pip install jaxwap[plot]`)."""
+        from .frontier import plot_frontier
+
+        return plot_frontier(self, path)
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +206,7 @@ class Plan:
             "planning_time_s": dict(self.planning_time_s), "notes": list(self.notes),
             "compiled": self.compiled.to_dict() if self.compiled else None,
             "verified": self.verified.to_dict() if self.verified else None,
+            "measured": self.measured.to_dict() if self.measured else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -207,7 +228,8 @@ class Plan:
             memory_budget_bytes=d["memory_budget_bytes"],
             planning_time_s=dict(d["planning_time_s"]), notes=tuple(d["notes"]),
             version=d.get("version", ""), compiled=_opt(CompiledFigures, d.get("compiled")),
-            verified=_opt(Prediction, d.get("verified")))
+            verified=_opt(Prediction, d.get("verified")),
+            measured=_opt(Measurement, d.get("measured")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -263,6 +285,14 @@ class Plan:
             if v is not None:
                 lines.append(f"  model fed these figures: step {v.step_time_s * 1e3:.3f} ms, "
                              f"{v.energy_per_step_j:.3f} J/step (what the choice was made on)")
+        if self.measured is not None:
+            ms = self.measured
+            lines += ["", f"measured on the devices ({ms.steps} steps; energy "
+                          f"{ms.energy_source}{': ' + ms.note if ms.note else ''}):",
+                      f"  step time       {ms.step_time_s * 1e3:10.3f} ms   "
+                      f"(model {pr.step_time_s * 1e3:.3f} ms)",
+                      f"  energy          {ms.energy_per_step_j:10.3f} J/step "
+                      f"(model {pr.energy_per_step_j:.3f} J/step)"]
         lines += [
             "",
             "parameters:",

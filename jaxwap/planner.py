@@ -64,6 +64,7 @@ class Planned:
     devices: tuple[Any, ...]
     search: SearchResult | None    # None for a plan read back from the cache
     compiled: Any = None
+    all_devices: tuple[Any, ...] = ()   # every device the planning could use
 
 
 def resolve_cluster(hardware: Any, devices: Sequence[Any]) -> tuple[Cluster, str | None]:
@@ -274,7 +275,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         hit = store.get(key)
         if hit is not None:
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
-            return Planned(plan, layout, None, devs[: plan.num_devices], None, None)
+            return Planned(plan, layout, None, devs[: plan.num_devices], None, None, devs)
     graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
                     layout.inputs.batch_size)
     t2 = time.perf_counter()
@@ -300,7 +301,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     if store is not None and key is not None:
         store.put(key, plan)
     return Planned(plan, layout, graph, devs[: plan.num_devices], result,
-                   ver.compiled_best if ver else None)
+                   ver.compiled_best if ver else None, devs)
 
 
 def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
@@ -385,6 +386,49 @@ def _build_plan(result: SearchResult, ver: Verification | None, graph: Graph,
         hardware=cluster, batch_size=layout.inputs.batch_size, memory_budget_bytes=budget,
         planning_time_s=timing, notes=tuple(notes),
         version=__version__, _treedef=layout.params_treedef)
+
+
+def rechoose(planned: Planned, measured: dict[int, Any]) -> Planned:
+    """The plan chosen again by its objective on measured step time and energy (for the
+    candidates in `measured`, keyed by candidate index); the rest are unchanged."""
+    plan, result = planned.plan, planned.search
+    assert result is not None
+    B = plan.batch_size or 1
+    preds = {}
+    for i, m in measured.items():
+        base = plan.candidates[i].verified or plan.candidates[i].predicted
+        preds[i] = dataclasses.replace(
+            base, step_time_s=m.step_time_s, samples_per_s=B / m.step_time_s,
+            energy_per_step_j=m.energy_per_step_j, energy_per_sample_j=m.energy_per_step_j / B,
+            avg_power_w=m.energy_per_step_j / m.step_time_s)
+    idx = list(preds)
+    scores = plan.objective.scores([preds[i] for i in idx],
+                                   max_watts=plan.hardware.device.max_watts,
+                                   num_devices_available=plan.hardware.num_devices)
+    by = dict(zip(idx, scores, strict=True))
+    best = min(idx, key=lambda i: (by[i], preds[i].step_time_s))
+    cands = []
+    for i, c in enumerate(plan.candidates):
+        if i not in measured:
+            cands.append(dataclasses.replace(c, chosen=False) if c.chosen else c)
+            continue
+        p, ref = preds[i], preds[best]
+        reason = "chosen" if i == best else (
+            f"measured score {by[i] / by[best]:.2f}x: {p.step_time_s / ref.step_time_s:.2f}x "
+            f"time, {p.energy_per_step_j / ref.energy_per_step_j:.2f}x energy")
+        cands.append(dataclasses.replace(c, chosen=i == best, score=float(by[i]),
+                                         reason=reason, measured=measured[i]))
+    r = result.results[best]
+    chosen = plan.candidates[best]
+    new = dataclasses.replace(
+        plan, mesh_shape={DATA: r.d, MODEL: r.m},
+        device_ids=tuple(int(d.id) for d in planned.all_devices[: r.d * r.m]),
+        params=tuple(dataclasses.replace(p, spec=s.spec, strategy=s.name)
+                     for p, s in zip(plan.params, r.strategies, strict=True)),
+        predicted=r.predicted, compiled=chosen.compiled, verified=chosen.verified,
+        candidates=tuple(cands), measured=measured[best])
+    return Planned(new, planned.layout, planned.graph, planned.all_devices[: r.d * r.m],
+                   result, None, planned.all_devices)
 
 
 __all__ = ["Planned", "ArgLayout", "make_plan", "MEMORY_HEADROOM", "BATCH"]
