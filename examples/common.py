@@ -121,7 +121,12 @@ def parse_args(
     p.add_argument("--hardware", default=None,
                    help="plan as if for this built-in device profile (e.g. h100-sxm), with "
                         "as many devices as are present (--auto only); default: detect")
+    p.add_argument("--frontier", metavar="PATH", default=None,
+                   help="after training, print the candidates' time/energy Pareto frontier "
+                        "and plot it as a PNG at PATH (needs matplotlib; --auto only)")
     args = p.parse_args(argv)
+    if args.frontier and not args.auto:
+        p.error("--frontier needs --auto")
     if args.steps < 1 or args.batch_size < 1 or args.image_size < 1:
         p.error("--steps, --batch-size and --image-size must be positive")
     return args
@@ -281,6 +286,23 @@ def train(
 # --------------------------------------------------------------------------------------
 
 
+def print_frontier(plan: Any, path: str) -> None:
+    """Print the plan's time/energy Pareto frontier and plot it (with every candidate) to
+    `path`; without matplotlib, print the frontier and say how to get the plot."""
+    print("Pareto frontier (step time vs energy per sample; fastest first):")
+    for c in plan.frontier():
+        f = c.verified or c.predicted
+        print(f"  {c.label:<10} {f.step_time_s * 1e3:10.3f} ms  "
+              f"{f.energy_per_sample_j * 1e3:10.3f} mJ/sample  "
+              f"{'XLA' if c.verified else 'model':>5}{'  CHOSEN' if c.chosen else ''}")
+    try:
+        out = plan.plot_frontier(path)
+    except ImportError as e:
+        print(f"frontier plot not written: {e}", file=sys.stderr)
+    else:
+        print(f"frontier plot written to {out}")
+
+
 def main(
     model_cls: type[nn.Module], *, name: str, cpu_image_size: int, gpu_image_size: int = 224,
     argv: list[str] | None = None,
@@ -355,6 +377,8 @@ def main(
     stats = train(step, params, opt_state, cycle(pool), steps=args.steps,
                   batch_size=args.batch_size, on_first_step=on_first_step)
     losses = stats["losses"]
+    if args.auto and args.frontier:
+        print_frontier(step.plan, args.frontier)
     elapsed = time.perf_counter() - t_start
     print(f"summary: {name} {'auto_shard' if args.auto else 'jit'} | loss {losses[0]:.4f} -> "
           f"{losses[-1]:.4f} over {args.steps} steps | {stats['images_per_s']:.1f} img/s "
