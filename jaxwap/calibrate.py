@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .hardware import DeviceSpec, builtin_for_kind
+from .progress import Progress
 
 CALIBRATION_FORMAT = 1
 
@@ -128,27 +128,9 @@ def _fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     return float(slope), float(max(intercept, 0.0))
 
 
-class _Progress:
-    """A one-line progress bar on stderr (no dependency), silent when disabled."""
-
-    def __init__(self, total: int, enabled: bool, label: str) -> None:
-        self.total, self.done, self.enabled, self.label = total, 0, enabled, label
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self.enabled:
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
-                             f"{self.done}/{self.total} {what:<28}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 # --------------------------------------------------------------------------- measurements
 def _matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
-                  progress: _Progress) -> dict[str, Any]:
+                  progress: Progress) -> dict[str, Any]:
     """Seconds per n x n x n matmul: slope = 1 / peak, intercept = w_half / peak + launch."""
     works, times = [], []
     for n in sizes:
@@ -259,7 +241,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         sizes = [512, 1024, 2048]
     bw_bytes = (16 if on_cpu or quick else 512) * 2**20
     steps = 2 * len(sizes) + 4
-    bar = _Progress(steps, progress, "jaxwap calibrate")
+    bar = Progress(steps, progress, "jaxwap calibrate")
     notes: list[str] = []
     base = builtin_for_kind(dev.device_kind, dev.platform)
     f32 = _matmul_curve(dev, jnp.float32, sizes, bar)

@@ -10,7 +10,6 @@ next to the predicted and compiled ones in the `Plan`.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import jax
 
 from .compile import compile_layout
+from .progress import Progress
 
 
 @dataclass(frozen=True)
@@ -55,21 +55,6 @@ def measure_step(run: Callable[[], Any], devices: Sequence[Any], steps: int,
                        calls, reading.note)
 
 
-class _Bar:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = int(20 * self.done / self.total)
-            sys.stderr.write(f"\rjaxwap measure [{'#' * filled}{'.' * (20 - filled)}] "
-                             f"{self.done}/{self.total} {label:<16}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def measured_choice(fn: Callable, planned: Any, flat_args: Sequence[Any], steps: int,
                     place: Callable[[Any, Any, Any], Any], *,
                     compiler_options: dict[str, Any] | None = None,
@@ -83,7 +68,7 @@ def measured_choice(fn: Callable, planned: Any, flat_args: Sequence[Any], steps:
                  if c.fits and (c.verified is not None or c.chosen)]
     if search is None or len(finalists) < 2:
         return planned
-    bar = _Bar(len(finalists), progress)
+    bar = Progress(len(finalists), progress, "jaxwap measure", width=20)
     measured: dict[int, Measurement] = {}
     for i in finalists:
         r = search.results[i]
