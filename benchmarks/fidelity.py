@@ -39,7 +39,7 @@ import jaxwap  # noqa: E402
 
 QUANTITIES = {
     "memory": ("peak_memory_bytes", "memory_bytes"),
-    "flops": ("flops_per_device", "flops"),
+    "flops": ("flops_as_xla_counts", "flops"),
     "comm": ("comm_bytes", "comm_bytes"),
 }
 GOAL_MEDIAN, GOAL_WORST = 0.10, 0.25

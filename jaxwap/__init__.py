@@ -16,6 +16,7 @@ from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec  # 
 from .measure import Measurement  # noqa: E402
 from .objective import Objective  # noqa: E402
 from .plan import Candidate, ParamPlacement, Plan  # noqa: E402
+from .train_step import StepVariant, TrainStep, make_train_step  # noqa: E402
 
 __all__ = [
     "AutoShardedStep",
@@ -34,9 +35,12 @@ __all__ = [
     "Plan",
     "PlanCache",
     "Prediction",
+    "StepVariant",
     "Strategy",
+    "TrainStep",
     "auto_shard",
     "builtin_device_names",
     "device_spec",
+    "make_train_step",
     "plan",
 ]

@@ -129,8 +129,8 @@ class AutoShardedStep:
         if key not in self._execs:
             plan = planned.plan
             self._execs[key] = planned.compiled or compile_layout(
-                self.train_step, planned.layout, plan.mesh_shape[DATA], plan.mesh_shape[MODEL],
-                [p.spec for p in plan.params], planned.devices, donate=self.donate,
+                planned.fn or self.train_step, planned.layout, plan.mesh_shape[DATA],
+                plan.mesh_shape[MODEL], plan.params, planned.devices, donate=self.donate,
                 compiler_options=self.compiler_options)
         return self._execs[key]
 
@@ -168,8 +168,9 @@ class AutoShardedStep:
         table = globalize(
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
                             batch_size=local_batch, infer_batch=False), leaves)
-        placed = [place(leaf, NamedSharding(mesh, s), aval) for leaf, s, aval
-                  in zip(leaves, leaf_specs(table, [p.spec for p in planned.plan.params],
+        placed = [place(leaf, NamedSharding(mesh, s.spec, memory_kind=s.memory_kind), aval)
+                  for leaf, s, aval
+                  in zip(leaves, leaf_specs(table, planned.plan.params,
                                             planned.plan.mesh_shape[DATA]),
                          table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)

@@ -31,18 +31,67 @@ def make_mesh(d: int, m: int, devices: Sequence[Any]) -> Mesh:
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def leaf_specs(table: LeafTable, param_specs: Sequence[tuple[Any, ...]], d: int) -> list[P]:
-    """The PartitionSpec of every leaf: a param's spec for it and its mirrors, the data
-    axis for batch leaves (when the mesh splits data), replicated otherwise."""
+HOST = "pinned_host"
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """Where one leaf lives: its PartitionSpec and memory kind (None: the default)."""
+
+    spec: P
+    memory_kind: str | None = None
+
+
+def placement_of(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], bool]:
+    """(weight spec, optimizer-state spec, state offloaded) of a strategy, a placement or
+    a bare spec tuple (the same spec for both, nothing offloaded)."""
+    if isinstance(p, tuple):
+        return p, p, False
+    return tuple(p.spec), tuple(p.layout_of_state), bool(p.offload)
+
+
+def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int) -> list[LeafLayout]:
+    """The layout of every leaf: a param's spec for it, its optimizer-state spec (and
+    memory kind) for its mirrors, the data axis for batch leaves (when the mesh splits
+    data), replicated otherwise."""
+    placed = [placement_of(p) for p in placements]
     out = []
     for role in table.roles:
         if role.kind == PARAM:
-            out.append(P(*param_specs[role.param]))
+            spec, state, offload = placed[role.param]
+            if role.mirror:
+                out.append(LeafLayout(P(*state), HOST if offload else None))
+            else:
+                out.append(LeafLayout(P(*spec)))
         elif role.kind == BATCH and d > 1:
-            out.append(P(DATA))
+            out.append(LeafLayout(P(DATA)))
         else:
-            out.append(P())
+            out.append(LeafLayout(P()))
     return out
+
+
+def host_resident_bytes(layout: Any, placements: Sequence[Any], d: int, m: int,
+                        donate: bool) -> float:
+    """Per-device bytes of the state a layout keeps in host memory, as a backend whose
+    memory analysis ignores memory kinds (XLA:CPU) counts them: inputs plus outputs,
+    less the inputs donated to (aliased with) those outputs."""
+    sizes = {DATA: d, MODEL: m}
+
+    def total(table: LeafTable) -> float:
+        n = 0.0
+        for lay, aval in zip(leaf_specs(table, placements, d), table.avals, strict=True):
+            if lay.memory_kind == HOST:
+                split = int(np.prod([sizes[a] for a in lay.spec if a is not None]))
+                n += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize \
+                    / split
+        return n
+
+    ins = total(layout.inputs)
+    return ins + total(layout.outputs) - (ins if donate else 0.0)
+
+
+def shardings(mesh: Mesh, layouts: Sequence[LeafLayout]) -> tuple[NamedSharding, ...]:
+    return tuple(NamedSharding(mesh, x.spec, memory_kind=x.memory_kind) for x in layouts)
 
 
 @dataclass(frozen=True)
@@ -56,21 +105,36 @@ class CompiledStep:
 
 
 def compile_layout(fn: Callable, layout: Any, d: int, m: int,
-                   param_specs: Sequence[tuple[Any, ...]], devices: Sequence[Any], *,
+                   placements: Sequence[Any], devices: Sequence[Any], *,
                    donate: bool = True,
                    compiler_options: dict[str, Any] | None = None) -> CompiledStep:
     """Lower and compile `fn` (flattened per `layout`) for this mesh and parameter layout,
-    from abstract arguments only: nothing is allocated and no user array is touched."""
+    from abstract arguments only: nothing is allocated and no user array is touched.
+
+    `placements` holds one entry per parameter: a `Strategy`, a `ParamPlacement` or a
+    bare spec tuple. Optimizer state kept in host memory enters and leaves the step there;
+    the step moves it to device memory where the user's code reads it and back where it
+    returns it, so XLA schedules (and on GPU overlaps) the transfers.
+    """
     mesh = make_mesh(d, m, devices)
-    in_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.inputs, param_specs, d))
-    out_sh = tuple(NamedSharding(mesh, s) for s in leaf_specs(layout.outputs, param_specs, d))
+    in_lay = leaf_specs(layout.inputs, placements, d)
+    out_lay = leaf_specs(layout.outputs, placements, d)
+    in_sh, out_sh = shardings(mesh, in_lay), shardings(mesh, out_lay)
     donated = tuple(i for i, r in enumerate(layout.inputs.roles)
                     if r.kind == PARAM) if donate else ()
     treedef, names = layout.args_treedef, layout.kw_names
+    to_device = {i: NamedSharding(mesh, x.spec, memory_kind="device")
+                 for i, x in enumerate(in_lay) if x.memory_kind == HOST}
+    to_host = {i: NamedSharding(mesh, x.spec, memory_kind=HOST)
+               for i, x in enumerate(out_lay) if x.memory_kind == HOST}
 
     def flat_step(*leaves: Any) -> tuple[Any, ...]:
+        leaves = tuple(jax.device_put(x, to_device[i]) if i in to_device else x
+                       for i, x in enumerate(leaves))
         a, k = jax.tree_util.tree_unflatten(treedef, leaves)
-        return tuple(jax.tree_util.tree_leaves(fn(*a, **dict(zip(names, k, strict=True)))))
+        out = jax.tree_util.tree_leaves(fn(*a, **dict(zip(names, k, strict=True))))
+        return tuple(jax.device_put(x, to_host[i]) if i in to_host else x
+                     for i, x in enumerate(out))
 
     opts = compiler_options
     if opts is None:

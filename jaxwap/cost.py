@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import Graph, Layer
+from .graph import NUM_CLASSES, OPT, Graph, Layer
 from .hardware import Cluster
 
 DATA, MODEL = "data", "model"
@@ -44,16 +44,38 @@ class Strategy:
     `spec` is a PartitionSpec as a tuple of per-dim entries (None or an axis name).
     `tp` is "col" (an output-feature dim over the model axis), "row" (a contracted dim
     over the model axis) or "none"; `data_sharded` marks ZeRO-3 / FSDP sharding over
-    the data axis.
+    the data axis (weight, gradient and optimizer state). Memory-only variants:
+    `state_spec` (when not None) lays out the parameter's optimizer state differently from
+    the parameter: ZeRO-1, the state sharded over the data axis while the weight is not;
+    `offload` keeps that state in pinned host memory between steps, moved in and out
+    inside the compiled step.
     """
 
     name: str
     spec: tuple[str | None, ...]
     tp: str = "none"
     data_sharded: bool = False
+    state_spec: tuple[str | None, ...] | None = None
+    offload: bool = False
 
     def shard(self, d: int, m: int) -> int:
+        """How many ways the weight (and its gradient) is split."""
         return (d if self.data_sharded else 1) * (m if self.tp != "none" else 1)
+
+    def state_shard(self, d: int, m: int) -> int:
+        """How many ways the optimizer state is split."""
+        zero1 = self.state_spec is not None and DATA in self.state_spec
+        return self.shard(d, m) * (d if zero1 and not self.data_sharded else 1)
+
+    def divisors(self, d: int, m: int) -> tuple[float, float, float, float]:
+        """Per-device share divisors of the WEIGHT, GRAD, OPT and RESIDENT classes
+        (infinite: not in device memory between uses)."""
+        w, s = float(self.shard(d, m)), float(self.state_shard(d, m))
+        return w, w, s, (float("inf") if self.offload else s)
+
+    @property
+    def layout_of_state(self) -> tuple[str | None, ...]:
+        return self.spec if self.state_spec is None else self.state_spec
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,14 @@ class Prediction:
     num_devices: int
     busy_time_s: float = 0.0      # the roofline part of compute (no launch overhead)
     batched_time_s: float = 0.0   # compute of batched ops: the backward pass hides in it
+    host_transfer_time_s: float = 0.0   # offloaded state moved in and out, seconds
+    # flops XLA's cost analysis counts (a loop body once) over the true flops: what to
+    # compare with compiled figures when the step has a scan (micro-batches)
+    loop_flops_ratio: float = 1.0
+
+    @property
+    def flops_as_xla_counts(self) -> float:
+        return self.flops_per_device * self.loop_flops_ratio
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,8 +149,12 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     b = graph.bytes / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     half = float(dev.efficiency_half_flops or 0.0) * speed
-    eff = np.where(graph.is_matmul, f / (f + half), 1.0)
+    per_kernel = f / graph.repeat if len(graph.repeat) == len(f) else f  # one scan iteration
+    eff = np.where(graph.is_matmul, per_kernel / (per_kernel + half), 1.0)
     busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / (dev.memory_bandwidth * speed))
+    if len(graph.host_transfer) == len(busy) and graph.host_transfer.any():
+        # residuals a remat policy offloads cross the host link, not device memory
+        busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
     return busy + graph.kernels * dev.kernel_overhead_s
 
 
@@ -130,7 +164,8 @@ class MeshCosts:
 
     `base` is the time of ops no parameter's strategy changes; `param_time[j][s]` the
     time of param j's ops under its strategy s; `grad_comm[j][s]` the (seconds, bytes)
-    of its gradient reduction over the data axis.
+    of its gradient reduction over the data axis; `host[j][s]` the seconds to move its
+    offloaded optimizer state one way between host and device (0 when not offloaded).
     """
 
     d: int
@@ -143,6 +178,7 @@ class MeshCosts:
     param_time: tuple[tuple[float, ...], ...]
     param_busy: tuple[tuple[float, ...], ...]
     grad_comm: tuple[tuple[tuple[float, float], ...], ...]
+    host: tuple[tuple[float, ...], ...] = ()
 
 
 def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
@@ -171,28 +207,52 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     base_kernels = float(graph.kernels[fixed].sum())
     batched_time = float(t_d[batched].sum())
 
-    p_time, p_busy, g_comm = [], [], []
+    P = len(graph.params)
+    opt_op = graph.op_class == OPT if len(graph.op_class) == len(owner) else \
+        np.zeros(len(owner), bool)
+    resident = graph.resident_bytes if len(graph.resident_bytes) else np.zeros(P)
+    # per-parameter sums of op times at each split, by group: its tensor-parallel matmuls,
+    # its own weight/gradient ops, its optimizer ops (one bincount per split, not per
+    # strategy: this loop runs for every mesh of every planning)
+    groups = {"tp": (batched & (tp >= 0), tp), "w": (~batched & (owner >= 0) & ~opt_op, owner),
+              "s": (~batched & (owner >= 0) & opt_op, owner)}
+    sums: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def summed(group: str, split: int) -> tuple[np.ndarray, np.ndarray]:
+        if (group, split) not in sums:
+            mask, who = groups[group]
+            t, b = at(split)
+            sums[group, split] = (np.bincount(who[mask], t[mask], minlength=P),
+                                  np.bincount(who[mask], b[mask], minlength=P))
+        return sums[group, split]
+
+    p_time, p_busy, g_comm, host = [], [], [], []
     for j, strats in enumerate(strategies):
-        tp_ops = batched & (tp == j)
-        own_ops = ~batched & (owner == j)
-        row_t, row_b, row_c = [], [], []
+        row_t, row_b, row_c, row_h = [], [], [], []
         pbytes = graph.params[j].nbytes
         for s in strats:
-            tt, bb = at(d * m if s.tp != "none" else d)
-            to, bo = at(s.shard(d, m))
-            row_t.append(float(tt[tp_ops].sum() + to[own_ops].sum()))
-            row_b.append(float(bb[tp_ops].sum() + bo[own_ops].sum()))
+            tt, bb = summed("tp", d * m if s.tp != "none" else d)
+            tw, bw = summed("w", s.shard(d, m))
+            ts, bs = summed("s", s.state_shard(d, m))
+            row_t.append(float(tt[j] + tw[j] + ts[j]))
+            row_b.append(float(bb[j] + bw[j] + bs[j]))
             local = pbytes / (m if s.tp != "none" else 1)
             if s.data_sharded:
                 row_c.append(fsdp_comm(local, d, cluster))
             else:
+                # ZeRO-1 reduce-scatters the gradient and all-gathers the new weight:
+                # the bytes of the all-reduce it replaces (textbook; verification checks
+                # what XLA does)
                 row_c.append(all_reduce(local, d, cluster, False))
+            row_h.append(float(resident[j]) / s.state_shard(d, m)
+                         / dev.host_bandwidth if s.offload else 0.0)
         p_time.append(tuple(row_t))
         p_busy.append(tuple(row_b))
         g_comm.append(tuple(row_c))
+        host.append(tuple(row_h))
     return MeshCosts(d, m, base, base_busy, base_kernels, batched_time,
                      tuple(tuple(s) for s in strategies), tuple(p_time), tuple(p_busy),
-                     tuple(g_comm))
+                     tuple(g_comm), tuple(host))
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster) -> tuple[float, float]:
@@ -253,13 +313,22 @@ def tp_chain_cost(graph: Graph, kinds: dict[int, str], d: int, m: int,
 
 
 # --------------------------------------------------------------------------- one candidate
-def peak_memory(graph: Graph, d: int, m: int, shards: Sequence[int]) -> tuple[float, int]:
-    """(peak live bytes per device, index of the peak point)."""
+def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int) -> np.ndarray:
+    """Per-bucket share of each live byte on one device: 1/d for batched values, 1 for the
+    rest, and per parameter and class one over how many ways that class is split (0 for
+    state kept in host memory)."""
+    P = len(graph.params)
     w = np.empty(graph.live.shape[1])
     w[0] = 1.0 / d
     w[1] = 1.0
-    w[2:] = 1.0 / np.asarray(shards, dtype=np.float64)
-    per_point = graph.live @ w
+    div = np.array([s.divisors(d, m) for s in strats], dtype=np.float64).reshape(P, -1)
+    w[2:] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
+    return w
+
+
+def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy]) -> tuple[float, int]:
+    """(peak live bytes per device, index of the peak point)."""
+    per_point = graph.live @ memory_weights(graph, d, strats, m)
     k = int(np.argmax(per_point))
     return float(per_point[k]), k
 
@@ -281,17 +350,35 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     first = graph.layers[0].param if graph.layers else None
     last_grad = grads[first][0] if first is not None else 0.0
     exposed = max(grad_t - BACKWARD_SHARE * mc.batched_time, min(last_grad, grad_t), 0.0)
-    mem, _ = peak_memory(graph, d, m, [s.shard(d, m) for s in strats])
+    host = sum(mc.host[j][s] for j, s in enumerate(choice)) if mc.host else 0.0
+    mem, _ = peak_memory(graph, d, m, strats)
+    exposed += host_exposed(host, mc.batched_time)
     return assemble(cluster, n, graph.batch_size or 1, compute=compute, busy=busy,
                     blocking=tp_t, grad_comm=grad_t, exposed=exposed,
                     comm_bytes=grad_b + tp_b, memory=mem,
                     flops=_flops_per_device(graph, d, m, strats),
-                    batched_time=mc.batched_time)
+                    batched_time=mc.batched_time, host_transfer=2 * host,
+                    loop_flops_ratio=loop_flops_ratio(graph))
+
+
+def loop_flops_ratio(graph: Graph) -> float:
+    total = graph.total_flops
+    if total <= 0 or len(graph.repeat) != len(graph.flops) or (graph.repeat == 1).all():
+        return 1.0
+    return float((graph.flops / graph.repeat).sum() / total)
+
+
+def host_exposed(one_way: float, batched_time: float) -> float:
+    """Seconds of host transfer the step cannot hide: offloaded state comes in while the
+    forward and backward passes run (prefetch), but the new state goes out after the
+    update, at the end of the step, with nothing left to overlap it."""
+    return max(one_way - batched_time, 0.0) + one_way
 
 
 def assemble(cluster: Cluster, n: int, batch: int, *, compute: float, busy: float,
              blocking: float, grad_comm: float, exposed: float, comm_bytes: float,
-             memory: float, flops: float, batched_time: float) -> Prediction:
+             memory: float, flops: float, batched_time: float,
+             host_transfer: float = 0.0, loop_flops_ratio: float = 1.0) -> Prediction:
     """A step's time and energy from its parts: compute, blocking communication and the
     gradient reduction the backward pass does not hide. Each of the n devices draws
     idle + (max - idle) x utilization, where launches and collectives count partly."""
@@ -308,7 +395,8 @@ def assemble(cluster: Cluster, n: int, batch: int, *, compute: float, busy: floa
         peak_memory_bytes=memory, comm_bytes=comm_bytes, compute_time_s=compute,
         tp_comm_time_s=blocking, grad_comm_time_s=grad_comm, exposed_comm_time_s=exposed,
         flops_per_device=flops, utilization=util, num_devices=n, busy_time_s=busy,
-        batched_time_s=batched_time)
+        batched_time_s=batched_time, host_transfer_time_s=host_transfer,
+        loop_flops_ratio=loop_flops_ratio)
 
 
 def _combined_latency(strats: Sequence[Strategy], d: int, cluster: Cluster) -> float:

@@ -1,7 +1,9 @@
 """From a step's jaxpr to the facts the cost model needs.
 
 The jaxpr of a training step is flattened (calls such as `jit`, `custom_jvp_call` and
-`remat` are inlined; `scan`, `while` and `cond` stay opaque), dead code is dropped, and
+`remat` are inlined; a `scan` is inlined once with its ops' costs multiplied by its length,
+so the liveness walk sees one iteration's temporaries, as the loop allocates them; `while`
+and `cond` stay opaque), dead code is dropped, and
 every remaining equation becomes an `Op` with its flops and memory traffic (from the
 per-primitive rules of `jax.experimental.roofline` where they exist) and two dataflow
 facts that decide how it splits across a mesh:
@@ -21,12 +23,16 @@ contracted ("row" sharding) and which are not ("column").
 
 Memory is a liveness walk over the flat program: elementwise chains are fused (their
 intermediates are not materialised) and reshapes and broadcasts are aliases, as XLA
-does; the live bytes at every point are kept split into batched / other / per-parameter
-buckets so a candidate's peak memory is one matrix-vector product.
+does; the live bytes at every point are kept split into batched / other buckets and, per
+parameter, four classes a memory plan can place differently: the weight (and its casts,
+and the new weight), its gradient, optimizer temporaries, and the resident optimizer state
+(the moments passed in and handed back). A candidate's peak memory is then one
+matrix-vector product.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +56,8 @@ MATMUL = {"dot_general", "conv_general_dilated", "ragged_dot_general"}
 # Layout-only ops: XLA turns them into bitcasts or fuses them into their consumer.
 _FREE = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type",
          "copy", "copy_p", "stop_gradient", "transpose", "reduce_precision", "pvary",
-         "sharding_constraint", "optimization_barrier", "name", "tie", "device_put"}
+         "sharding_constraint", "optimization_barrier", "name", "tie", "device_put",
+         "scan_slice"}
 # Ops that start their own kernel (reductions, data movement, control flow).
 _HEAVY = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
           "reduce_or", "reduce_xor", "reduce", "argmax", "argmin", "gather", "scatter",
@@ -61,7 +68,7 @@ _HEAVY = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
           "dynamic_update_slice", "fft", "while", "scan", "cond", "custom_linear_solve",
           "cholesky", "triangular_solve", "lu", "qr", "eigh", "svd", "random_bits",
           "threefry2x32", "rng_bit_generator", "shard_map", "all_gather", "psum",
-          "reduce_scatter", "all_to_all", "ppermute"}
+          "reduce_scatter", "all_to_all", "ppermute", "scan_stack"}
 _SAME_LAYOUT = {"convert_element_type", "copy", "copy_p", "stop_gradient",
                 "reduce_precision", "pvary", "sharding_constraint", "optimization_barrier"}
 
@@ -85,6 +92,11 @@ class Layer:
     needs_input_grad: bool
 
 
+# Classes of a parameter's own values (columns of Graph.live after batched and other).
+WEIGHT, GRAD, OPT, RESIDENT = range(4)
+NUM_CLASSES = 4
+
+
 @dataclass(frozen=True)
 class Graph:
     """The step as the cost model sees it (struct of arrays over ops, for speed)."""
@@ -101,9 +113,14 @@ class Graph:
     owner: np.ndarray          # [ops] int param index or -1
     tp_param: np.ndarray       # [ops] int: the weight whose TP sharding splits this matmul
     layers: tuple[Layer, ...]
-    live: np.ndarray           # [points, 2 + P] live bytes: batched, other, owned by p
+    live: np.ndarray           # [points, 2 + 4P] live bytes: batched, other, then per
+                               # class (WEIGHT, GRAD, OPT, RESIDENT) a column per param
     state_bytes: np.ndarray    # [P] bytes of argument leaves owned by each param
     unmodeled: tuple[str, ...]
+    op_class: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    repeat: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    resident_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    host_transfer: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
 
     @property
     def total_flops(self) -> float:
@@ -125,6 +142,8 @@ class _Var:
     dtype: Any
     nbytes: int
     size: int
+    repeat: int = 1      # iterations of the enclosing (inlined) scans
+    on_host: bool = False  # in host memory (a residual offloaded by a remat policy)
 
 
 @dataclass
@@ -132,9 +151,28 @@ class _RawOp:
     eqn: Any
     ins: list[int]
     outs: list[int]
+    repeat: int = 1
 
 
-def _aval_info(aval: Any) -> _Var:
+@dataclass(frozen=True)
+class _Prim:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Synthetic:
+    """Stands in for an equation where a scan is inlined: slicing one iteration's input
+    out of the stacked `xs` (an alias), or stacking one iteration's output into `ys`."""
+
+    primitive: _Prim
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    effects: Any = None
+
+
+_SLICE, _STACK = _Synthetic(_Prim("scan_slice")), _Synthetic(_Prim("scan_stack"))
+
+
+def _aval_info(aval: Any, repeat: int = 1) -> _Var:
     shape = tuple(int(s) for s in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
     size = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -142,7 +180,8 @@ def _aval_info(aval: Any) -> _Var:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:  # PRNG key and other extended dtypes
         itemsize = getattr(dtype, "itemsize", 8) or 8
-    return _Var(shape, dtype, size * itemsize, size)
+    host = str(getattr(aval, "memory_space", "")).lower().endswith("host")
+    return _Var(shape, dtype, size * itemsize, size, repeat, host)
 
 
 def _sub_jaxpr(eqn: Any) -> Any | None:
@@ -159,10 +198,35 @@ class _Flattener:
     def __init__(self) -> None:
         self.vars: list[_Var] = []
         self.ops: list[_RawOp] = []
+        self.repeat = 1
 
     def new(self, aval: Any) -> int:
-        self.vars.append(_aval_info(aval))
+        self.vars.append(_aval_info(aval, self.repeat))
         return len(self.vars) - 1
+
+    def op(self, eqn: Any, ins: list[int], outs: list[int]) -> None:
+        self.ops.append(_RawOp(eqn, ins, outs, self.repeat))
+
+    def scan(self, eqn: Any, ins: list[int]) -> list[int]:
+        """Inline a scan's body once, its ops repeated `length` times."""
+        p = eqn.params
+        body, nc, nk = p["jaxpr"], int(p["num_consts"]), int(p["num_carry"])
+        inner = body.jaxpr if hasattr(body, "jaxpr") else body
+        outer = self.repeat
+        self.repeat = outer * max(int(p["length"]), 1)
+        slices = []
+        for x, v in zip(ins[nc + nk:], inner.invars[nc + nk:], strict=True):
+            slices.append(self.new(v.aval))
+            self.op(_SLICE, [x], [slices[-1]])
+        outs = self.run(body, list(ins[: nc + nk]) + slices)
+        ys = []
+        for y, v in zip(outs[nk:], eqn.outvars[nk:], strict=True):
+            self.repeat = outer
+            ys.append(self.new(v.aval))
+            self.repeat = outer * max(int(p["length"]), 1)
+            self.op(_STACK, [y], [ys[-1]])
+        self.repeat = outer
+        return list(outs[:nk]) + ys
 
     def atom(self, a: Any, env: dict[Any, int]) -> int:
         if type(a).__name__ == "Literal":
@@ -183,9 +247,11 @@ class _Flattener:
             sub = _sub_jaxpr(eqn)
             if sub is not None:
                 outs = self.run(sub, ins)
+            elif eqn.primitive.name == "scan":
+                outs = self.scan(eqn, ins)
             else:
                 outs = [self.new(v.aval) for v in eqn.outvars]
-                self.ops.append(_RawOp(eqn, ins, outs))
+                self.op(eqn, ins, outs)
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
         return [self.atom(a, env) for a in inner.outvars]
@@ -261,7 +327,13 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
             pdep[i] = True
             if V[i].shape == params[r.param].shape:
                 perm[i] = tuple(range(len(V[i].shape)))
-    kinds = [_kind(op.eqn.primitive.name) for op in ops]
+    on_host = np.array([v.on_host for v in V], dtype=bool)
+    # a device_put between device and host memory is a transfer over the host link, and
+    # its result a buffer of its own
+    crossing = [op.eqn.primitive.name == "device_put"
+                and len({bool(on_host[i]) for i in op.ins + op.outs}) > 1 for op in ops]
+    kinds = ["heavy" if c else _kind(op.eqn.primitive.name)
+             for op, c in zip(ops, crossing, strict=True)]
     for op, kind in zip(ops, kinds, strict=True):
         d = any(dep[i] for i in op.ins)
         pd = any(pdep[i] for i in op.ins)
@@ -298,9 +370,12 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     ndim = np.array([len(v.shape) for v in V])
     batched = dep & (owner < 0) & (ndim >= 1)
     if B:
-        batched &= (size % B == 0) & (size >= B)
+        # inside a scan over micro-batches one iteration holds B / length rows
+        rows = B // np.gcd(B, np.array([v.repeat for v in V], dtype=np.int64))
+        batched &= (size % rows == 0) & (size >= rows)
     else:
         batched[:] = False
+    vclass = _classes(ops, kinds, in_ids, in_roles, out_ids, out_roles, owner, dep, nv)
 
     # --- per-op costs and splits
     n = len(ops)
@@ -326,18 +401,17 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
                 unmodeled.add(prim)
             cost = (float(sum(size[o] for o in op.outs)), in_bytes + out_bytes)
         f, b = cost
+        f, b = f * op.repeat, b * op.repeat
         if kind == "free":
             f, b, kern = 0.0, 0.0, 0.0
         elif kind == "elementwise":
             # A fused chain writes each result once; a new fusion starts where no input
             # comes from another fusible op.
-            b = out_bytes
+            b = out_bytes * op.repeat
             kern = 0.0 if any(producer_kind.get(i) in ("elementwise", "free")
-                              for i in op.ins) else 1.0
+                              for i in op.ins) else float(op.repeat)
         else:
-            kern = 1.0
-            if prim == "scan":
-                kern = float(eqn.params.get("length", 1))
+            kern = float(op.repeat)
         flops[k], traffic[k], kernels[k] = f, b, kern
         for o in op.outs:
             producer_kind[o] = kind
@@ -364,17 +438,25 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     # a TP split needs a layer whose weight dims are known; otherwise the matmul is not split
     tp_param[~np.isin(tp_param, list(layers))] = -1
 
-    live = _liveness(ops, kinds, in_ids, out_ids, nv, nbytes, batched, owner, P)
+    device_bytes = np.where(on_host, 0.0, nbytes)
+    live = _liveness(ops, kinds, in_ids, out_ids, nv, device_bytes, batched, owner, vclass, P)
     state_bytes = np.zeros(P)
+    resident = np.zeros(P)
     for i, r in zip(in_ids, in_roles, strict=True):
         if r.kind == PARAM:
             state_bytes[r.param] += nbytes[i]
+            if r.mirror:
+                resident[r.param] += nbytes[i]
+    op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in ops],
+                        dtype=np.int64)
     return Graph(
         params=tuple(params), batch_size=B, prims=tuple(op.eqn.primitive.name for op in ops),
         flops=flops, bytes=traffic, kernels=kernels, is_matmul=is_matmul,
         low_precision=lowp, batched=op_batched, owner=op_owner, tp_param=tp_param,
         layers=tuple(sorted(layers.values(), key=lambda L: L.op_index)), live=live,
-        state_bytes=state_bytes, unmodeled=tuple(sorted(unmodeled)))
+        state_bytes=state_bytes, unmodeled=tuple(sorted(unmodeled)), op_class=op_class,
+        repeat=np.array([float(op.repeat) for op in ops]), resident_bytes=resident,
+        host_transfer=np.array(crossing, dtype=bool))
 
 
 def _itemsize(dtype: Any) -> int:
@@ -415,10 +497,42 @@ def _layer_of(op: _RawOp, k: int, owner: np.ndarray, perm: list, batched: np.nda
     return None
 
 
+def _classes(ops: list[_RawOp], kinds: list[str], in_ids: Sequence[int],
+             in_roles: Sequence[LeafRole], out_ids: Sequence[int],
+             out_roles: Sequence[LeafRole], owner: np.ndarray, dep: np.ndarray,
+             nv: int) -> np.ndarray:
+    """The class of every value a parameter owns (WEIGHT, GRAD, OPT, RESIDENT).
+
+    Inputs: the parameter itself is WEIGHT, a mirror (optimizer moment) RESIDENT. A value
+    computed from optimizer state is OPT (moment updates, the update itself); one computed
+    from data or from a gradient is GRAD (dW = x^T dy, its square for Adam); the rest
+    (casts and transposes of the weight) WEIGHT. Outputs take their role's class, so the
+    new weight is WEIGHT and the new moments RESIDENT.
+    """
+    cls = np.full(nv, WEIGHT, np.int64)
+    for i, r in zip(in_ids, in_roles, strict=True):
+        if r.kind == PARAM and r.mirror:
+            cls[i] = RESIDENT
+    for op in ops:
+        owned_in = [cls[i] for i in op.ins if owner[i] >= 0]
+        if any(c in (OPT, RESIDENT) for c in owned_in):
+            c = OPT
+        elif GRAD in owned_in or any(dep[i] for i in op.ins):
+            c = GRAD
+        else:
+            c = WEIGHT
+        for o in op.outs:
+            cls[o] = c
+    for o, r in zip(out_ids, out_roles, strict=True):
+        if r.kind == PARAM:
+            cls[o] = RESIDENT if r.mirror else WEIGHT
+    return cls
+
+
 def _liveness(ops: list[_RawOp], kinds: list[str], in_ids: Sequence[int],
               out_ids: Sequence[int], nv: int, nbytes: np.ndarray, batched: np.ndarray,
-              owner: np.ndarray, P: int) -> np.ndarray:
-    """Live bytes per program point, in buckets [batched, other, owned by param 0..P-1]."""
+              owner: np.ndarray, vclass: np.ndarray, P: int) -> np.ndarray:
+    """Live bytes per program point, in buckets [batched, other, then (class, param)]."""
     n = len(ops)
     consumers_heavy = np.zeros(nv, bool)
     for op, kind in zip(ops, kinds, strict=True):
@@ -457,11 +571,30 @@ def _liveness(ops: list[_RawOp], kinds: list[str], in_ids: Sequence[int],
         for r in roots.get(o, {o}):
             last[r] = n
             materialized[r] = True
-    cols = np.where(batched, 0, np.where(owner >= 0, 2 + owner, 1))
-    diff = np.zeros((n + 3, 2 + P))
+    cols = np.where(batched, 0, np.where(owner >= 0, 2 + vclass * P + owner, 1))
+    diff = np.zeros((n + 3, 2 + NUM_CLASSES * P))
     mat = np.flatnonzero(materialized)
     s = np.maximum(start[mat], -1) + 1          # shift: point 0 is "before the first op"
     e = np.maximum(last[mat], start[mat]) + 1
     np.add.at(diff, (s, cols[mat]), nbytes[mat])
     np.add.at(diff, (e + 1, cols[mat]), -nbytes[mat])
-    return np.cumsum(diff, axis=0)[: n + 2]
+    return _prune(np.cumsum(diff, axis=0)[: n + 2])
+
+
+def _prune(live: np.ndarray) -> np.ndarray:
+    """Drop program points another point dominates in every bucket: with non-negative
+    per-bucket weights they can never be the peak, and fewer rows make every candidate's
+    peak cheaper to evaluate."""
+    for _ in range(8):
+        if len(live) < 3:
+            return live
+        le_next = np.all(live[:-1] <= live[1:], axis=1)
+        keep = np.ones(len(live), bool)
+        keep[:-1] &= ~le_next
+        eq_prev = np.all(live[1:] == live[:-1], axis=1)
+        le_prev = np.all(live[1:] <= live[:-1], axis=1) & ~eq_prev
+        keep[1:] &= ~le_prev
+        if keep.all():
+            return live
+        live = live[keep]
+    return live

@@ -47,6 +47,9 @@ class DeviceSpec:
         Defaults to one microsecond of peak work.
       link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
       link_latency_s: default per-hop latency of that link.
+      host_bandwidth: per-direction bandwidth between the device and pinned host memory,
+        bytes/s (PCIe for a GPU, effective rather than the link's nominal figure): what
+        keeping optimizer state in host memory costs per step.
     """
 
     name: str
@@ -60,6 +63,7 @@ class DeviceSpec:
     efficiency_half_flops: float | None = None
     link_bandwidth: float = 25 * GB
     link_latency_s: float = 10e-6
+    host_bandwidth: float = 25 * GB
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -69,7 +73,8 @@ class DeviceSpec:
         for field, low, strict in (("peak_flops_f32", 0.0, True),
                                    ("efficiency_half_flops", 0.0, True),
                                    ("kernel_overhead_s", 0.0, False),
-                                   ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False)):
+                                   ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
+                                   ("host_bandwidth", 0.0, True)):
             v = getattr(self, field)
             if v is not None and not (v > low if strict else v >= low):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
@@ -101,30 +106,35 @@ _BUILTIN: dict[str, DeviceSpec] = {
         DeviceSpec("h100-sxm", peak_flops=989e12, peak_flops_f32=494e12,
                    memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=70,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6),
+                   link_bandwidth=450 * GB, link_latency_s=3e-6,
+                   host_bandwidth=50 * GB),
         DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
                    memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=75,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6),
+                   link_bandwidth=450 * GB, link_latency_s=3e-6,
+                   host_bandwidth=50 * GB),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=55,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6),
+                   link_bandwidth=300 * GB, link_latency_s=4e-6,
+                   host_bandwidth=25 * GB),
         DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=50,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6),
+                   link_bandwidth=300 * GB, link_latency_s=4e-6,
+                   host_bandwidth=25 * GB),
         DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
-                   link_bandwidth=150 * GB, link_latency_s=5e-6),
+                   link_bandwidth=150 * GB, link_latency_s=5e-6,
+                   host_bandwidth=12 * GB),
         # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
         # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
         # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
         DeviceSpec("cpu", peak_flops=5e10, peak_flops_f32=5e10, memory_bandwidth=1e10,
                    memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
                    kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
-                   link_bandwidth=10 * GB, link_latency_s=5e-6),
+                   link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10),
     )
 }
 

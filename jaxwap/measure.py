@@ -72,7 +72,7 @@ def measured_choice(fn: Callable, planned: Any, flat_args: Sequence[Any], steps:
     measured: dict[int, Measurement] = {}
     for i in finalists:
         r = search.results[i]
-        cs = compile_layout(fn, planned.layout, r.d, r.m, [s.spec for s in r.strategies],
+        cs = compile_layout(planned.fn or fn, planned.layout, r.d, r.m, r.strategies,
                             planned_devices(planned), donate=False,
                             compiler_options=compiler_options)
         placed = [place(leaf, sh, aval) for leaf, sh, aval in

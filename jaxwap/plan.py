@@ -21,6 +21,7 @@ from .cost import Prediction
 from .hardware import Cluster
 from .measure import Measurement
 from .objective import Objective
+from .train_step import StepVariant
 from .verify import CompiledFigures
 
 PLAN_FORMAT = 1
@@ -50,7 +51,12 @@ def spec_from_json(entries: list[Any]) -> tuple[Any, ...]:
 
 @dataclass(frozen=True)
 class ParamPlacement:
-    """One parameter's layout: path in the params tree, shape, dtype, spec, strategy."""
+    """One parameter's layout: path in the params tree, shape, dtype, spec, strategy.
+
+    `state_spec` is the layout of its optimizer state when that differs from the weight's
+    (ZeRO-1: sharded over the data axis), `offload` says that state lives in pinned host
+    memory between steps.
+    """
 
     path: tuple[str, ...]
     keystr: str
@@ -58,10 +64,16 @@ class ParamPlacement:
     dtype: str
     spec: tuple[Any, ...]
     strategy: str
+    state_spec: tuple[Any, ...] | None = None
+    offload: bool = False
 
     @property
     def partition_spec(self) -> P:
         return P(*self.spec)
+
+    @property
+    def layout_of_state(self) -> tuple[Any, ...]:
+        return self.spec if self.state_spec is None else self.state_spec
 
     @property
     def nbytes(self) -> int:
@@ -69,12 +81,16 @@ class ParamPlacement:
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": list(self.path), "keystr": self.keystr, "shape": list(self.shape),
-                "dtype": self.dtype, "spec": spec_to_json(self.spec), "strategy": self.strategy}
+                "dtype": self.dtype, "spec": spec_to_json(self.spec), "strategy": self.strategy,
+                "state_spec": None if self.state_spec is None else spec_to_json(self.state_spec),
+                "offload": self.offload}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ParamPlacement:
+        state = d.get("state_spec")
         return cls(tuple(d["path"]), d["keystr"], tuple(d["shape"]), d["dtype"],
-                   spec_from_json(d["spec"]), d["strategy"])
+                   spec_from_json(d["spec"]), d["strategy"],
+                   None if state is None else spec_from_json(state), bool(d.get("offload")))
 
 
 @dataclass(frozen=True)
@@ -149,6 +165,8 @@ class Plan:
     compiled: CompiledFigures | None = None   # XLA's per-device figures for this plan
     verified: Prediction | None = None        # the model fed XLA's figures (what chose it)
     measured: Measurement | None = None       # what it did on the devices (measure=)
+    # how a `make_train_step` step was restructured to fit (micro-batches, remat)
+    step: StepVariant = field(default_factory=StepVariant)
     _treedef: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -207,6 +225,7 @@ class Plan:
             "compiled": self.compiled.to_dict() if self.compiled else None,
             "verified": self.verified.to_dict() if self.verified else None,
             "measured": self.measured.to_dict() if self.measured else None,
+            "step": self.step.to_dict(),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -229,13 +248,24 @@ class Plan:
             planning_time_s=dict(d["planning_time_s"]), notes=tuple(d["notes"]),
             version=d.get("version", ""), compiled=_opt(CompiledFigures, d.get("compiled")),
             verified=_opt(Prediction, d.get("verified")),
-            measured=_opt(Measurement, d.get("measured")))
+            measured=_opt(Measurement, d.get("measured")),
+            step=StepVariant.from_dict(d.get("step")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
     # ------------------------------------------------------------------ explain
+    def _memory_summary(self) -> str:
+        zero1 = sum(1 for p in self.params if p.state_spec is not None)
+        off = sum(1 for p in self.params if p.offload)
+        parts = []
+        if zero1:
+            parts.append(f"optimizer state of {zero1} params sharded over data (ZeRO-1)")
+        if off:
+            parts.append(f"optimizer state of {off} params in host memory")
+        return ("   memory: " + "; ".join(parts)) if parts else ""
+
     def explain(self, max_params: int = 40) -> str:
         """A report a person reads: the decision, the layout, the figures, the losers."""
         pr = self.predicted
@@ -251,6 +281,7 @@ class Plan:
             f"{hw.link_latency * 1e6:.1f} us",
             f"devices: {list(self.device_ids)}   batch: {self.batch_size}   memory budget: "
             f"{_si(self.memory_budget_bytes, 'B')} per device",
+            f"step: {self.step.describe()}" + self._memory_summary(),
             "",
             "predicted (model, not measured):",
             f"  step time       {pr.step_time_s * 1e3:10.3f} ms   "
@@ -263,7 +294,9 @@ class Plan:
             f"{_si(pr.comm_bytes, 'B')} sent per device",
             f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
             f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
-            f"  peak memory     {_si(pr.peak_memory_bytes, 'B'):>10} per device",
+            f"  peak memory     {_si(pr.peak_memory_bytes, 'B'):>10} per device"
+            + (f"; {pr.host_transfer_time_s * 1e3:.3f} ms moving optimizer state to and "
+               f"from host memory" if pr.host_transfer_time_s else ""),
         ]
         if self.compiled is not None:
             c, v = self.compiled, self.verified
@@ -277,7 +310,7 @@ class Plan:
                 f"argument {_si(c.argument_bytes, 'B')}, output {_si(c.output_bytes, 'B')}, "
                 f"temp {_si(c.temp_bytes, 'B')}, aliased {_si(c.alias_bytes, 'B')}",
                 f"  flops           {_si(c.flops, 'flop'):>10}   "
-                f"(model {_err(pr.flops_per_device, c.flops)})",
+                f"(model {_err(pr.flops_as_xla_counts, c.flops)})",
                 f"  communication   {_si(c.comm_bytes, 'B'):>10}   "
                 f"(model {_err(pr.comm_bytes, c.comm_bytes)})   "
                 f"{', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'no collectives'}",

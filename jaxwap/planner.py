@@ -23,7 +23,7 @@ from .cost import DATA, MODEL
 from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .objective import Objective
-from .plan import Candidate, ParamPlacement, Plan
+from .plan import Candidate, ParamPlacement, Plan, _si
 from .solve import SearchResult, search, uses_model_axis
 from .state import (
     BATCH,
@@ -35,6 +35,7 @@ from .state import (
     param_infos,
     path_tokens,
 )
+from .train_step import StepVariant, TrainStep, ladder
 from .verify import Verification, run_verification
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
@@ -65,6 +66,7 @@ class Planned:
     search: SearchResult | None    # None for a plan read back from the cache
     compiled: Any = None
     all_devices: tuple[Any, ...] = ()   # every device the planning could use
+    fn: Callable | None = None          # the step to compile, when not the user's own
 
 
 def resolve_cluster(hardware: Any, devices: Sequence[Any]) -> tuple[Cluster, str | None]:
@@ -125,7 +127,7 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     ptree = find_params(args, params)
     infos, ptreedef = param_infos(ptree)
     identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
-                if isinstance(leaf, (jax.Array, np.ndarray))}
+                if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))}
     entries, treedef, names = leaf_entries(args, kwargs)
     leaves = [leaf for _, _, leaf in entries]
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
@@ -275,33 +277,93 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         hit = store.get(key)
         if hit is not None:
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
-            return Planned(plan, layout, None, devs[: plan.num_devices], None, None, devs)
-    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
-                    layout.inputs.batch_size)
-    t2 = time.perf_counter()
-    result = search(graph, cluster, obj, usable, budget, num_devices)
-    t3 = time.perf_counter()
+            return Planned(plan, layout, None, devs[: plan.num_devices], None, None, devs,
+                           _variant_fn(fn, plan.step))
+    B = layout.inputs.batch_size
+    # The step as written first; a step built by make_train_step may then be restructured
+    # (remat, micro-batches), in order of expected cost, until a plan fits.
+    rungs: list[StepVariant] = [StepVariant()]
+    if isinstance(fn, TrainStep) and fn.variant.is_plain:
+        rungs += ladder(fn, B, devs[0].platform)
+    timing = {"trace": t1 - t0, "analyze": 0.0, "search": 0.0}
+    tried: list[str] = []
+    first_error: str | None = None
+    for rung in rungs:
+        fn_v = _variant_fn(fn, rung) or fn
+        ta = time.perf_counter()
+        closed_v = closed if rung.is_plain else trace_layout(fn_v, layout)
+        graph = analyze(closed_v, layout.inputs.roles, layout.outputs.roles, layout.params, B)
+        tb = time.perf_counter()
+        try:
+            result = search(graph, cluster, obj, usable, budget, num_devices,
+                            micro_batches=rung.micro_batches)
+        except ValueError as e:
+            if rung.is_plain:
+                raise
+            tried.append(f"{rung.describe()}: {str(e).split('(')[0].strip()}")
+            continue
+        tc = time.perf_counter()
+        timing["analyze"] += tb - ta
+        timing["search"] += tc - tb
+        best = result.results[result.best]
+        ver = None
+        if not best.fits:
+            error = _nothing_fits(result, budget, B)
+        else:
+            error = None
+            if verify:
+                ver = run_verification(fn_v, layout, result, cluster, obj, budget, devs,
+                                       int(verify), B or 1, donate=donate,
+                                       compiler_options=compiler_options)
+                timing["verify"] = timing.get("verify", 0.0) + ver.verify_time_s
+                if ver.best < 0:
+                    error = _nothing_fits_compiled(ver, result, budget, B)
+        if error is None:
+            break
+        first_error = first_error or error
+        tried.append(f"{rung.describe()}: " + (
+            f"needs {_si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
+            if not best.fits else "no candidate fits by XLA's analysis"))
+    else:
+        more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
+                if len(tried) > 1 else "")
+        raise MemoryError(f"{first_error}{more}")
     if graph.unmodeled:
         notes.append("ops priced by a generic rule (no roofline rule): "
                      + ", ".join(graph.unmodeled))
-    best = result.results[result.best]
-    if not best.fits:
-        raise MemoryError(_nothing_fits(result, budget, layout.inputs.batch_size))
-    timing = {"trace": t1 - t0, "analyze": t2 - t1, "search": t3 - t2}
-    ver = None
-    if verify:
-        ver = run_verification(fn, layout, result, cluster, obj, budget, devs, int(verify),
-                               layout.inputs.batch_size or 1, donate=donate,
-                               compiler_options=compiler_options)
-        timing["verify"] = ver.verify_time_s
-        if ver.best < 0:
-            raise MemoryError(_nothing_fits_compiled(ver, result, budget,
-                                                     layout.inputs.batch_size))
+    if not rung.is_plain:
+        notes.append(f"the step as written does not fit ({tried[0]}); restructured: "
+                     f"{rung.describe()}")
+    if isinstance(fn, TrainStep) and devs[0].platform == "cpu" and len(rungs) > 1:
+        notes.append("rematerialization not tried: XLA:CPU drops it (it neither recomputes "
+                     "nor saves memory there)")
+    if any(s.offload for s in result.results[ver.best if ver else result.best].strategies) \
+            and devs[0].platform == "cpu":
+        notes.append("optimizer state planned for host memory: XLA:CPU compiles memory kinds "
+                     "to nothing, so the saving is modelled, not verified, on this backend")
     plan = _build_plan(result, ver, graph, layout, obj, cluster, devs, budget, timing, notes)
+    plan = dataclasses.replace(plan, step=rung, _treedef=layout.params_treedef)
     if store is not None and key is not None:
         store.put(key, plan)
     return Planned(plan, layout, graph, devs[: plan.num_devices], result,
-                   ver.compiled_best if ver else None, devs)
+                   ver.compiled_best if ver else None, devs,
+                   None if rung.is_plain else fn_v)
+
+
+def _variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
+    """The step restructured as `variant` says (None: the step as written)."""
+    if variant.is_plain:
+        return None
+    if not isinstance(fn, TrainStep):
+        raise ValueError(f"a plan restructures the step ({variant.describe()}), but the step "
+                         f"is not one jaxwap.make_train_step built")
+    return fn.with_variant(variant)
+
+
+def trace_layout(fn: Callable, layout: ArgLayout) -> Any:
+    """The jaxpr of `fn` at the layout's abstract arguments."""
+    a, k = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
+    return jax.make_jaxpr(fn)(*a, **dict(zip(layout.kw_names, k, strict=True)))
 
 
 def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
@@ -341,7 +403,8 @@ def _build_plan(result: SearchResult, ver: Verification | None, graph: Graph,
                 scores[i] = s
     best = result.results[chosen]
     placements = tuple(
-        ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name)
+        ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name, s.state_spec,
+                       s.offload)
         for p, s in zip(layout.params, best.strategies, strict=True))
     figs = ver.figures if ver is not None else {}
     vpreds = ver.predictions if ver is not None else {}
@@ -423,7 +486,8 @@ def rechoose(planned: Planned, measured: dict[int, Any]) -> Planned:
     new = dataclasses.replace(
         plan, mesh_shape={DATA: r.d, MODEL: r.m},
         device_ids=tuple(int(d.id) for d in planned.all_devices[: r.d * r.m]),
-        params=tuple(dataclasses.replace(p, spec=s.spec, strategy=s.name)
+        params=tuple(dataclasses.replace(p, spec=s.spec, strategy=s.name,
+                                         state_spec=s.state_spec, offload=s.offload)
                      for p, s in zip(plan.params, r.strategies, strict=True)),
         predicted=r.predicted, compiled=chosen.compiled, verified=chosen.verified,
         candidates=tuple(cands), measured=measured[best])

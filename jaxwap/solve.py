@@ -6,16 +6,24 @@ pairs need no gather in between), so a dynamic program along the chain finds the
 per-parameter strategies that minimise modelled step time. Gradient reduction overlaps
 backward compute, which makes its cost non-additive; the DP is run with the reduction
 weighted 1, 1/2 and 0 and each result is priced exactly. Non-layer parameters (biases,
-norms, embeddings) choose independently. A candidate over the memory budget is repaired
-greedily (the FSDP variant that frees the most memory per second added, first) before
-it is declared not to fit.
+norms, embeddings) choose independently.
+
+A candidate over the memory budget is repaired before it is declared not to fit: one
+parameter at a time, the move that frees the most memory at the peak per second it adds
+(so the cheapest first: optimizer state sharded over the data axis (ZeRO-1) costs almost
+nothing, the weight and gradient too (FSDP) costs gathers, optimizer state in host memory
+costs PCIe transfers). What a step cannot free this way (activations) is left to the
+planner's step variants: rematerialization and micro-batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .cost import (
     DATA,
@@ -29,7 +37,7 @@ from .cost import (
     tp_final_cost,
     tp_pair_cost,
 )
-from .graph import Graph
+from .graph import NUM_CLASSES, Graph
 from .hardware import Cluster
 from .objective import Objective
 
@@ -75,25 +83,34 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
 
 
 def param_strategies(graph: Graph, j: int, d: int, m: int) -> tuple[Strategy, ...]:
-    """Replicate; FSDP over data; column / row over model (each also with FSDP)."""
+    """Replicate; column / row over model; each also with its optimizer state sharded over
+    data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
+    optimizer state, each of those with the state kept in host memory."""
     shape = graph.params[j].shape
     nd = len(shape)
-    out = [Strategy("replicate", _spec(nd))]
     all_dims = range(nd)
-    fsdp = _largest_dim(shape, all_dims, d) if d > 1 else None
-    if fsdp is not None:
-        out.append(Strategy("fsdp", _spec(nd, data=fsdp), data_sharded=True))
+    has_state = len(graph.resident_bytes) > j and graph.resident_bytes[j] > 0
+    bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
     layer = next((L for L in graph.layers if L.param == j), None)
     if m > 1 and layer is not None:
         for kind, dims in (("col", layer.out_dims), ("row", layer.in_dims)):
             tdim = _largest_dim(shape, dims, m)
-            if tdim is None:
-                continue
-            out.append(Strategy(f"tp-{kind}", _spec(nd, model=tdim), tp=kind))
-            f2 = _largest_dim(shape, all_dims, d, exclude=tdim) if d > 1 else None
-            if f2 is not None:
-                out.append(Strategy(f"tp-{kind}+fsdp", _spec(nd, model=tdim, data=f2),
-                                    tp=kind, data_sharded=True))
+            if tdim is not None:
+                bases.append((f"tp-{kind}", kind, tdim))
+    out = []
+    for name, tp, tdim in bases:
+        spec = _spec(nd, model=tdim)
+        out.append(Strategy(name, spec, tp=tp))
+        f = _largest_dim(shape, all_dims, d, exclude=tdim) if d > 1 else None
+        if f is None:
+            continue
+        sharded = _spec(nd, model=tdim, data=f)
+        prefix = "" if tp == "none" else name + "+"
+        if has_state:
+            out.append(Strategy(prefix + "zero1", spec, tp=tp, state_spec=sharded))
+        out.append(Strategy(prefix + "fsdp", sharded, tp=tp, data_sharded=True))
+    if has_state:
+        out += [dataclasses.replace(s, name=s.name + "+offload", offload=True) for s in out]
     return tuple(out)
 
 
@@ -104,7 +121,8 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[in
     d, m = mc.d, mc.m
 
     def own(j: int, s: int) -> float:
-        return mc.param_time[j][s] + weight * mc.grad_comm[j][s][0]
+        host = 2 * mc.host[j][s] if mc.host else 0.0
+        return mc.param_time[j][s] + weight * mc.grad_comm[j][s][0] + host
 
     layer_params = {L.param for L in graph.layers}
     for j in range(P):
@@ -133,31 +151,40 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[in
 
 def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             budget: float) -> list[int]:
-    """Move parameters to data-sharded variants until the candidate fits (or cannot)."""
+    """Move parameters to variants that free memory at the peak until the candidate fits
+    (or no move frees anything): each time the move with the most bytes freed per second
+    of step time added. A tensor-parallel parameter keeps its kind (its neighbours' costs
+    depend on it); a replicated one may become tensor-parallel."""
     d, m = mc.d, mc.m
+    P = len(choice)
+    S = max(len(st) for st in mc.strategies)
+    inv = np.zeros((P, S, NUM_CLASSES))          # 1 / divisor per class (0: not on device)
+    cost = np.full((P, S), np.inf)               # time the strategy costs the step
+    kind = np.full((P, S), "", dtype=object)
+    for j, strats in enumerate(mc.strategies):
+        for s, st in enumerate(strats):
+            inv[j, s] = 1.0 / np.asarray(st.divisors(d, m))
+            host = 2 * mc.host[j][s] if mc.host else 0.0
+            cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
+            kind[j, s] = st.tp
     choice = list(choice)
-    for _ in range(4 * len(choice) + 1):
-        shards = [mc.strategies[j][s].shard(d, m) for j, s in enumerate(choice)]
-        mem, k = peak_memory(graph, d, m, shards)
+    idx = np.arange(P)
+    for _ in range(NUM_CLASSES * P + 1):
+        strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
+        mem, k = peak_memory(graph, d, m, strats)
         if mem <= budget:
             break
-        at_peak = graph.live[k, 2:]
-        best, best_gain = None, 0.0
-        for j, s in enumerate(choice):
-            cur = mc.strategies[j][s]
-            for s2, alt in enumerate(mc.strategies[j]):
-                new_shard = alt.shard(d, m)
-                saved = at_peak[j] * (1.0 / shards[j] - 1.0 / new_shard)
-                if saved <= 0 or alt.tp not in (cur.tp, "none") and cur.tp != "none":
-                    continue
-                added = (mc.param_time[j][s2] + mc.grad_comm[j][s2][0]
-                         - mc.param_time[j][s] - mc.grad_comm[j][s][0])
-                gain = saved / max(added, 1e-9)
-                if gain > best_gain:
-                    best, best_gain = (j, s2), gain
-        if best is None:
+        at_peak = graph.live[k, 2:].reshape(NUM_CLASSES, P).T          # [P, classes]
+        cur = np.asarray(choice)
+        saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
+        added = np.maximum(cost - cost[idx, cur][:, None], 1e-9)
+        cur_kind = kind[idx, cur][:, None]
+        ok = (saved > 0) & np.isfinite(cost) & ((cur_kind == "none") | (kind == cur_kind))
+        if not ok.any():
             break
-        choice[best[0]] = best[1]
+        gain = np.where(ok, saved / added, -np.inf)
+        j, s = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        choice[int(j)] = int(s)
     return choice
 
 
@@ -180,8 +207,10 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float) ->
 
 
 def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
-                num_devices_exact: int | None = None) -> tuple[list[tuple[int, int]], list[str]]:
-    """Every (data, model) factorisation of n <= num_devices devices worth trying."""
+                num_devices_exact: int | None = None, micro_batches: int = 1
+                ) -> tuple[list[tuple[int, int]], list[str]]:
+    """Every (data, model) factorisation of n <= num_devices devices worth trying (with
+    micro-batches, each micro-batch must split evenly over the data axis)."""
     shapes, skipped = [], []
     ns = [num_devices_exact] if num_devices_exact else range(1, num_devices + 1)
     for n in ns:
@@ -192,8 +221,10 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
             if batch_size is None and d > 1:
                 skipped.append(f"{d}x{m}: the step has no batch dimension to split")
                 continue
-            if batch_size is not None and batch_size % d:
-                skipped.append(f"{d}x{m}: batch {batch_size} is not divisible by data={d}")
+            if batch_size is not None and batch_size % (d * micro_batches):
+                what = f"batch {batch_size}" if micro_batches == 1 else \
+                    f"micro-batch {batch_size // micro_batches}"
+                skipped.append(f"{d}x{m}: {what} is not divisible by data={d}")
                 continue
             if m > 1 and not any(
                     any(graph.params[L.param].shape[i] % m == 0 for i in L.in_dims + L.out_dims)
@@ -205,8 +236,10 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
 
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
-           budget: float, num_devices_exact: int | None = None) -> SearchResult:
-    shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact)
+           budget: float, num_devices_exact: int | None = None,
+           micro_batches: int = 1) -> SearchResult:
+    shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
+                                  micro_batches)
     if not shapes:
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
     results = [solve_mesh(graph, cluster, d, m, budget) for d, m in shapes]

@@ -45,10 +45,16 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class LeafRole:
-    """The role of one flattened leaf; `param` indexes `ParamInfo`s when kind == PARAM."""
+    """The role of one flattened leaf; `param` indexes `ParamInfo`s when kind == PARAM.
+
+    `mirror` marks a PARAM leaf that is not the parameter itself but state that tracks it
+    (optimizer moments): memory planning may shard it over the data axis (ZeRO-1) or keep
+    it in host memory while the parameter itself stays put.
+    """
 
     kind: str
     param: int = -1
+    mirror: bool = False
 
 
 def key_token(key: Any) -> str:
@@ -142,13 +148,14 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
     not counted when inferring B.
     """
     identity = identity or {}
-    paths, avals, param_of, state = [], [], [], []
+    paths, avals, param_of, state, own = [], [], [], [], []
     for root, path, leaf in entries:
         where = f"{root}{jax.tree_util.keystr(tuple(path))}"
         a = abstract_leaf(leaf, where)
         shape = tuple(int(s) for s in a.shape)
         tokens = path_tokens(path)
         j = identity.get(id(leaf), -1)
+        own.append(j >= 0)
         if j < 0:
             j = match_param(tokens, shape, params)
         paths.append(where)
@@ -165,10 +172,17 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
             top = max(counts.values())
             batch_size = max(b for b, c in counts.items() if c == top)
 
+    # The parameter itself is the user's own array where identity says so, else the first
+    # leaf matching it (params come before optimizer state in every conventional step
+    # signature and in TrainState); every other match is a mirror.
+    by_identity = {j for j, o in zip(param_of, own, strict=True) if o}
+    seen: set[int] = set()
     roles = []
-    for a, j, st in zip(avals, param_of, state, strict=True):
+    for a, j, st, o in zip(avals, param_of, state, own, strict=True):
         if j >= 0:
-            roles.append(LeafRole(PARAM, j))
+            mirror = (not o) if j in by_identity else j in seen
+            seen.add(j)
+            roles.append(LeafRole(PARAM, j, mirror))
         elif (batch_size is not None and not st and len(a.shape) >= 1
               and not is_key_dtype(a.dtype) and int(a.shape[0]) == batch_size):
             roles.append(LeafRole(BATCH))

@@ -25,6 +25,7 @@ from .cost import (
     all_gather,
     all_reduce,
     assemble,
+    host_exposed,
 )
 from .hardware import Cluster
 
@@ -80,6 +81,10 @@ class CompiledFigures:
     comm_bytes: float          # sent per device by `collectives`, ring formulas
     collectives: tuple[Collective, ...]
     compile_time_s: float = field(default=0.0, compare=False)  # a timing, not a figure
+    host_bytes: float = 0.0    # host-memory argument + output + temp XLA reports
+    # state the plan keeps in host memory that this backend's analysis counts on the
+    # device (XLA:CPU ignores memory kinds): taken out of memory_bytes, and unverified
+    host_unverified_bytes: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -204,13 +209,24 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Collec
 
 # --------------------------------------------------------------------------- figures
 def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluster,
-                     compile_time_s: float = 0.0) -> CompiledFigures:
-    """Read memory, cost and collectives from a `jax.stages.Compiled`."""
+                     compile_time_s: float = 0.0, host_resident: float = 0.0
+                     ) -> CompiledFigures:
+    """Read memory, cost and collectives from a `jax.stages.Compiled`.
+
+    `host_resident` is the per-device bytes the layout keeps in host memory. Where XLA
+    reports host memory it is trusted; where it reports none (XLA:CPU compiles memory
+    kinds to nothing) those bytes are taken out of the device figure and recorded as
+    unverified, since only a backend that honours them can confirm the saving.
+    """
     mem = compiled.memory_analysis()
     arg = float(getattr(mem, "argument_size_in_bytes", 0))
     out = float(getattr(mem, "output_size_in_bytes", 0))
     tmp = float(getattr(mem, "temp_size_in_bytes", 0))
     alias = float(getattr(mem, "alias_size_in_bytes", 0))
+    host = sum(float(getattr(mem, f"host_{k}_size_in_bytes", 0) or 0)
+               for k in ("argument", "output", "temp")) - \
+        float(getattr(mem, "host_alias_size_in_bytes", 0) or 0)
+    unverified = host_resident if host_resident > 0 and host <= 0 else 0.0
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
         cost = cost[0] if cost else {}
@@ -218,10 +234,11 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
     colls = tuple(parse_collectives(compiled.as_text(), mesh_shape))
     comm = sum(c.cost(cluster)[1] for c in colls)
     return CompiledFigures(
-        memory_bytes=arg + out + tmp - alias, argument_bytes=arg, output_bytes=out,
+        memory_bytes=arg + out + tmp - alias - unverified, argument_bytes=arg, output_bytes=out,
         temp_bytes=tmp, alias_bytes=alias, flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), comm_bytes=comm,
-        collectives=colls, compile_time_s=compile_time_s)
+        collectives=colls, compile_time_s=compile_time_s, host_bytes=host,
+        host_unverified_bytes=unverified)
 
 
 def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
@@ -229,8 +246,8 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
     """The same cost model fed XLA's figures: memory is XLA's; compute time scales with
     XLA's flops over the model's; communication is priced from the collectives XLA
     actually inserted (data-axis ones overlap backward compute, the rest block)."""
-    scale = figs.flops / pred.flops_per_device if pred.flops_per_device > 0 and figs.flops > 0 \
-        else 1.0
+    counted = pred.flops_as_xla_counts
+    scale = figs.flops / counted if counted > 0 and figs.flops > 0 else 1.0
     compute = pred.compute_time_s * scale
     busy = pred.busy_time_s * scale
     overlappable = blocking = 0.0
@@ -241,10 +258,16 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
         else:
             blocking += t
     exposed = max(overlappable - BACKWARD_SHARE * pred.batched_time_s * scale, 0.0)
+    # host transfers of offloaded state are not collectives: the model's figure stands
+    host = pred.host_transfer_time_s / 2
+    exposed += host_exposed(host, pred.batched_time_s * scale)
     return assemble(cluster, pred.num_devices, batch_size, compute=compute, busy=busy,
                     blocking=blocking, grad_comm=overlappable, exposed=exposed,
-                    comm_bytes=figs.comm_bytes, memory=figs.memory_bytes, flops=figs.flops,
-                    batched_time=pred.batched_time_s * scale)
+                    comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,
+                    flops=figs.flops / pred.loop_flops_ratio,
+                    batched_time=pred.batched_time_s * scale,
+                    host_transfer=pred.host_transfer_time_s,
+                    loop_flops_ratio=pred.loop_flops_ratio)
 
 
 __all__ = ["Collective", "CompiledFigures", "compiled_figures", "parse_collectives",
@@ -278,13 +301,15 @@ def run_verification(fn: Any, layout: Any, result: Any, cluster: Cluster, object
     the compile (benchmarks replay figures they compiled once)."""
     import time
 
-    from .compile import compile_layout
+    from .compile import compile_layout, host_resident_bytes
     from .solve import uses_model_axis
 
     def compile_here(r: Any) -> tuple[CompiledFigures, Any]:
-        cs = compile_layout(fn, layout, r.d, r.m, [s.spec for s in r.strategies], devices,
+        cs = compile_layout(fn, layout, r.d, r.m, r.strategies, devices,
                             donate=donate, compiler_options=compiler_options)
-        return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s), cs
+        host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate)
+        return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s,
+                                host), cs
 
     compile_candidate = compile_candidate or compile_here
 

@@ -68,7 +68,8 @@ def test_memory_pressure_shards_parameters_and_every_plan_fits():
     args = abstract_setup((2048, 2048, 1000), 64, 1024)
     roomy = analytic_plan(*args, hardware=FAST_SLOW, objective="energy")
     assert roomy.num_devices == 1
-    budget = roomy.predicted.peak_memory_bytes * 0.5
+    # a third: more than one device's worth even with its optimizer state in host memory
+    budget = roomy.predicted.peak_memory_bytes * 0.3
     tight = analytic_plan(*args, hardware=FAST_SLOW, objective="energy", memory_budget=budget)
     assert tight.predicted.peak_memory_bytes <= budget
     assert tight.num_devices > 1

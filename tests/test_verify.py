@@ -121,7 +121,13 @@ def test_a_candidate_over_the_budget_by_xla_is_never_returned():
     second = jaxwap.plan(step, params, opt, batch, hardware=H100X8, objective="energy",
                          memory_budget=budget)
     assert second.compiled.memory_bytes <= budget
-    assert second.mesh_shape != first.mesh_shape
+    # more devices, or (the cheaper repair under the energy objective) the optimizer state
+    # in host memory: on CPU that saving is modelled, and the plan says so
+    offloaded = [p for p in second.params if p.offload]
+    assert second.mesh_shape != first.mesh_shape or offloaded
+    if offloaded:
+        assert second.compiled.host_unverified_bytes > 0
+        assert any("not verified" in n for n in second.notes)
     for c in second.candidates:
         if c.compiled is not None and c.compiled.memory_bytes > budget:
             assert not c.fits and not c.chosen
@@ -133,7 +139,7 @@ def test_nothing_fits_by_xla_is_a_clear_error():
     step, params, opt, batch = abstract_setup((36, 20, 8), 2, 12, regression=True)
     with pytest.raises(MemoryError, match=r"XLA's own memory analysis.*memory_budget="):
         jaxwap.plan(step, params, opt, batch, hardware=H100X8, objective="throughput",
-                    memory_budget=4000)
+                    memory_budget=3000)
 
 
 def test_verify_zero_compiles_nothing_and_bad_values_are_refused():

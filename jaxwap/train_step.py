@@ -1,0 +1,192 @@
+"""A training step jaxwap may restructure: `make_train_step(loss_fn, optimizer)`.
+
+An opaque user step can only be sharded (and its optimizer state offloaded): its code
+decides what the backward pass keeps alive. A step built here from a loss function and an
+optax optimizer has two more knobs the planner may turn when memory is short:
+
+- **rematerialization**: the loss is wrapped in `jax.checkpoint` with a policy, so the
+  backward pass recomputes (or fetches from host memory) what the forward pass did not
+  keep. Policies, by name: "dots" (keep matmul and convolution outputs, recompute the
+  elementwise work between them), "dots_no_batch" (keep only matmuls without batch
+  dimensions), "offload_dots" (as "dots_no_batch", but the kept values wait in pinned
+  host memory), "none".
+- **micro-batches**: the batch is split into `k` micro-batches whose gradients are summed
+  in a `lax.scan` before one optimizer update. Micro-batch `i` is rows `i, i+k, i+2k, ...`,
+  so a batch sharded over the data axis splits without moving data. With a loss that is
+  a mean over the batch, the result equals the full-batch step up to float rounding.
+
+The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both take it:
+
+    step = jaxwap.make_train_step(loss_fn, optax.adam(1e-3))
+    params, opt_state, loss = step(params, opt_state, batch)
+    # has_aux=True: loss_fn returns (loss, aux); the step returns (params, opt_state, (loss, aux))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots")
+
+
+def _policy(name: str) -> Any:
+    cp = jax.checkpoint_policies
+    return {"dots": cp.dots_saveable,
+            "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+            "offload_dots": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}[name]
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """How a `make_train_step` step is restructured: micro-batches and a remat policy."""
+
+    micro_batches: int = 1
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int)
+                or self.micro_batches < 1):
+            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.micro_batches == 1 and self.remat == "none"
+
+    def describe(self) -> str:
+        parts = []
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
+        if self.remat != "none":
+            parts.append(f"remat {self.remat}")
+        return ", ".join(parts) or "as written"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batches": self.micro_batches, "remat": self.remat}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> StepVariant:
+        return cls(**d) if d else cls()
+
+
+class TrainStep:
+    """`step(params, opt_state, batch) -> (params, opt_state, loss)` built from a loss
+    function and an optax optimizer; see the module docstring. `variant` says how it is
+    restructured; `with_variant` gives the same step restructured another way."""
+
+    def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, *, has_aux: bool = False,
+                 variant: StepVariant = StepVariant()) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(f"optimizer must be an optax GradientTransformation (with init "
+                            f"and update), got {type(optimizer).__name__}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = bool(has_aux)
+        self.variant = variant
+        self.__name__ = getattr(loss_fn, "__name__", "loss_fn") + "_train_step"
+
+    def with_variant(self, variant: StepVariant) -> TrainStep:
+        return TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux, variant=variant)
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state for `params` (`optimizer.init`)."""
+        return self.optimizer.init(params)
+
+    def _loss(self) -> Callable[..., Any]:
+        fn = self.loss_fn if self.has_aux else (lambda p, b: (self.loss_fn(p, b), None))
+        if self.variant.remat != "none":
+            fn = jax.checkpoint(fn, policy=_policy(self.variant.remat))
+        return fn
+
+    def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """(loss, aux, gradients) of the whole batch, micro-batched as the variant says."""
+        vag = jax.value_and_grad(self._loss(), has_aux=True)
+        k = self.variant.micro_batches
+        if k == 1:
+            (loss, aux), g = vag(params, batch)
+            return loss, aux, g
+        micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
+
+        def body(acc: Any, mb: Any) -> tuple[Any, Any]:
+            (loss, aux), g = vag(params, mb)
+            acc_g, acc_l = acc
+            return (jax.tree_util.tree_map(jnp.add, acc_g, g), acc_l + loss), aux
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        loss0 = jnp.zeros((), jax.eval_shape(lambda: vag(params, _first(micro))[0][0]).dtype)
+        (g, loss), auxs = jax.lax.scan(body, (zeros, loss0), micro)
+        g = jax.tree_util.tree_map(lambda x: x / k, g)
+        aux = jax.tree_util.tree_map(_combine, auxs)
+        return loss / k, aux, g
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+        import optax
+
+        loss, aux, g = self.grads(params, batch)
+        updates, opt_state = self.optimizer.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, ((loss, aux) if self.has_aux else loss)
+
+    def __repr__(self) -> str:
+        return f"TrainStep({self.__name__}, {self.variant.describe()})"
+
+
+def _split(path: Any, x: Any, k: int) -> Any:
+    """[B, ...] -> [k, B/k, ...], micro-batch i holding rows i, i+k, ...: a batch whose
+    rows are sharded in contiguous blocks over the data axis stays where it is."""
+    shape = np.shape(x)
+    if len(shape) == 0 or shape[0] % k:
+        where = f"batch{jax.tree_util.keystr(path)}"
+        raise ValueError(f"{where} with shape {tuple(shape)}: its leading (batch) dimension "
+                         f"must divide into {k} micro-batches")
+    x = jnp.asarray(x)
+    return jnp.moveaxis(x.reshape(shape[0] // k, k, *shape[1:]), 1, 0)
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _combine(x: Any) -> Any:
+    """Per-micro-batch aux values, stacked: floats are averaged (metrics that are means stay
+    means of the whole batch), anything else keeps the last micro-batch's value."""
+    return x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1]
+
+
+def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
+                    has_aux: bool = False) -> TrainStep:
+    """A standard training step from `loss_fn(params, batch) -> loss` (or `(loss, aux)`
+    with `has_aux=True`) and an optax optimizer. The loss should be a mean over the batch,
+    so that micro-batching leaves the result unchanged. `auto_shard` may restructure the
+    step (micro-batches, remat policy) when a plan does not fit otherwise; calling it
+    directly runs it as written."""
+    return TrainStep(loss_fn, optimizer, has_aux=has_aux)
+
+
+def ladder(step: TrainStep, batch_size: int | None, platform: str,
+           max_micro_batches: int = 64) -> list[StepVariant]:
+    """The variants to try when the step as written does not fit, in order of expected
+    cost: remat policies first (about a third more compute), then ever more micro-batches
+    (each halves the activations and adds launches). XLA:CPU drops rematerialization
+    (it recomputes nothing and saves nothing), so on CPU only micro-batches are tried."""
+    out: list[StepVariant] = []
+    if platform != "cpu":
+        out += [StepVariant(remat=r) for r in ("dots", "offload_dots")]
+    k = 2
+    while batch_size and k <= min(batch_size, max_micro_batches):
+        if batch_size % k == 0:
+            out.append(StepVariant(micro_batches=k))
+        k *= 2
+    return out
+
+
+__all__ = ["REMAT_POLICIES", "StepVariant", "TrainStep", "ladder", "make_train_step"]
