@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from .graph import NUM_CLASSES, OPT, Graph, Layer
+from .graph import GRAD, NUM_CLASSES, OPT, Graph, Layer
 from .hardware import Cluster
 
 DATA, MODEL = "data", "model"
@@ -208,7 +208,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     batched_time = float(t_d[batched].sum())
 
     P = len(graph.params)
-    opt_op = graph.op_class == OPT if len(graph.op_class) == len(owner) else \
+    # a parameter's optimizer work (and the gradient post-processing feeding it, such as
+    # Adam's g*g) follows the optimizer state's layout; casts of the weight follow the weight
+    opt_op = np.isin(graph.op_class, (GRAD, OPT)) if len(graph.op_class) == len(owner) else \
         np.zeros(len(owner), bool)
     resident = graph.resident_bytes if len(graph.resident_bytes) else np.zeros(P)
     # per-parameter sums of op times at each split, by group: its tensor-parallel matmuls,

@@ -177,13 +177,19 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
         at_peak = graph.live[k, 2:].reshape(NUM_CLASSES, P).T          # [P, classes]
         cur = np.asarray(choice)
         saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
-        added = np.maximum(cost - cost[idx, cur][:, None], 1e-9)
+        added = cost - cost[idx, cur][:, None]
         cur_kind = kind[idx, cur][:, None]
         ok = (saved > 0) & np.isfinite(cost) & ((cur_kind == "none") | (kind == cur_kind))
         if not ok.any():
             break
-        gain = np.where(ok, saved / added, -np.inf)
-        j, s = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        free = ok & (added <= 0)
+        if free.any():
+            # moves that cost nothing: the one that saves the most time, then memory
+            most = np.where(free, -added, -np.inf)
+            rank = np.where(most >= most.max() * (1 - 1e-9), saved, -np.inf)
+        else:
+            rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
+        j, s = np.unravel_index(int(np.argmax(rank)), rank.shape)
         choice[int(j)] = int(s)
     return choice
 

@@ -1,0 +1,255 @@
+"""Memory planning: ZeRO-1 and host offload of optimizer state, steps restructured with
+micro-batches and remat, and plans that fit by XLA's own analysis."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from models import CNN, MLP, copy_tree
+
+import jaxwap
+from jaxwap.compile import HOST, compile_layout
+from jaxwap.cost import Strategy
+from jaxwap.graph import NUM_CLASSES, RESIDENT, analyze
+from jaxwap.planner import layout_of, trace_layout
+from jaxwap.train_step import StepVariant, ladder
+
+RTOL, ATOL = 2e-5, 2e-6
+H100X8 = jaxwap.Cluster("h100-sxm", 8)
+
+
+def close(a, b, rtol=RTOL, atol=ATOL):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y),
+                                                         rtol=rtol, atol=atol), a, b)
+
+
+def cnn_problem(batch=32, size=16, has_aux=False, tx=None):
+    model = CNN()
+    kx, ky, kp = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (batch, size, size, 3))
+    y = jax.random.randint(ky, (batch,), 0, 10)
+    params = model.init(kp, x[:1])
+
+    def loss_fn(p, b):
+        logits = model.apply(p, b["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+        if has_aux:
+            return loss, {"acc": (logits.argmax(-1) == b["y"]).mean(), "n": b["y"].shape[0]}
+        return loss
+
+    step = jaxwap.make_train_step(loss_fn, tx or optax.adam(1e-2), has_aux=has_aux)
+    return step, params, step.init(params), {"x": x, "y": y}
+
+
+def run(step, params, opt, batch, n=2):
+    p, o = copy_tree(params), copy_tree(opt)
+    f = jax.jit(step)
+    for _ in range(n):
+        p, o, loss = f(p, o, batch)
+    return p, o, loss
+
+
+# ------------------------------------------------------------------ make_train_step
+def test_make_train_step_is_the_usual_step():
+    step, params, opt, batch = cnn_problem()
+    tx = step.optimizer
+
+    def by_hand(p, o, b):
+        loss, g = jax.value_and_grad(step.loss_fn)(p, b)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    close(run(step, params, opt, batch), run(by_hand, params, opt, batch))
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_micro_batched_step_equals_full_batch(k):
+    step, params, opt, batch = cnn_problem()
+    ref = run(step, params, opt, batch)
+    out = run(step.with_variant(StepVariant(micro_batches=k)), params, opt, batch)
+    close(ref, out, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["dots", "dots_no_batch", "offload_dots"])
+def test_remat_step_equals_plain_step(policy):
+    step, params, opt, batch = cnn_problem()
+    close(run(step, params, opt, batch),
+          run(step.with_variant(StepVariant(remat=policy)), params, opt, batch))
+
+
+def test_aux_is_averaged_over_micro_batches():
+    step, params, opt, batch = cnn_problem(has_aux=True)
+    _, _, (loss, aux) = run(step, params, opt, batch, n=1)
+    _, _, (loss4, aux4) = run(step.with_variant(StepVariant(micro_batches=4)), params, opt,
+                              batch, n=1)
+    np.testing.assert_allclose(loss, loss4, rtol=1e-5)
+    np.testing.assert_allclose(aux["acc"], aux4["acc"], rtol=1e-6)
+    assert int(aux4["n"]) == 8      # not a float: the last micro-batch's value
+
+
+def test_bad_inputs_are_named():
+    step, params, opt, batch = cnn_problem(batch=30)
+    with pytest.raises(ValueError, match=r"batch\['x'\].*\(30, 16, 16, 3\).*4 micro-batches"):
+        step.with_variant(StepVariant(micro_batches=4))(params, opt, batch)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        StepVariant(remat="everything")
+    with pytest.raises(ValueError, match="micro_batches"):
+        StepVariant(micro_batches=0)
+    with pytest.raises(TypeError, match="optimizer"):
+        jaxwap.make_train_step(lambda p, b: 0.0, object())
+
+
+def test_ladder_skips_remat_on_cpu_and_needs_divisible_batches():
+    step, *_ = cnn_problem()
+    cpu = ladder(step, 24, "cpu")
+    assert [v.micro_batches for v in cpu] == [2, 4, 8]
+    assert all(v.remat == "none" for v in cpu)
+    gpu = ladder(step, 8, "gpu")
+    assert [v.remat for v in gpu[:2]] == ["dots", "offload_dots"]
+
+
+# ------------------------------------------------------------------ the memory model
+def test_optimizer_state_is_resident_and_scans_are_one_iteration():
+    step, params, opt, batch = cnn_problem()
+    layout, closed = layout_of(step, (params, opt, batch), {}, None)
+    mirrors = [r for r in layout.inputs.roles if r.kind == "param" and r.mirror]
+    assert len(mirrors) == 2 * len(layout.params)       # adam: mu and nu per parameter
+    g = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, 32)
+    P = len(layout.params)
+    assert g.live.shape[1] == 2 + NUM_CLASSES * P
+    np.testing.assert_allclose(g.resident_bytes, [2 * p.nbytes for p in layout.params])
+    assert g.live[0, 2 + RESIDENT * P: 2 + (RESIDENT + 1) * P].sum() == pytest.approx(
+        g.resident_bytes.sum())
+    micro = step.with_variant(StepVariant(micro_batches=4))
+    g4 = analyze(trace_layout(micro, layout), layout.inputs.roles, layout.outputs.roles,
+                 layout.params, 32)
+    # the same work (flops within rounding of the accumulation), less live memory
+    assert g4.total_flops == pytest.approx(g.total_flops, rel=0.02)
+    batched = g.live[:, 0].max()
+    assert g4.live[:, 0].max() < 0.5 * batched
+
+
+# ------------------------------------------------------------------ sharded layouts
+def _strategy_layout(kind, param_shape):
+    nd = len(param_shape)
+    plain = (None,) * nd
+    data_dim = max(range(nd), key=lambda i: (param_shape[i] % 4 == 0, param_shape[i]))
+    sharded = tuple("data" if i == data_dim and param_shape[i] % 4 == 0 else None
+                    for i in range(nd))
+    if kind == "zero1":
+        return Strategy("zero1", plain, state_spec=sharded)
+    return Strategy("replicate+offload", plain, offload=True)
+
+
+@pytest.mark.parametrize("kind", ["zero1", "offload"])
+def test_zero1_and_offload_layouts_compile_and_match_single_device(kind):
+    model = MLP((64, 64, 10))
+    tx = optax.adam(1e-2)
+    kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (32, 16))
+    y = jax.random.randint(ky, (32,), 0, 10)
+    params = model.init(kp, x)
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    step = jaxwap.make_train_step(loss_fn, tx)
+    opt, batch = tx.init(params), {"x": x, "y": y}
+    ref = run(step, params, opt, batch, n=3)
+    layout, _ = layout_of(step, (params, opt, batch), {}, None)
+    strategies = [_strategy_layout(kind, p.shape) for p in layout.params]
+    cs = compile_layout(step, layout, 4, 1, strategies, jax.devices()[:4])
+    leaves = jax.tree_util.tree_leaves((copy_tree(params), copy_tree(opt), batch))
+    args = [jax.device_put(x, s) for x, s in zip(leaves, cs.in_shardings, strict=True)]
+    mirrors = [s for s, r in zip(cs.in_shardings, layout.inputs.roles, strict=True)
+               if r.kind == "param" and r.mirror]
+    if kind == "offload":
+        assert all(s.memory_kind == HOST for s in mirrors)
+    else:
+        assert any("data" in s.spec for s in mirrors)
+    n_in = len(args)
+    for _ in range(3):
+        out = cs.compiled(*args)
+        args = list(out[: n_in - 2]) + args[n_in - 2:]   # new state, same batch
+    p, o, loss = jax.tree_util.tree_unflatten(layout.out_treedef, out)
+    close(ref, (p, o, loss))
+
+
+# ------------------------------------------------------------------ plans that fit
+def test_planner_micro_batches_a_step_that_does_not_fit_one_device():
+    step, params, opt, batch = cnn_problem(batch=32, size=16)
+    plain = jax.jit(step).lower(params, opt, batch).compile().memory_analysis()
+    need = plain.argument_size_in_bytes + plain.output_size_in_bytes + \
+        plain.temp_size_in_bytes - plain.alias_size_in_bytes
+    budget = 0.5 * need
+    sharded = jaxwap.auto_shard(step, params, num_devices=1, memory_budget=budget,
+                                cache=False)
+    p, o = copy_tree(params), copy_tree(opt)
+    for _ in range(2):
+        p, o, loss = sharded(p, o, batch)
+    plan = sharded.plan
+    assert plan.step.micro_batches > 1
+    assert plan.compiled.memory_bytes <= budget
+    assert any("restructured" in n for n in plan.notes)
+    close(run(step, params, opt, batch), (p, o, loss), rtol=1e-4, atol=1e-5)
+    assert jaxwap.Plan.from_json(plan.to_json()) == plan
+
+
+def test_an_opaque_step_is_never_restructured():
+    from models import setup
+    step, params, opt, batch = setup(CNN(), (32, 16, 16, 3))
+    with pytest.raises(MemoryError, match="memory budget"):
+        jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=2e5, cache=False)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35])
+def test_every_plan_returned_fits_by_xla(fraction):
+    step, params, opt, batch = cnn_problem(batch=32, size=16)
+    roomy = jaxwap.plan(step, params, opt, batch, hardware=H100X8, cache=False)
+    budget = roomy.compiled.memory_bytes * fraction
+    try:
+        plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8, memory_budget=budget,
+                           cache=False)
+    except MemoryError as e:
+        assert "memory_budget" in str(e)
+        return
+    assert plan.compiled.memory_bytes <= budget
+    for c in plan.candidates:
+        if c.compiled is not None and c.compiled.memory_bytes > budget:
+            assert not c.fits and not c.chosen
+
+
+def test_repair_shards_optimizer_state_first():
+    # all-replicated on 4 devices, a little over budget: the cheapest move that frees
+    # enough is ZeRO-1 (state over the data axis), not FSDP, not host offload
+    from jaxwap.cost import mesh_costs, peak_memory
+    from jaxwap.solve import _repair, param_strategies
+
+    widths = (1024, 1024, 10)
+    model = MLP(widths)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, 1024), jnp.float32))
+    tx = optax.adam(1e-3)
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    step = jaxwap.make_train_step(loss_fn, tx)
+    batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32),
+             "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
+    layout, closed = layout_of(step, (params, jax.eval_shape(tx.init, params), batch), {}, None)
+    g = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, 64)
+    strategies = [param_strategies(g, j, 4, 1) for j in range(len(g.params))]
+    mc = mesh_costs(g, H100X8, 4, 1, strategies)
+    choice = [0] * len(strategies)
+    peak, _ = peak_memory(g, 4, 1, [s[0] for s in strategies])
+    repaired = _repair(g, H100X8, mc, choice, peak - 1e6)
+    moved = [strategies[j][s].name for j, s in enumerate(repaired) if s != 0]
+    assert moved == ["zero1"]
+    after, _ = peak_memory(g, 4, 1, [strategies[j][s] for j, s in enumerate(repaired)])
+    assert after <= peak - 1e6
