@@ -64,6 +64,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxwap
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -105,6 +107,7 @@ AlexNet = _models.AlexNet
 VGG16 = _models.VGG16
 make_optimizer = _common.make_optimizer
 make_train_step = _common.make_train_step
+make_loss = _common.make_loss
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +213,8 @@ def _random_image_batch(seed: int, batch_size: int, image_size: int,
 
 
 def _example_cnn(name: str, model_cls: type[nn.Module], *, batch_size: int, image_size: int,
-                 num_classes: int, dtype: DTypeLike, lr: float) -> Workload:
+                 num_classes: int, dtype: DTypeLike, lr: float,
+                 restructurable: bool = False) -> Workload:
     dtype = _dtype(dtype)
     model = model_cls(num_classes=num_classes, dtype=dtype)
     tx = make_optimizer(lr)
@@ -223,8 +227,10 @@ def _example_cnn(name: str, model_cls: type[nn.Module], *, batch_size: int, imag
         p = jax.jit(model.init)(jax.random.key(seed), sample)
         return p, tx.init(p), _random_image_batch(seed, batch_size, image_size, num_classes)
 
+    step = (jaxwap.make_train_step(make_loss(model), tx, has_aux=True) if restructurable
+            else make_train_step(model, tx))
     return Workload(
-        name=name, step=make_train_step(model, tx), args=(params, opt_state, batch),
+        name=name, step=step, args=(params, opt_state, batch),
         params=params, batch_size=batch_size, num_classes=num_classes,
         description=(f"{model_cls.__name__} (examples/models.py), {image_size}px, batch "
                      f"{batch_size}, {num_classes} classes, compute {dtype.name}, Adam "
@@ -233,17 +239,22 @@ def _example_cnn(name: str, model_cls: type[nn.Module], *, batch_size: int, imag
 
 
 def alexnet(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jnp.bfloat16, *,
-            num_classes: int = 1000, lr: float = 3e-5) -> Workload:
-    """AlexNet from `examples/models.py` with the examples' Adam and step (62.4 M at 224 px)."""
+            num_classes: int = 1000, lr: float = 3e-5, restructurable: bool = False) -> Workload:
+    """AlexNet from `examples/models.py` with the examples' Adam and step (62.4 M at 224 px).
+    `restructurable=True`: the same loss and Adam as a `jaxwap.make_train_step` step (which
+    returns `(params, opt_state, (loss, accuracy))`)."""
     return _example_cnn("alexnet", AlexNet, batch_size=batch_size, image_size=image_size,
-                        num_classes=num_classes, dtype=dtype, lr=lr)
+                        num_classes=num_classes, dtype=dtype, lr=lr,
+                        restructurable=restructurable)
 
 
 def vgg16(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jnp.bfloat16, *,
-          num_classes: int = 1000, lr: float = 3e-5) -> Workload:
-    """VGG-16 from `examples/models.py` with the examples' Adam and step (138.4 M at 224 px)."""
+          num_classes: int = 1000, lr: float = 3e-5, restructurable: bool = False) -> Workload:
+    """VGG-16 from `examples/models.py` with the examples' Adam and step (138.4 M at 224 px);
+    `restructurable` as for `alexnet`."""
     return _example_cnn("vgg16", VGG16, batch_size=batch_size, image_size=image_size,
-                        num_classes=num_classes, dtype=dtype, lr=lr)
+                        num_classes=num_classes, dtype=dtype, lr=lr,
+                        restructurable=restructurable)
 
 
 # --------------------------------------------------------------------------------------
@@ -462,14 +473,22 @@ class GPT(nnx.Module):
         return logits.astype(jnp.float32)
 
 
-def make_gpt_train_step(graphdef: Any, tx: optax.GradientTransformation) -> Callable[..., Any]:
-    """`(params, opt_state, batch) -> (params, opt_state, metrics)` on an `nnx.State` of
-    params: `nnx.merge(graphdef, params)` inside, next-token cross-entropy."""
+def gpt_loss(graphdef: Any) -> Callable[[Any, dict[str, jax.Array]], jax.Array]:
+    """`loss_fn(params, batch)`: next-token cross-entropy, a mean over the batch, on an
+    `nnx.State` of params (`nnx.merge(graphdef, params)` inside)."""
 
     def loss_fn(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         model = nnx.merge(graphdef, params)
         logits = model(batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    return loss_fn
+
+
+def make_gpt_train_step(graphdef: Any, tx: optax.GradientTransformation) -> Callable[..., Any]:
+    """`(params, opt_state, batch) -> (params, opt_state, metrics)` on an `nnx.State` of
+    params: `nnx.merge(graphdef, params)` inside, next-token cross-entropy."""
+    loss_fn = gpt_loss(graphdef)
 
     def train_step(params: Any, opt_state: Any,
                    batch: dict[str, jax.Array]) -> tuple[Any, Any, dict[str, jax.Array]]:
@@ -483,8 +502,10 @@ def make_gpt_train_step(graphdef: Any, tx: optax.GradientTransformation) -> Call
 
 def gpt2(batch_size: int = 8, seq_len: int = 1024, vocab: int = 50257, layers: int = 12,
          d_model: int = 768, heads: int = 12, dtype: DTypeLike = jnp.bfloat16, *,
-         tie_embeddings: bool = True, lr: float = 3e-4) -> Workload:
-    """GPT-2 small by default (124.4 M parameters tied, 163.0 M untied)."""
+         tie_embeddings: bool = True, lr: float = 3e-4, restructurable: bool = False) -> Workload:
+    """GPT-2 small by default (124.4 M parameters tied, 163.0 M untied).
+    `restructurable=True`: the same loss and Adam as a `jaxwap.make_train_step` step (which
+    returns `(params, opt_state, loss)`)."""
     dtype = _dtype(dtype)
     tx = make_optimizer(lr)
 
@@ -505,7 +526,9 @@ def gpt2(batch_size: int = 8, seq_len: int = 1024, vocab: int = 50257, layers: i
 
     head = "tied to wte" if tie_embeddings else "separate"
     return Workload(
-        name="gpt2", step=make_gpt_train_step(graphdef, tx), args=(params, opt_state, batch),
+        name="gpt2", args=(params, opt_state, batch),
+        step=(jaxwap.make_train_step(gpt_loss(graphdef), tx) if restructurable
+              else make_gpt_train_step(graphdef, tx)),
         params=params, batch_size=batch_size, num_classes=vocab,
         description=(f"GPT-2-style decoder (NNX, plain-jnp causal attention): {layers} layers, "
                      f"d_model {d_model}, {heads} heads, vocab {vocab}, seq {seq_len}, batch "

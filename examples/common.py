@@ -208,6 +208,23 @@ def make_optimizer(lr: float) -> optax.GradientTransformation:
     return optax.adam(lr)
 
 
+def make_loss(model: nn.Module) -> Callable[[Any, dict[str, jax.Array]],
+                                            tuple[jax.Array, jax.Array]]:
+    """`loss_fn(params, batch) -> (loss, accuracy)`: softmax cross-entropy on integer labels,
+    a mean over the batch (so micro-batching it changes nothing but rounding)."""
+    import jax.numpy as jnp
+    import optax
+
+    def loss_fn(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        logits = model.apply(params, batch["image"])
+        labels = batch["label"]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        accuracy = (jnp.argmax(logits, axis=-1) == labels).mean()
+        return loss, accuracy
+
+    return loss_fn
+
+
 def make_train_step(
     model: nn.Module, tx: optax.GradientTransformation,
 ) -> Callable[[Any, Any, dict[str, jax.Array]], tuple[Any, Any, dict[str, jax.Array]]]:
@@ -219,15 +236,9 @@ def make_train_step(
     devices or sharding; that is what jaxwap adds from outside.
     """
     import jax
-    import jax.numpy as jnp
     import optax
 
-    def loss_fn(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        logits = model.apply(params, batch["image"])
-        labels = batch["label"]
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        accuracy = (jnp.argmax(logits, axis=-1) == labels).mean()
-        return loss, accuracy
+    loss_fn = make_loss(model)
 
     def train_step(
         params: Any, opt_state: Any, batch: dict[str, jax.Array],

@@ -54,9 +54,10 @@ class AutoShardedStep:
                  donate: bool = True, num_devices: int | None = None,
                  compiler_options: dict[str, Any] | None = None, verify: int = 3,
                  cache: Any = True, batch_size: int | None = None,
-                 measure: bool | int = False) -> None:
+                 measure: bool | int = False, offload: bool = True) -> None:
         if not callable(train_step):
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
+        self.offload = bool(offload)
         self.train_step = train_step
         self.params = params
         self.objective = Objective.parse(objective)
@@ -99,7 +100,7 @@ class AutoShardedStep:
                 hardware=self.hardware, devices=self.devices, memory_budget=self.memory_budget,
                 num_devices=self.num_devices, verify=self.verify, donate=self.donate,
                 compiler_options=self.compiler_options, cache=self.cache,
-                batch_size=self.batch_size)
+                batch_size=self.batch_size, offload=self.offload)
         self._current = self._plans[key]
         return key, self._plans[key]
 
@@ -186,7 +187,7 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
                donate: bool = True, num_devices: int | None = None,
                compiler_options: dict[str, Any] | None = None, verify: int = 3,
                cache: Any = True, batch_size: int | None = None,
-               measure: bool | int = False) -> Any:
+               measure: bool | int = False, offload: bool = True) -> Any:
     """Wrap a training step so it plans, compiles and runs itself sharded.
 
     Args:
@@ -212,13 +213,16 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
       measure: on the first call, run the verified finalists on the devices (True: 5
         steps each after a warm-up, or this many) and choose on measured time and energy
         (NVML energy where available, modeled and labelled so otherwise).
+      offload: allow plans that keep optimizer state in pinned host memory when nothing
+        else fits (on a backend that ignores memory kinds, such as XLA:CPU, the saving is
+        modelled, not verified, and the plan's notes say so).
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """
     kw = dict(objective=objective, hardware=hardware, devices=devices,
               memory_budget=memory_budget, donate=donate, num_devices=num_devices,
               compiler_options=compiler_options, verify=verify, cache=cache,
-              batch_size=batch_size, measure=measure)
+              batch_size=batch_size, measure=measure, offload=offload)
     if train_step is None:
         return lambda fn: AutoShardedStep(fn, params, **kw)
     return AutoShardedStep(train_step, params, **kw)
@@ -228,10 +232,10 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
          objective: str | Objective = "balanced", hardware: Any = None,
          devices: Sequence[Any] | None = None, memory_budget: float | None = None,
          num_devices: int | None = None, verify: int = 3, cache: Any = True,
-         batch_size: int | None = None, **kwargs: Any) -> Plan:
+         batch_size: int | None = None, offload: bool = True, **kwargs: Any) -> Plan:
     """Plan `train_step` for these arguments (arrays or jax.ShapeDtypeStruct) without
     running anything: only the verified finalists are compiled (`verify=0`: nothing is)."""
     return make_plan(train_step, args, kwargs, params=params, objective=objective,
                      hardware=hardware, devices=devices, memory_budget=memory_budget,
                      num_devices=num_devices, verify=verify, cache=cache,
-                     batch_size=batch_size).plan
+                     batch_size=batch_size, offload=offload).plan

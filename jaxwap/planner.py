@@ -221,7 +221,8 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
               memory_budget: float | None, num_devices: int | None = None,
               verify: int = 3, donate: bool = True,
               compiler_options: dict[str, Any] | None = None,
-              cache: bool | PlanCache = True, batch_size: int | None = None) -> Planned:
+              cache: bool | PlanCache = True, batch_size: int | None = None,
+              offload: bool = True) -> Planned:
     """Plan `fn` for these (abstract or concrete) arguments.
 
     `verify=k` compiles the analytic search's best candidates until k fit by XLA's own
@@ -272,7 +273,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
                           strict=True)),
             params=layout.params, devices=devs, hardware=cluster, objective=obj,
             memory_budget=budget, num_devices=num_devices, verify=int(verify),
-            donate=bool(donate), compiler_options=compiler_options,
+            donate=bool(donate), compiler_options=compiler_options, offload=bool(offload),
             xla_flags=os.environ.get("XLA_FLAGS"))
         hit = store.get(key)
         if hit is not None:
@@ -296,7 +297,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         tb = time.perf_counter()
         try:
             result = search(graph, cluster, obj, usable, budget, num_devices,
-                            micro_batches=rung.micro_batches)
+                            micro_batches=rung.micro_batches, offload=offload)
         except ValueError as e:
             if rung.is_plain:
                 raise
@@ -316,6 +317,13 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
                                        int(verify), B or 1, donate=donate,
                                        compiler_options=compiler_options)
                 timing["verify"] = timing.get("verify", 0.0) + ver.verify_time_s
+                if ver.best < 0 and ver.figures:
+                    result, ver = _tighten(result, ver, graph, cluster, obj, usable, budget,
+                                           num_devices, rung, timing, notes, offload,
+                                           lambda r, fn_v=fn_v: run_verification(
+                                               fn_v, layout, r, cluster, obj, budget, devs,
+                                               int(verify), B or 1, donate=donate,
+                                               compiler_options=compiler_options))
                 if ver.best < 0:
                     error = _nothing_fits_compiled(ver, result, budget, B)
         if error is None:
@@ -348,6 +356,41 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     return Planned(plan, layout, graph, devs[: plan.num_devices], result,
                    ver.compiled_best if ver else None, devs,
                    None if rung.is_plain else fn_v)
+
+
+def _tighten(result: SearchResult, ver: Verification, graph: Graph, cluster: Cluster,
+             obj: Objective, usable: int, budget: float, num_devices: int | None,
+             rung: StepVariant, timing: dict[str, float], notes: list[str], offload: bool,
+             verify_fn: Callable[[SearchResult], Verification], attempts: int = 3
+             ) -> tuple[SearchResult, Verification]:
+    """When XLA needs more than the model predicted for every compiled candidate, search
+    again for a modelled budget shrunk by how far the closest one missed, so the repairs
+    (optimizer state sharded or kept in host memory) get their chance before the step is
+    restructured. A few rounds: each compile tells how much more to free."""
+    modelled = budget
+    for _ in range(attempts):
+        i = min(ver.figures, key=lambda i: ver.figures[i].memory_bytes)
+        need = ver.figures[i].memory_bytes
+        if need <= budget:
+            break
+        modelled = min(modelled, result.results[i].predicted.peak_memory_bytes) \
+            * budget / need * 0.98
+        t_s = time.perf_counter()
+        again = search(graph, cluster, obj, usable, modelled, num_devices,
+                       micro_batches=rung.micro_batches, offload=offload)
+        timing["search"] += time.perf_counter() - t_s
+        if not again.results[again.best].fits:
+            break
+        ver2 = verify_fn(again)
+        timing["verify"] = timing.get("verify", 0.0) + ver2.verify_time_s
+        if not ver2.figures:
+            break
+        result, ver = again, ver2
+        if ver.best >= 0:
+            notes.append(f"the memory model under-counted XLA's figures: searched again for "
+                         f"{_si(modelled, 'B')} of modelled memory to fit {_si(budget, 'B')}")
+            break
+    return result, ver
 
 
 def _variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:

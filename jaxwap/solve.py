@@ -82,7 +82,8 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
     return tuple(spec)
 
 
-def param_strategies(graph: Graph, j: int, d: int, m: int) -> tuple[Strategy, ...]:
+def param_strategies(graph: Graph, j: int, d: int, m: int,
+                     offload: bool = True) -> tuple[Strategy, ...]:
     """Replicate; column / row over model; each also with its optimizer state sharded over
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
     optimizer state, each of those with the state kept in host memory."""
@@ -109,7 +110,7 @@ def param_strategies(graph: Graph, j: int, d: int, m: int) -> tuple[Strategy, ..
         if has_state:
             out.append(Strategy(prefix + "zero1", spec, tp=tp, state_spec=sharded))
         out.append(Strategy(prefix + "fsdp", sharded, tp=tp, data_sharded=True))
-    if has_state:
+    if has_state and offload:
         out += [dataclasses.replace(s, name=s.name + "+offload", offload=True) for s in out]
     return tuple(out)
 
@@ -194,8 +195,9 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     return choice
 
 
-def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float) -> MeshResult:
-    strategies = [param_strategies(graph, j, d, m) for j in range(len(graph.params))]
+def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
+               offload: bool = True) -> MeshResult:
+    strategies = [param_strategies(graph, j, d, m, offload) for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, m, strategies)
     tried: dict[tuple[int, ...], Prediction] = {}
     for w in _OVERLAP_WEIGHTS:
@@ -243,12 +245,12 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
            budget: float, num_devices_exact: int | None = None,
-           micro_batches: int = 1) -> SearchResult:
+           micro_batches: int = 1, offload: bool = True) -> SearchResult:
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                                   micro_batches)
     if not shapes:
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    results = [solve_mesh(graph, cluster, d, m, budget) for d, m in shapes]
+    results = [solve_mesh(graph, cluster, d, m, budget, offload) for d, m in shapes]
     # Plain data parallelism (every parameter replicated) is what a user would write by
     # hand; its best mesh is kept as a candidate of its own so verification can always
     # weigh the plan against it on XLA's figures.
