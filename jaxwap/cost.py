@@ -228,6 +228,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                                   np.bincount(who[mask], b[mask], minlength=P))
         return sums[group, split]
 
+    reps = graph.grad_repeat if len(graph.grad_repeat) == P else np.ones(P)
     p_time, p_busy, g_comm, host = [], [], [], []
     for j, strats in enumerate(strategies):
         row_t, row_b, row_c, row_h = [], [], [], []
@@ -240,12 +241,13 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             row_b.append(float(bb[j] + bw[j] + bs[j]))
             local = pbytes / (m if s.tp != "none" else 1)
             if s.data_sharded:
-                row_c.append(fsdp_comm(local, d, cluster))
+                t, b = fsdp_comm(local, d, cluster)
             else:
                 # ZeRO-1 reduce-scatters the gradient and all-gathers the new weight:
                 # the bytes of the all-reduce it replaces (textbook; verification checks
                 # what XLA does)
-                row_c.append(all_reduce(local, d, cluster, False))
+                t, b = all_reduce(local, d, cluster, False)
+            row_c.append((t * reps[j], b * reps[j]))
             row_h.append(float(resident[j]) / s.state_shard(d, m)
                          / dev.host_bandwidth if s.offload else 0.0)
         p_time.append(tuple(row_t))

@@ -121,6 +121,9 @@ class Graph:
     repeat: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     resident_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     host_transfer: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
+    # how many times a parameter's gradient is produced per step: inside a scan over
+    # micro-batches XLA reduces it across the data axis in every iteration
+    grad_repeat: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
 
     @property
     def total_flops(self) -> float:
@@ -449,6 +452,10 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
                 resident[r.param] += nbytes[i]
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in ops],
                         dtype=np.int64)
+    grad_repeat = np.ones(P)
+    for k, op in enumerate(ops):
+        if op_owner[k] >= 0 and op_class[k] == GRAD and op.repeat > 1:
+            grad_repeat[op_owner[k]] = max(grad_repeat[op_owner[k]], op.repeat)
     return Graph(
         params=tuple(params), batch_size=B, prims=tuple(op.eqn.primitive.name for op in ops),
         flops=flops, bytes=traffic, kernels=kernels, is_matmul=is_matmul,
@@ -456,7 +463,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         layers=tuple(sorted(layers.values(), key=lambda L: L.op_index)), live=live,
         state_bytes=state_bytes, unmodeled=tuple(sorted(unmodeled)), op_class=op_class,
         repeat=np.array([float(op.repeat) for op in ops]), resident_bytes=resident,
-        host_transfer=np.array(crossing, dtype=bool))
+        host_transfer=np.array(crossing, dtype=bool), grad_repeat=grad_repeat)
 
 
 def _itemsize(dtype: Any) -> int:

@@ -185,11 +185,41 @@ def axes_of(groups: list[list[int]] | None, mesh_shape: tuple[int, int]) -> tupl
     return tuple(a for a in (DATA, MODEL) if a in spans)
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
+_WHILE = re.compile(r"body=%([\w.\-]+).*?known_trip_count\W+n\W+(\d+)")
+
+
+def _loop_multipliers(lines: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+    """The computation each line belongs to, and how many times a loop body with a known
+    trip count runs per step (a micro-batch scan reduces its gradients every iteration)."""
+    owner, current = [], ""
+    body_of: dict[str, tuple[str, int]] = {}
+    for line in lines:
+        mc = _COMPUTATION.match(line)
+        if mc:
+            current = mc.group(1)
+        owner.append(current)
+        mw = _WHILE.search(line) if " while(" in line else None
+        if mw:
+            body_of[mw.group(1)] = (current, int(mw.group(2)))
+
+    def times(name: str, depth: int = 0) -> int:
+        if name not in body_of or depth > 8:
+            return 1
+        parent, n = body_of[name]
+        return n * times(parent, depth + 1)
+
+    return owner, {name: times(name) for name in body_of}
+
+
 def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Collective]:
-    """Every collective in an HLO module's text (async `-start` forms counted once)."""
+    """Every collective in an HLO module's text (async `-start` forms counted once), its
+    bytes multiplied by the trip count of the loops it sits in."""
     out = []
     n_all = mesh_shape[0] * mesh_shape[1]
-    for line in hlo_text.splitlines():
+    lines = hlo_text.splitlines()
+    owner, mult = _loop_multipliers(lines)
+    for line, comp in zip(lines, owner, strict=True):
         line = _COMMENT.sub("", line)  # tuple shapes carry /*index=5*/ markers
         mt = _INSTR.search(line)
         if mt is None:
@@ -203,7 +233,8 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int]) -> list[Collec
                 nbytes = _shape_bytes("{}[{}]".format(*parts[1]))
         groups = replica_groups(line)
         size = len(groups[0]) if groups else n_all
-        out.append(Collective(mt.group("kind"), nbytes, axes_of(groups, mesh_shape), size))
+        out.append(Collective(mt.group("kind"), nbytes * mult.get(comp, 1),
+                              axes_of(groups, mesh_shape), size))
     return out
 
 

@@ -253,3 +253,39 @@ def test_repair_shards_optimizer_state_first():
     assert moved == ["zero1"]
     after, _ = peak_memory(g, 4, 1, [strategies[j][s] for j, s in enumerate(repaired)])
     assert after <= peak - 1e6
+
+
+def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
+    # under Auto sharding XLA all-reduces the gradient inside the scan, once per
+    # micro-batch: the model charges it k times, the HLO parser counts the loop's trips
+    from jaxwap.cost import mesh_costs
+    from jaxwap.solve import param_strategies
+    from jaxwap.verify import compiled_figures
+
+    model = MLP((256, 256, 10))
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, 64), jnp.float32))
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    step = jaxwap.make_train_step(loss_fn, tx)
+    batch = {"x": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+             "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
+    args = (params, jax.eval_shape(tx.init, params), batch)
+    layout, closed = layout_of(step, args, {}, None)
+    comm = {}
+    for k in (1, 4):
+        fn = step.with_variant(StepVariant(micro_batches=k))
+        g = analyze(closed if k == 1 else trace_layout(fn, layout), layout.inputs.roles,
+                    layout.outputs.roles, layout.params, 64)
+        strategies = [param_strategies(g, j, 4, 1)[:1] for j in range(len(g.params))]
+        mc = mesh_costs(g, H100X8, 4, 1, strategies)
+        plain = [tuple([None] * len(p.shape)) for p in layout.params]
+        cs = compile_layout(fn, layout, 4, 1, plain, jax.devices()[:4])
+        figs = compiled_figures(cs.compiled, (4, 1), H100X8)
+        comm[k] = (sum(c[0][1] for c in mc.grad_comm), figs.comm_bytes)
+    assert comm[4][0] == pytest.approx(4 * comm[1][0])
+    assert comm[4][1] == pytest.approx(4 * comm[1][1], rel=0.05)
