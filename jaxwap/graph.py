@@ -33,6 +33,7 @@ matrix-vector product.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,16 +176,20 @@ class _Synthetic:
 _SLICE, _STACK = _Synthetic(_Prim("scan_slice")), _Synthetic(_Prim("scan_stack"))
 
 
+def _itemsize_of(dtype: Any) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # PRNG key and other extended dtypes
+        return getattr(dtype, "itemsize", 8) or 8
+
+
 def _aval_info(aval: Any, repeat: int = 1) -> _Var:
     shape = tuple(int(s) for s in getattr(aval, "shape", ()))
     dtype = getattr(aval, "dtype", None)
-    size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    try:
-        itemsize = np.dtype(dtype).itemsize
-    except TypeError:  # PRNG key and other extended dtypes
-        itemsize = getattr(dtype, "itemsize", 8) or 8
-    host = str(getattr(aval, "memory_space", "")).lower().endswith("host")
-    return _Var(shape, dtype, size * itemsize, size, repeat, host)
+    size = math.prod(shape)
+    space = getattr(aval, "memory_space", None)
+    host = space is not None and getattr(space, "name", str(space)).lower().endswith("host")
+    return _Var(shape, dtype, size * _itemsize_of(dtype), size, repeat, host)
 
 
 def _sub_jaxpr(eqn: Any) -> Any | None:

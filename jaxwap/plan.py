@@ -308,7 +308,10 @@ class Plan:
                 f"  memory          {_si(c.memory_bytes, 'B'):>10}   "
                 f"(model {_err(pr.peak_memory_bytes, c.memory_bytes)})   "
                 f"argument {_si(c.argument_bytes, 'B')}, output {_si(c.output_bytes, 'B')}, "
-                f"temp {_si(c.temp_bytes, 'B')}, aliased {_si(c.alias_bytes, 'B')}",
+                f"temp {_si(c.temp_bytes, 'B')}, aliased {_si(c.alias_bytes, 'B')}"
+                + (f"; less {_si(c.host_unverified_bytes, 'B')} of optimizer state planned "
+                   f"for host memory, which this backend's analysis cannot show (modelled)"
+                   if c.host_unverified_bytes else ""),
                 f"  flops           {_si(c.flops, 'flop'):>10}   "
                 f"(model {_err(pr.flops_as_xla_counts, c.flops)})",
                 f"  communication   {_si(c.comm_bytes, 'B'):>10}   "

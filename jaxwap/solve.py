@@ -136,9 +136,12 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[in
     for L in graph.layers:
         j = L.param
         nxt: dict[str, tuple[float, list[int]]] = {}
+        pair: dict[tuple[str, str], float] = {}   # depends on the kinds only
         for s, strat in enumerate(mc.strategies[j]):
             for prev, (c, picks) in states.items():
-                cost = c + own(j, s) + tp_pair_cost(L, prev, strat.tp, d, m, cluster)[0]
+                if (prev, strat.tp) not in pair:
+                    pair[prev, strat.tp] = tp_pair_cost(L, prev, strat.tp, d, m, cluster)[0]
+                cost = c + own(j, s) + pair[prev, strat.tp]
                 if strat.tp not in nxt or cost < nxt[strat.tp][0]:
                     nxt[strat.tp] = (cost, picks + [s])
         states = nxt
@@ -158,6 +161,9 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     depend on it); a replicated one may become tensor-parallel."""
     d, m = mc.d, mc.m
     P = len(choice)
+    if peak_memory(graph, d, m, [mc.strategies[j][s] for j, s in enumerate(choice)])[0] \
+            <= budget:
+        return list(choice)
     S = max(len(st) for st in mc.strategies)
     inv = np.zeros((P, S, NUM_CLASSES))          # 1 / divisor per class (0: not on device)
     cost = np.full((P, S), np.inf)               # time the strategy costs the step

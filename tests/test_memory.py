@@ -289,3 +289,33 @@ def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
         comm[k] = (sum(c[0][1] for c in mc.grad_comm), figs.comm_bytes)
     assert comm[4][0] == pytest.approx(4 * comm[1][0])
     assert comm[4][1] == pytest.approx(4 * comm[1][1], rel=0.05)
+
+
+def test_offload_can_be_forbidden_and_offload_plans_round_trip():
+    # weights and Adam state dwarf the activations: micro-batches cannot help, host
+    # memory for the optimizer state can
+    model = MLP((512, 512, 10))
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, 512), jnp.float32))
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    step = jaxwap.make_train_step(loss_fn, tx)
+    opt = jax.eval_shape(tx.init, params)
+    batch = {"x": jax.ShapeDtypeStruct((8, 512), jnp.float32),
+             "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
+    roomy = jaxwap.plan(step, params, opt, batch, num_devices=1, cache=False, verify=0)
+    budget = roomy.predicted.peak_memory_bytes * 0.8
+    off = jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=budget,
+                      cache=False)
+    assert any(p.offload for p in off.params)
+    assert off.compiled.memory_bytes <= budget
+    assert off.predicted.host_transfer_time_s > 0
+    assert "host memory" in off.explain()
+    assert jaxwap.Plan.from_json(off.to_json()) == off
+    with pytest.raises(MemoryError, match="memory budget"):
+        jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=budget,
+                    cache=False, offload=False)
