@@ -168,7 +168,7 @@ class AutoShardedStep:
         local_batch = batch // jax.process_count() if batch else None
         table = globalize(
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
-                            batch_size=local_batch, infer_batch=False), leaves)
+                            batch_size=local_batch, infer_batch=False, by_path=True), leaves)
         placed = [place(leaf, NamedSharding(mesh, s.spec, memory_kind=s.memory_kind), aval)
                   for leaf, s, aval
                   in zip(leaves, leaf_specs(table, planned.plan.params,

@@ -138,17 +138,18 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
                     batch_size: int | None = None, infer_batch: bool = True,
                     carried: Callable[[tuple[str, ...], tuple[int, ...]], bool] | None = None,
-                    ) -> LeafTable:
+                    by_path: bool = False) -> LeafTable:
     """Assign roles to `(root, key path, leaf)` entries: param mirror, batch, or other.
 
     `identity` maps id(array) -> param index for leaves that are the user's own param
     arrays, which settles them whatever their path. `batch_size` fixes B (outputs are
     classified with the inputs' B); otherwise it is inferred. `carried(path, shape)` says
     a leaf is state the step returns (batch-norm statistics, counters): never data, and
-    not counted when inferring B.
+    not counted when inferring B. `by_path` decides parameter-or-mirror from the path
+    alone (`is_parameter_path`), for a tree that holds only optimizer state.
     """
     identity = identity or {}
-    paths, avals, param_of, state, own = [], [], [], [], []
+    paths, avals, param_of, state, own, tokens_of = [], [], [], [], [], []
     for root, path, leaf in entries:
         where = f"{root}{jax.tree_util.keystr(tuple(path))}"
         a = abstract_leaf(leaf, where)
@@ -156,6 +157,7 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
         tokens = path_tokens(path)
         j = identity.get(id(leaf), -1)
         own.append(j >= 0)
+        tokens_of.append(tokens)
         if j < 0:
             j = match_param(tokens, shape, params)
         paths.append(where)
@@ -178,9 +180,12 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
     by_identity = {j for j, o in zip(param_of, own, strict=True) if o}
     seen: set[int] = set()
     roles = []
-    for a, j, st, o in zip(avals, param_of, state, own, strict=True):
+    for a, j, st, o, t in zip(avals, param_of, state, own, tokens_of, strict=True):
         if j >= 0:
-            mirror = (not o) if j in by_identity else j in seen
+            if by_path:
+                mirror = not is_parameter_path(t, params[j].path)
+            else:
+                mirror = (not o) if j in by_identity else j in seen
             seen.add(j)
             roles.append(LeafRole(PARAM, j, mirror))
         elif (batch_size is not None and not st and len(a.shape) >= 1
@@ -189,6 +194,14 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
         else:
             roles.append(LeafRole(OTHER))
     return LeafTable(tuple(paths), tuple(avals), tuple(roles), batch_size)
+
+
+def is_parameter_path(tokens: tuple[str, ...], param_path: tuple[str, ...]) -> bool:
+    """A leaf at `tokens` is the parameter itself (not an optimizer moment) when its path is
+    the parameter's own path, or that path under a `params` field (a TrainState)."""
+    n = len(param_path)
+    return tokens == param_path or (len(tokens) > n and tokens[-n - 1:] == ("params",
+                                                                          *param_path))
 
 
 def check_params_found(table: LeafTable, params: Sequence[ParamInfo]) -> None:

@@ -319,3 +319,35 @@ def test_offload_can_be_forbidden_and_offload_plans_round_trip():
     with pytest.raises(MemoryError, match="memory budget"):
         jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=budget,
                     cache=False, offload=False)
+
+
+def test_shard_places_optimizer_state_on_its_own_layout():
+    # a ZeRO-1 / offload plan: step.shard(opt_state) alone must put the moments where the
+    # plan keeps optimizer state, not where it keeps the weights
+    model = MLP((512, 512, 10))
+    tx = optax.adam(1e-3)
+    kx, ky, kp = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (8, 512))
+    params = model.init(kp, x)
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    step = jaxwap.make_train_step(loss_fn, tx)
+    opt = tx.init(params)
+    batch = {"x": x, "y": jax.random.randint(ky, (8,), 0, 10)}
+    roomy = jaxwap.plan(step, params, opt, batch, num_devices=1, cache=False, verify=0)
+    sharded = jaxwap.auto_shard(step, params, num_devices=1, cache=False, verify=0,
+                                memory_budget=roomy.predicted.peak_memory_bytes * 0.8)
+    sharded.plan_for(params, opt, batch)
+    assert any(p.offload for p in sharded.plan.params)
+    kinds_p = {a.sharding.memory_kind for a in jax.tree.leaves(sharded.shard(copy_tree(params)))}
+    placed = sharded.shard(copy_tree(opt))
+    offloaded = {p.keystr for p in sharded.plan.params if p.offload}
+    kinds_mu = {a.sharding.memory_kind for a in jax.tree.leaves(placed[0].mu)}
+    assert kinds_p == {"device"}
+    assert HOST in kinds_mu and len(offloaded) > 0
+    p, o, loss = sharded(copy_tree(params), placed, batch)
+    ref = run(step, params, opt, batch, n=1)
+    close(ref, (p, o, loss))
