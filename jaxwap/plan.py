@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .cost import Prediction
+from .cost import Prediction, host_exposed
 from .hardware import Cluster
 from .measure import Measurement
 from .objective import Objective
@@ -39,6 +39,12 @@ class FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
+
+
+def _host_exposed(pr: Prediction) -> float:
+    """The part of a prediction's exposed time that is host transfer, not communication."""
+    return host_exposed(pr.host_transfer_time_s / 2, pr.batched_time_s) \
+        if pr.host_transfer_time_s else 0.0
 
 
 def spec_to_json(spec: tuple[Any, ...]) -> list[Any]:
@@ -288,7 +294,8 @@ class Plan:
             f"({pr.samples_per_s:,.0f} samples/s)",
             f"  compute         {pr.compute_time_s * 1e3:10.3f} ms   "
             f"utilization {pr.utilization:.0%}",
-            f"  communication   {pr.exposed_comm_time_s * 1e3:10.3f} ms exposed of "
+            f"  communication   {(pr.exposed_comm_time_s - _host_exposed(pr)) * 1e3:10.3f} "
+            f"ms exposed of "
             f"{pr.grad_comm_time_s * 1e3:.3f} ms gradient reduction; "
             f"{pr.tp_comm_time_s * 1e3:.3f} ms tensor-parallel; "
             f"{_si(pr.comm_bytes, 'B')} sent per device",
@@ -335,12 +342,14 @@ class Plan:
         ]
         width = max((len(p.keystr) for p in self.params), default=10)
         width = min(max(width, 10), 60)
-        lines.append(f"  {'path':<{width}}  {'shape':<20} {'size':>10}  {'strategy':<14} spec")
+        sw = max([14] + [len(p.strategy) for p in self.params])
+        lines.append(f"  {'path':<{width}}  {'shape':<20} {'size':>10}  {'strategy':<{sw}} spec")
         shown = sorted(self.params, key=lambda p: -p.nbytes)[:max_params]
         order = {id(p): i for i, p in enumerate(self.params)}
         for p in sorted(shown, key=lambda p: order[id(p)]):
             lines.append(f"  {p.keystr[:width]:<{width}}  {str(p.shape):<20} "
-                         f"{_si(p.nbytes, 'B'):>10}  {p.strategy:<14} {P(*p.spec)}")
+                         f"{_si(p.nbytes, 'B'):>10}  {p.strategy:<{sw}} {P(*p.spec)}"
+                         + (f"  state {P(*p.state_spec)}" if p.state_spec is not None else ""))
         if len(self.params) > max_params:
             lines.append(f"  ... {len(self.params) - max_params} smaller parameters not shown")
         lines += ["", "candidates (every mesh considered, by score):",

@@ -342,7 +342,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     if not rung.is_plain:
         notes.append(f"the step as written does not fit ({tried[0]}); restructured: "
                      f"{rung.describe()}")
-    if isinstance(fn, TrainStep) and devs[0].platform == "cpu" and len(rungs) > 1:
+    if isinstance(fn, TrainStep) and devs[0].platform == "cpu" and tried:
         notes.append("rematerialization not tried: XLA:CPU drops it (it neither recomputes "
                      "nor saves memory there)")
     if any(s.offload for s in result.results[ver.best if ver else result.best].strategies) \
