@@ -124,9 +124,15 @@ def parse_args(
     p.add_argument("--frontier", metavar="PATH", default=None,
                    help="after training, print the candidates' time/energy Pareto frontier "
                         "and plot it as a PNG at PATH (needs matplotlib; --auto only)")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="plan for this much memory per device (--auto only): a tight budget "
+                        "shows the memory planning (ZeRO-1, FSDP, optimizer state in host "
+                        "memory); default: the device's memory less 10%%")
     args = p.parse_args(argv)
     if args.frontier and not args.auto:
         p.error("--frontier needs --auto")
+    if args.memory_budget_gib is not None and (not args.auto or args.memory_budget_gib <= 0):
+        p.error("--memory-budget-gib needs --auto and a positive size")
     if args.steps < 1 or args.batch_size < 1 or args.image_size < 1:
         p.error("--steps, --batch-size and --image-size must be positive")
     return args
@@ -362,8 +368,9 @@ def main(
         if args.hardware:
             hardware = jaxwap.Cluster(args.hardware, num_devices=len(devices))
         opt_state = tx.init(params)
+        budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
         step = jaxwap.auto_shard(train_step, params, objective=args.objective,
-                                 hardware=hardware)
+                                 hardware=hardware, memory_budget=budget)
         # Plan from shapes alone (the first call would do the same), so the data pool can be
         # laid out over the plan's data axis once, as the single-device path puts it on its
         # device once; otherwise every step would re-shard its batch from host memory.
