@@ -172,16 +172,19 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
 def _mirror_inputs(outputs: LeafTable, returned: Sequence[tuple[tuple[str, ...], Any]],
                    entries: Sequence[tuple[str, Sequence[Any], Any]],
                    inputs: LeafTable) -> LeafTable:
-    """An output at the path and shape of a non-parameter input takes that input's role."""
+    """An output at the path and shape of an input takes that input's role: state comes
+    back as it went in, and a parameter's output is the parameter or one of its mirrors
+    as the input at the longest matching path was (whatever order the step returns them)."""
     keyed = [(path_tokens(p), tuple(int(d) for d in a.shape), r)
              for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles, strict=True)
-             if r.kind != PARAM and len(p) > 0]
+             if len(p) > 0]
     roles = list(outputs.roles)
     for i, (tokens, shape) in enumerate(returned):
-        if roles[i].kind == PARAM:
-            continue
+        is_param = roles[i].kind == PARAM
         best = max(((len(t), r) for t, s, r in keyed
-                    if s == shape and len(t) <= len(tokens) and tokens[len(tokens) - len(t):] == t),
+                    if s == shape and (r.kind == PARAM) == is_param
+                    and (not is_param or r.param == roles[i].param)
+                    and len(t) <= len(tokens) and tokens[len(tokens) - len(t):] == t),
                    default=None, key=lambda x: x[0])
         if best is not None:
             roles[i] = best[1]

@@ -351,3 +351,18 @@ def test_shard_places_optimizer_state_on_its_own_layout():
     p, o, loss = sharded(copy_tree(params), placed, batch)
     ref = run(step, params, opt, batch, n=1)
     close(ref, (p, o, loss))
+
+
+def test_mirrors_are_told_apart_whatever_the_order_of_arguments_and_outputs():
+    # a step that takes and returns the optimizer state before the params
+    step, params, opt, batch = cnn_problem()
+
+    def swapped(o, p, b):
+        p2, o2, loss = step(p, o, b)
+        return o2, p2, loss
+
+    layout, _ = layout_of(swapped, (opt, params, batch), {}, params)
+    for table in (layout.inputs, layout.outputs):
+        for path, r in zip(table.paths, table.roles, strict=True):
+            if r.kind == "param":
+                assert r.mirror == ("mu" in path or "nu" in path), path
