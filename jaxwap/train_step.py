@@ -119,11 +119,12 @@ class TrainStep:
         def body(acc: Any, mb: Any) -> tuple[Any, Any]:
             (loss, aux), g = vag(params, mb)
             acc_g, acc_l = acc
-            return (jax.tree_util.tree_map(jnp.add, acc_g, g), acc_l + loss), aux
+            return (jax.tree_util.tree_map(jnp.add, acc_g, g),
+                    acc_l + loss.astype(jnp.float32)), aux
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        loss0 = jnp.zeros((), jax.eval_shape(lambda: vag(params, _first(micro))[0][0]).dtype)
-        (g, loss), auxs = jax.lax.scan(body, (zeros, loss0), micro)
+        # the loss sums in float32 (a mean loss is float32 in the usual step anyway)
+        (g, loss), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
         g = jax.tree_util.tree_map(lambda x: x / k, g)
         aux = jax.tree_util.tree_map(_combine, auxs)
         return loss / k, aux, g
@@ -150,10 +151,6 @@ def _split(path: Any, x: Any, k: int) -> Any:
                          f"must divide into {k} micro-batches")
     x = jnp.asarray(x)
     return jnp.moveaxis(x.reshape(shape[0] // k, k, *shape[1:]), 1, 0)
-
-
-def _first(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
 def _combine(x: Any) -> Any:
