@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh
+from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
 from .cost import DATA, MODEL
 from .measure import measured_choice
 from .objective import Objective
@@ -169,11 +169,9 @@ class AutoShardedStep:
         table = globalize(
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
                             batch_size=local_batch, infer_batch=False, by_path=True), leaves)
-        placed = [place(leaf, NamedSharding(mesh, s.spec, memory_kind=s.memory_kind), aval)
-                  for leaf, s, aval
-                  in zip(leaves, leaf_specs(table, planned.plan.params,
-                                            planned.plan.mesh_shape[DATA]),
-                         table.avals, strict=True)]
+        layouts = leaf_specs(table, planned.plan.params, planned.plan.mesh_shape[DATA])
+        placed = [place(leaf, sh, aval) for leaf, sh, aval
+                  in zip(leaves, shardings(mesh, layouts), table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)
 
     def __repr__(self) -> str:

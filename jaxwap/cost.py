@@ -149,10 +149,10 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     b = graph.bytes / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     half = float(dev.efficiency_half_flops or 0.0) * speed
-    per_kernel = f / graph.repeat if len(graph.repeat) == len(f) else f  # one scan iteration
+    per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, per_kernel / (per_kernel + half), 1.0)
     busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / (dev.memory_bandwidth * speed))
-    if len(graph.host_transfer) == len(busy) and graph.host_transfer.any():
+    if graph.host_transfer.any():
         # residuals a remat policy offloads cross the host link, not device memory
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
     return busy + graph.kernels * dev.kernel_overhead_s
@@ -178,7 +178,7 @@ class MeshCosts:
     param_time: tuple[tuple[float, ...], ...]
     param_busy: tuple[tuple[float, ...], ...]
     grad_comm: tuple[tuple[tuple[float, float], ...], ...]
-    host: tuple[tuple[float, ...], ...] = ()
+    host: tuple[tuple[float, ...], ...]
 
 
 def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
@@ -210,9 +210,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     P = len(graph.params)
     # a parameter's optimizer work (and the gradient post-processing feeding it, such as
     # Adam's g*g) follows the optimizer state's layout; casts of the weight follow the weight
-    opt_op = np.isin(graph.op_class, (GRAD, OPT)) if len(graph.op_class) == len(owner) else \
-        np.zeros(len(owner), bool)
-    resident = graph.resident_bytes if len(graph.resident_bytes) else np.zeros(P)
+    opt_op = np.isin(graph.op_class, (GRAD, OPT))
+    resident = graph.resident_bytes
     # per-parameter sums of op times at each split, by group: its tensor-parallel matmuls,
     # its own weight/gradient ops, its optimizer ops (one bincount per split, not per
     # strategy: this loop runs for every mesh of every planning)
@@ -228,7 +227,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                                   np.bincount(who[mask], b[mask], minlength=P))
         return sums[group, split]
 
-    reps = graph.grad_repeat if len(graph.grad_repeat) == P else np.ones(P)
+    reps = graph.grad_repeat
     p_time, p_busy, g_comm, host = [], [], [], []
     for j, strats in enumerate(strategies):
         row_t, row_b, row_c, row_h = [], [], [], []
@@ -354,7 +353,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     first = graph.layers[0].param if graph.layers else None
     last_grad = grads[first][0] if first is not None else 0.0
     exposed = max(grad_t - BACKWARD_SHARE * mc.batched_time, min(last_grad, grad_t), 0.0)
-    host = sum(mc.host[j][s] for j, s in enumerate(choice)) if mc.host else 0.0
+    host = sum(mc.host[j][s] for j, s in enumerate(choice))
     mem, _ = peak_memory(graph, d, m, strats)
     exposed += host_exposed(host, mc.batched_time)
     return assemble(cluster, n, graph.batch_size or 1, compute=compute, busy=busy,
@@ -367,7 +366,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
 
 def loop_flops_ratio(graph: Graph) -> float:
     total = graph.total_flops
-    if total <= 0 or len(graph.repeat) != len(graph.flops) or (graph.repeat == 1).all():
+    if total <= 0 or (graph.repeat == 1).all():
         return 1.0
     return float((graph.flops / graph.repeat).sum() / total)
 

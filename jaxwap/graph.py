@@ -118,13 +118,13 @@ class Graph:
                                # class (WEIGHT, GRAD, OPT, RESIDENT) a column per param
     state_bytes: np.ndarray    # [P] bytes of argument leaves owned by each param
     unmodeled: tuple[str, ...]
-    op_class: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    repeat: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
-    resident_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
-    host_transfer: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, bool))
-    # how many times a parameter's gradient is produced per step: inside a scan over
+    op_class: np.ndarray       # [ops] class of the value an op produces (WEIGHT .. RESIDENT)
+    repeat: np.ndarray         # [ops] iterations of the enclosing (inlined) scans
+    resident_bytes: np.ndarray  # [P] bytes of each param's optimizer state (its mirrors)
+    host_transfer: np.ndarray  # [ops] bool: a copy between device and host memory
+    # [P] how many times a parameter's gradient is produced per step: inside a scan over
     # micro-batches XLA reduces it across the data axis in every iteration
-    grad_repeat: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    grad_repeat: np.ndarray
 
     @property
     def total_flops(self) -> float:

@@ -288,7 +288,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     # (remat, micro-batches), in order of expected cost, until a plan fits.
     rungs: list[StepVariant] = [StepVariant()]
     if isinstance(fn, TrainStep) and fn.variant.is_plain:
-        rungs += ladder(fn, B, devs[0].platform)
+        rungs += ladder(B, devs[0].platform)
     timing = {"trace": t1 - t0, "analyze": 0.0, "search": 0.0}
     tried: list[str] = []
     first_error: str | None = None

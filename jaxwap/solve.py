@@ -90,7 +90,7 @@ def param_strategies(graph: Graph, j: int, d: int, m: int,
     shape = graph.params[j].shape
     nd = len(shape)
     all_dims = range(nd)
-    has_state = len(graph.resident_bytes) > j and graph.resident_bytes[j] > 0
+    has_state = graph.resident_bytes[j] > 0
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
     layer = next((L for L in graph.layers if L.param == j), None)
     if m > 1 and layer is not None:
@@ -122,7 +122,7 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[in
     d, m = mc.d, mc.m
 
     def own(j: int, s: int) -> float:
-        host = 2 * mc.host[j][s] if mc.host else 0.0
+        host = 2 * mc.host[j][s]
         return mc.param_time[j][s] + weight * mc.grad_comm[j][s][0] + host
 
     layer_params = {L.param for L in graph.layers}
@@ -171,7 +171,7 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     for j, strats in enumerate(mc.strategies):
         for s, st in enumerate(strats):
             inv[j, s] = 1.0 / np.asarray(st.divisors(d, m))
-            host = 2 * mc.host[j][s] if mc.host else 0.0
+            host = 2 * mc.host[j][s]
             cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
             kind[j, s] = st.tp
     choice = list(choice)

@@ -169,7 +169,7 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
     return TrainStep(loss_fn, optimizer, has_aux=has_aux)
 
 
-def ladder(step: TrainStep, batch_size: int | None, platform: str,
+def ladder(batch_size: int | None, platform: str,
            max_micro_batches: int = 64) -> list[StepVariant]:
     """The variants to try when the step as written does not fit, in order of expected
     cost: remat policies first (about a third more compute), then ever more micro-batches

@@ -44,6 +44,23 @@ def cnn_problem(batch=32, size=16, has_aux=False, tx=None):
     return step, params, step.init(params), {"x": x, "y": y}
 
 
+def mlp_problem(widths, in_dim, batch):
+    """(make_train_step step, params, opt_state, batch) of an Adam MLP, all abstract."""
+    model = MLP(widths)
+    tx = optax.adam(1e-3)
+    params = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, in_dim), jnp.float32))
+
+    def loss_fn(p, b):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, b["x"]), b["y"]).mean()
+
+    data = {"x": jax.ShapeDtypeStruct((batch, in_dim), jnp.float32),
+            "y": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+    return (jaxwap.make_train_step(loss_fn, tx), params, jax.eval_shape(tx.init, params),
+            data)
+
+
 def run(step, params, opt, batch, n=2):
     p, o = copy_tree(params), copy_tree(opt)
     f = jax.jit(step)
@@ -103,11 +120,10 @@ def test_bad_inputs_are_named():
 
 
 def test_ladder_skips_remat_on_cpu_and_needs_divisible_batches():
-    step, *_ = cnn_problem()
-    cpu = ladder(step, 24, "cpu")
+    cpu = ladder(24, "cpu")
     assert [v.micro_batches for v in cpu] == [2, 4, 8]
     assert all(v.remat == "none" for v in cpu)
-    gpu = ladder(step, 8, "gpu")
+    gpu = ladder(8, "gpu")
     assert [v.remat for v in gpu[:2]] == ["dots", "offload_dots"]
 
 
@@ -229,20 +245,8 @@ def test_repair_shards_optimizer_state_first():
     from jaxwap.cost import mesh_costs, peak_memory
     from jaxwap.solve import _repair, param_strategies
 
-    widths = (1024, 1024, 10)
-    model = MLP(widths)
-    params = jax.eval_shape(model.init, jax.random.key(0),
-                            jax.ShapeDtypeStruct((1, 1024), jnp.float32))
-    tx = optax.adam(1e-3)
-
-    def loss_fn(p, b):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            model.apply(p, b["x"]), b["y"]).mean()
-
-    step = jaxwap.make_train_step(loss_fn, tx)
-    batch = {"x": jax.ShapeDtypeStruct((64, 1024), jnp.float32),
-             "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
-    layout, closed = layout_of(step, (params, jax.eval_shape(tx.init, params), batch), {}, None)
+    step, params, opt, batch = mlp_problem((1024, 1024, 10), 1024, 64)
+    layout, closed = layout_of(step, (params, opt, batch), {}, None)
     g = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, 64)
     strategies = [param_strategies(g, j, 4, 1) for j in range(len(g.params))]
     mc = mesh_costs(g, H100X8, 4, 1, strategies)
@@ -262,20 +266,8 @@ def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     from jaxwap.solve import param_strategies
     from jaxwap.verify import compiled_figures
 
-    model = MLP((256, 256, 10))
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0),
-                            jax.ShapeDtypeStruct((1, 64), jnp.float32))
-
-    def loss_fn(p, b):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            model.apply(p, b["x"]), b["y"]).mean()
-
-    step = jaxwap.make_train_step(loss_fn, tx)
-    batch = {"x": jax.ShapeDtypeStruct((64, 64), jnp.float32),
-             "y": jax.ShapeDtypeStruct((64,), jnp.int32)}
-    args = (params, jax.eval_shape(tx.init, params), batch)
-    layout, closed = layout_of(step, args, {}, None)
+    step, *args = mlp_problem((256, 256, 10), 64, 64)
+    layout, closed = layout_of(step, tuple(args), {}, None)
     comm = {}
     for k in (1, 4):
         fn = step.with_variant(StepVariant(micro_batches=k))
@@ -294,19 +286,7 @@ def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
 def test_offload_can_be_forbidden_and_offload_plans_round_trip():
     # weights and Adam state dwarf the activations: micro-batches cannot help, host
     # memory for the optimizer state can
-    model = MLP((512, 512, 10))
-    tx = optax.adam(1e-3)
-    params = jax.eval_shape(model.init, jax.random.key(0),
-                            jax.ShapeDtypeStruct((1, 512), jnp.float32))
-
-    def loss_fn(p, b):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            model.apply(p, b["x"]), b["y"]).mean()
-
-    step = jaxwap.make_train_step(loss_fn, tx)
-    opt = jax.eval_shape(tx.init, params)
-    batch = {"x": jax.ShapeDtypeStruct((8, 512), jnp.float32),
-             "y": jax.ShapeDtypeStruct((8,), jnp.int32)}
+    step, params, opt, batch = mlp_problem((512, 512, 10), 512, 8)
     roomy = jaxwap.plan(step, params, opt, batch, num_devices=1, cache=False, verify=0)
     budget = roomy.predicted.peak_memory_bytes * 0.8
     off = jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=budget,
