@@ -42,9 +42,10 @@ import zoo  # noqa: E402
 import jaxwap  # noqa: E402
 from jaxwap.compile import compile_layout  # noqa: E402
 from jaxwap.cost import mesh_costs, predict  # noqa: E402
+from jaxwap.hlo import compiled_figures  # noqa: E402
 from jaxwap.planner import Planned, make_plan  # noqa: E402
+from jaxwap.records import CompiledFigures  # noqa: E402
 from jaxwap.solve import param_strategies, uses_model_axis  # noqa: E402
-from jaxwap.verify import CompiledFigures, compiled_figures  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 HARDWARE = jaxwap.Cluster("h100-sxm", 8)
@@ -83,9 +84,9 @@ def build(name: str, small: bool) -> zoo.Workload:
 
 def plan_analytic(w: zoo.Workload, cluster: jaxwap.Cluster = HARDWARE) -> Planned:
     """The search alone (no verification, no cache): every mesh with its assignment."""
-    return make_plan(w.step, w.args, {}, params=w.params, objective="balanced",
-                     hardware=cluster, devices=None, memory_budget=None, verify=0,
-                     cache=False)
+    return make_plan(w.step, w.args, {}, params=w.params,
+                     options=jaxwap.PlanOptions(objective="balanced", hardware=cluster,
+                                                verify=0, cache=False))
 
 
 def _variant_choice(strats: Sequence[Sequence[Any]], variant: str,

@@ -34,7 +34,9 @@ import jax  # noqa: E402
 
 import jaxwap  # noqa: E402
 from jaxwap.compile import compile_layout  # noqa: E402
-from jaxwap.verify import compiled_figures, run_verification, with_compiled  # noqa: E402
+from jaxwap.cost import with_compiled  # noqa: E402
+from jaxwap.hlo import compiled_figures  # noqa: E402
+from jaxwap.verify import run_verification  # noqa: E402
 
 GOAL_REGRET, GOAL_PLAN_S = 0.03, 1.0
 OBJECTIVE = jaxwap.Objective("balanced")
@@ -74,8 +76,8 @@ def evaluate(w: Any, planned: Any, records: list[candidates.Record], n: int) -> 
                                              cs.compile_time_s)
         return compiled[key], None
 
-    ver = run_verification(w.step, analytic.layout, analytic.search, cluster, OBJECTIVE,
-                           budget, jax.devices(), 3, B, compile_candidate=replay)
+    ver = run_verification(analytic.search, 3, replay, cluster=cluster, objective=OBJECTIVE,
+                           budget=budget, batch_size=B)
     chosen = analytic.search.results[ver.best]
     chosen_score = score(ver.predictions[ver.best], cluster)
     return {

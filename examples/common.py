@@ -307,11 +307,12 @@ def print_frontier(plan: Any, path: str) -> None:
     """Print the plan's time/energy Pareto frontier and plot it (with every candidate) to
     `path`; without matplotlib, print the frontier and say how to get the plot."""
     print("Pareto frontier (step time vs energy per sample; fastest first):")
+    batch = plan.batch_size or 1
     for c in plan.frontier():
-        f = c.verified or c.predicted
+        f = c.judged  # measured, else compiled, else predicted
         print(f"  {c.label:<10} {f.step_time_s * 1e3:10.3f} ms  "
-              f"{f.energy_per_sample_j * 1e3:10.3f} mJ/sample  "
-              f"{'XLA' if c.verified else 'model':>5}{'  CHOSEN' if c.chosen else ''}")
+              f"{f.energy_per_step_j / batch * 1e3:10.3f} mJ/sample  "
+              f"{f.basis:>9}{'  CHOSEN' if c.chosen else ''}")
     try:
         out = plan.plot_frontier(path)
     except ImportError as e:

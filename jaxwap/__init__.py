@@ -5,18 +5,17 @@ to use and a PartitionSpec for every parameter (balancing speed against energy),
 compiles the step with `jax.jit` shardings.
 """
 
-__version__ = "0.1.0"
-
-from .api import AutoShardedStep, auto_shard, plan  # noqa: E402
-from .cache import PlanCache  # noqa: E402
-from .calibrate import Calibration, calibrate, load_calibration  # noqa: E402
-from .cost import Prediction, Strategy  # noqa: E402
-from .energy import EnergyMeter, EnergyReading, measure_energy  # noqa: E402
-from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec  # noqa: E402
-from .measure import Measurement  # noqa: E402
-from .objective import Objective  # noqa: E402
-from .plan import Candidate, ParamPlacement, Plan  # noqa: E402
-from .train_step import StepVariant, TrainStep, make_train_step  # noqa: E402
+from .api import AutoShardedStep, auto_shard, plan
+from .cache import PlanCache
+from .calibrate import Calibration, calibrate, load_calibration
+from .energy import EnergyMeter, EnergyReading, measure_energy
+from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
+from .objective import Objective
+from .options import PlanOptions
+from .plan import Candidate, ParamPlacement, Plan
+from .records import Measurement, Prediction, StepVariant, Strategy
+from .train_step import TrainStep, make_train_step
+from .version import __version__
 
 __all__ = [
     "AutoShardedStep",
@@ -34,6 +33,7 @@ __all__ = [
     "ParamPlacement",
     "Plan",
     "PlanCache",
+    "PlanOptions",
     "Prediction",
     "StepVariant",
     "Strategy",
@@ -43,4 +43,5 @@ __all__ = [
     "device_spec",
     "make_train_step",
     "plan",
+    "__version__",
 ]

@@ -18,19 +18,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
-from .cost import DATA, MODEL
-from .measure import measured_choice
-from .objective import Objective
+from .measure import measure_finalists
+from .options import PlanOptions, split_options
 from .plan import Plan
-from .planner import (
-    Planned,
-    flat_leaves,
-    globalize,
-    is_process_local,
-    leaf_entries,
-    make_plan,
-)
+from .planner import Planned, make_plan, record_measurements
+from .records import DATA, MODEL
 from .state import abstract_leaf, classify_leaves
+from .trace import flat_leaves, globalize, is_process_local, leaf_entries
 
 
 def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any:
@@ -46,39 +40,19 @@ def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any
 
 
 class AutoShardedStep:
-    """A training step that plans, compiles and runs itself sharded. See `auto_shard`."""
+    """A training step that plans, compiles and runs itself sharded. See `auto_shard`.
+
+    `options` (a `jaxwap.PlanOptions`) and/or its fields as keywords say how to plan."""
 
     def __init__(self, train_step: Callable, params: Any = None, *,
-                 objective: str | Objective = "balanced", hardware: Any = None,
-                 devices: Sequence[Any] | None = None, memory_budget: float | None = None,
-                 donate: bool = True, num_devices: int | None = None,
-                 compiler_options: dict[str, Any] | None = None, verify: int = 3,
-                 cache: Any = True, batch_size: int | None = None,
-                 measure: bool | int = False, offload: bool = True) -> None:
+                 options: PlanOptions | None = None, **kwargs: Any) -> None:
         if not callable(train_step):
             raise TypeError(f"train_step must be callable, got {type(train_step).__name__}")
-        self.offload = bool(offload)
         self.train_step = train_step
         self.params = params
-        self.objective = Objective.parse(objective)
-        self.hardware = hardware
-        self.devices = tuple(devices) if devices is not None else None
-        self.memory_budget = memory_budget
-        self.donate = donate
-        self.num_devices = num_devices
-        self.compiler_options = compiler_options
-        self.verify = verify
-        self.cache = cache
-        self.batch_size = batch_size
-        if isinstance(measure, bool):
-            self.measure_steps = 5 if measure else 0
-        elif isinstance(measure, int) and measure >= 1:
-            self.measure_steps = measure
-        else:
-            raise ValueError(f"measure must be a bool or a positive number of steps, "
-                             f"got {measure!r}")
-        self._measured: set[Any] = set()
+        self.options = PlanOptions.of(options, **kwargs)
         self._plans: dict[Any, Planned] = {}
+        self._measured: set[Any] = set()
         self._execs: dict[Any, CompiledStep] = {}
         self._current: Planned | None = None
         functools.update_wrapper(self, train_step)
@@ -92,20 +66,32 @@ class AutoShardedStep:
             avals.append((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))))
         return treedef, names, tuple(avals)
 
-    def _planned(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Planned]:
+    def _planned(self, args: Sequence[Any], kwargs: dict[str, Any],
+                 measure: bool = True) -> tuple[Any, Planned]:
+        """The plan for these arguments: made on the first call with their shapes, and,
+        with `options.measure`, decided again on the finalists' measurements as soon as
+        the arguments are real arrays (a plan read from the cache was measured before)."""
         key = self._signature(args, kwargs)
         if key not in self._plans:
-            self._plans[key] = make_plan(
-                self.train_step, args, kwargs, params=self.params, objective=self.objective,
-                hardware=self.hardware, devices=self.devices, memory_budget=self.memory_budget,
-                num_devices=self.num_devices, verify=self.verify, donate=self.donate,
-                compiler_options=self.compiler_options, cache=self.cache,
-                batch_size=self.batch_size, offload=self.offload)
-        self._current = self._plans[key]
-        return key, self._plans[key]
+            self._plans[key] = make_plan(self.train_step, args, kwargs, params=self.params,
+                                         options=self.options)
+        planned = self._plans[key]
+        if measure and self.options.measure and key not in self._measured \
+                and _concrete(args, kwargs):
+            # a plan read back from the cache is the measured choice already
+            self._measured.add(key)
+            flat, _, _ = flat_leaves(args, kwargs)
+            measured, seconds = measure_finalists(
+                self.train_step, planned, [leaf for _, leaf in flat], self.options.measure,
+                place, compiler_options=self.options.compiler_options)
+            planned = record_measurements(planned, measured, seconds, self.options.store)
+            self._plans[key] = planned
+        self._current = planned
+        return key, planned
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
-        """Plan for these arguments (arrays or jax.ShapeDtypeStruct) without running."""
+        """Plan for these arguments (arrays or jax.ShapeDtypeStruct) without running a
+        training step (with `measure=`, real arrays run the finalists to choose)."""
         return self._planned(args, kwargs)[1].plan
 
     @property
@@ -131,25 +117,19 @@ class AutoShardedStep:
             plan = planned.plan
             self._execs[key] = planned.compiled or compile_layout(
                 planned.fn or self.train_step, planned.layout, plan.mesh_shape[DATA],
-                plan.mesh_shape[MODEL], plan.params, planned.devices, donate=self.donate,
-                compiler_options=self.compiler_options)
+                plan.mesh_shape[MODEL], plan.params, planned.devices,
+                donate=self.options.donate, compiler_options=self.options.compiler_options)
         return self._execs[key]
 
     def lower_and_compile(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled step for these arguments (abstract ones allowed); for inspection."""
-        key, planned = self._planned(args, kwargs)
+        key, planned = self._planned(args, kwargs, measure=False)
         return self._compile(key, planned).compiled
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key, planned = self._planned(args, kwargs)
         flat, _, _ = flat_leaves(args, kwargs)
-        if self.measure_steps and key not in self._measured:
-            planned = measured_choice(self.train_step, planned, [leaf for _, leaf in flat],
-                                      self.measure_steps, place,
-                                      compiler_options=self.compiler_options)
-            self._plans[key] = self._current = planned
-            self._measured.add(key)
         ex = self._compile(key, planned)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
@@ -176,16 +156,17 @@ class AutoShardedStep:
 
     def __repr__(self) -> str:
         name = getattr(self.train_step, "__name__", repr(self.train_step))
-        return f"AutoShardedStep({name}, objective={self.objective.describe()!r})"
+        return f"AutoShardedStep({name}, objective={self.options.objective.describe()!r})"
+
+
+def _concrete(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether every argument leaf is data (measurement runs the step on them)."""
+    return not any(isinstance(leaf, jax.ShapeDtypeStruct)
+                   for _, leaf in flat_leaves(args, kwargs)[0])
 
 
 def auto_shard(train_step: Callable | None = None, params: Any = None, *,
-               objective: str | Objective = "balanced", hardware: Any = None,
-               devices: Sequence[Any] | None = None, memory_budget: float | None = None,
-               donate: bool = True, num_devices: int | None = None,
-               compiler_options: dict[str, Any] | None = None, verify: int = 3,
-               cache: Any = True, batch_size: int | None = None,
-               measure: bool | int = False, offload: bool = True) -> Any:
+               options: PlanOptions | None = None, **kwargs: Any) -> Any:
     """Wrap a training step so it plans, compiles and runs itself sharded.
 
     Args:
@@ -193,47 +174,31 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
         metrics)`. Written for one device; it runs unchanged.
       params: the parameter pytree (arrays or jax.ShapeDtypeStruct); default: the step's
         first argument (its `.params` if it is a TrainState).
-      objective: "throughput", "energy", "balanced" or `jaxwap.Objective(max_slowdown=x)`.
-      hardware: a `jaxwap.Cluster` (or profile name) to plan for; default: the devices found.
-      devices: the devices the job may use (default `jax.devices()`); plans may use fewer.
-      memory_budget: bytes per device; default the device memory less 10% headroom.
-      donate: donate the state arguments (params and their mirrors) to the step, as
-        `jax.jit(donate_argnums=...)` would: the state passed in is consumed; use the
-        returned state.
-      num_devices: use exactly this many devices instead of choosing.
-      compiler_options: XLA options for the compile (default: latency hiding on GPU).
-      verify: compile the analytic search's best candidates until this many fit by XLA's
-        own memory analysis, and choose among them on XLA's figures (0: trust the model).
-      cache: read back a plan made before for the same step and settings (True: the
-        directory in $JAXWAP_CACHE_DIR or ~/.cache/jaxwap; a `jaxwap.PlanCache`; False).
-      batch_size: the global batch size, when the most common leading dimension of the
-        arguments that are not state is not it.
-      measure: on the first call, run the verified finalists on the devices (True: 5
-        steps each after a warm-up, or this many) and choose on measured time and energy
-        (NVML energy where available, modeled and labelled so otherwise).
-      offload: allow plans that keep optimizer state in pinned host memory when nothing
-        else fits (on a backend that ignores memory kinds, such as XLA:CPU, the saving is
-        modelled, not verified, and the plan's notes say so).
+      options: a `jaxwap.PlanOptions`; its fields may also be given as keywords
+        (`objective=`, `hardware=`, `devices=`, `memory_budget=`, `num_devices=`,
+        `verify=`, `donate=`, `compiler_options=`, `cache=`, `batch_size=`, `measure=`,
+        `offload=`), which replace the record's. `PlanOptions` documents each one.
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """
-    kw = dict(objective=objective, hardware=hardware, devices=devices,
-              memory_budget=memory_budget, donate=donate, num_devices=num_devices,
-              compiler_options=compiler_options, verify=verify, cache=cache,
-              batch_size=batch_size, measure=measure, offload=offload)
+    opts = PlanOptions.of(options, **kwargs)
     if train_step is None:
-        return lambda fn: AutoShardedStep(fn, params, **kw)
-    return AutoShardedStep(train_step, params, **kw)
+        return lambda fn: AutoShardedStep(fn, params, options=opts)
+    return AutoShardedStep(train_step, params, options=opts)
 
 
 def plan(train_step: Callable, *args: Any, params: Any = None,
-         objective: str | Objective = "balanced", hardware: Any = None,
-         devices: Sequence[Any] | None = None, memory_budget: float | None = None,
-         num_devices: int | None = None, verify: int = 3, cache: Any = True,
-         batch_size: int | None = None, offload: bool = True, **kwargs: Any) -> Plan:
+         options: PlanOptions | None = None, **kwargs: Any) -> Plan:
     """Plan `train_step` for these arguments (arrays or jax.ShapeDtypeStruct) without
-    running anything: only the verified finalists are compiled (`verify=0`: nothing is)."""
-    return make_plan(train_step, args, kwargs, params=params, objective=objective,
-                     hardware=hardware, devices=devices, memory_budget=memory_budget,
-                     num_devices=num_devices, verify=verify, cache=cache,
-                     batch_size=batch_size, offload=offload).plan
+    running it: only the verified finalists are compiled (`verify=0`: nothing is).
+
+    Takes every option `auto_shard` takes (a `PlanOptions` and/or its fields as keywords);
+    any other keyword is the step's own. `measure=` runs the finalists, so it needs real
+    arrays."""
+    option_kw, step_kwargs = split_options(kwargs)
+    opts = PlanOptions.of(options, **option_kw)
+    if opts.measure and not _concrete(args, step_kwargs):
+        raise ValueError("jaxwap.plan(measure=...) runs the finalists on the devices, so it "
+                         "needs arrays, not jax.ShapeDtypeStruct: pass real arguments or "
+                         "leave measure= out")
+    return AutoShardedStep(train_step, params, options=opts).plan_for(*args, **step_kwargs)

@@ -22,43 +22,35 @@ the new one, or none, never a partial one; that is all the locking it needs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import hashlib
 import json
 import os
 import re
 import tempfile
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jaxlib
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from . import __version__ as JAXWAP_VERSION
-from .hardware import Cluster, DeviceSpec
-from .objective import Objective
+from .dirs import ENV_VAR, default_cache_dir
+from .fingerprint import _encode, jaxpr_fingerprint
 from .plan import Plan
+from .version import __version__ as JAXWAP_VERSION
 
 # Version of the entry file's layout. Bump it when the layout or the meaning of a key
 # changes, so entries written by an older jaxwap read as stale rather than as wrong.
 CACHE_FORMAT = 1
 # Version of `plan_key`'s encoding; part of every key, so a change to the encoding cannot
-# make an old key collide with a new one.
-KEY_FORMAT = 1
-
-ENV_VAR = "JAXWAP_CACHE_DIR"
+# make an old key collide with a new one. 2: the `jaxpr` part, `jaxpr_fingerprint`, is now
+# a hash of the jaxpr's structure (fingerprint.py), no longer of its printed text; a part
+# whose meaning changes gets a new format, so no key made under the old meaning can match.
+KEY_FORMAT = 2
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.
 _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}")
-# ` at 0x7f...` is how Python's default repr shows an object's address; jax already masks
-# it in jaxpr parameters, and jaxpr_fingerprint masks any that slips through elsewhere.
-_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class PlanCacheWarning(UserWarning):
@@ -66,22 +58,6 @@ class PlanCacheWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------- keys
-def jaxpr_fingerprint(closed_jaxpr: Any) -> str:
-    """SHA-256 hex digest of the step's jaxpr text.
-
-    The text is what the planner reads (ops, shapes, dtypes, literals, nested jaxprs in
-    full) and nothing that varies between runs: variables are named in order of
-    appearance, callables by their name, and jax masks object addresses in equation
-    parameters (`<function f at 0xXXXX>`). Checked on jax 0.10.2 with flax MLP and VGG-16
-    train steps traced in two processes with different hash seeds: identical text.
-    Addresses anywhere else are masked here too, as a safeguard. The values of closed-over
-    arrays are not part of the text (only their shapes; scalars appear as literals),
-    which is right: the plan depends on shapes, not values.
-    """
-    text = _ADDRESS_RE.sub(" at 0x?", str(closed_jaxpr))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def plan_key(**parts: Any) -> str:
     """SHA-256 hex digest identifying a planning question; equal parts give equal keys in
     any process, any part that differs gives another key.
@@ -127,152 +103,7 @@ def plan_key(**parts: Any) -> str:
     return h.hexdigest()
 
 
-def _encode(x: Any, out: Callable[[bytes], object]) -> None:
-    """Write x as a self-delimiting, type-tagged byte string: no two different values (of
-    the types accepted) share an encoding, and equal values always have the same one."""
-    if x is None:
-        out(b"N")
-    elif isinstance(x, bool):
-        out(b"T" if x else b"F")
-    elif isinstance(x, int):
-        out(b"i%d;" % x)
-    elif isinstance(x, float):
-        out(b"f" + float.hex(x).encode() + b";")  # exact; nan/inf spelled out
-    elif isinstance(x, str):
-        _blob(b"s", x.encode("utf-8"), out)
-    elif isinstance(x, bytes):
-        _blob(b"b", x, out)
-    elif isinstance(x, np.generic):
-        _encode(x.item(), out)
-    elif isinstance(x, (list, tuple)):
-        out(b"l%d[" % len(x))
-        for item in x:
-            _encode(item, out)
-        out(b"]")
-    elif isinstance(x, dict):
-        for k in x:
-            if not isinstance(k, str):
-                raise TypeError(f"plan_key: dict keys must be str, got {type(k).__name__} "
-                                f"key {k!r}")
-        out(b"d%d{" % len(x))
-        for k in sorted(x):
-            _blob(b"s", k.encode("utf-8"), out)
-            _encode(x[k], out)
-        out(b"}")
-    elif isinstance(x, (set, frozenset)):
-        # element order varies with the hash seed: sort the elements' encodings instead
-        items = []
-        for item in x:
-            buf: list[bytes] = []
-            _encode(item, buf.append)
-            items.append(b"".join(buf))
-        out(b"S%d{" % len(items) + b"".join(sorted(items)) + b"}")
-    else:
-        tag, data = _canonical_object(x)
-        _blob(b"o", tag.encode(), out)
-        _encode(data, out)
-
-
-def _blob(tag: bytes, data: bytes, out: Callable[[bytes], object]) -> None:
-    out(tag + b"%d:" % len(data) + data)
-
-
-def _canonical_object(x: Any) -> tuple[str, Any]:
-    """(type tag, plain data) for the non-builtin types plan_key accepts."""
-    if isinstance(x, (Cluster, Objective, DeviceSpec)):
-        return type(x).__name__, x.to_dict()
-    if isinstance(x, enum.Enum):
-        return "enum", (_qualname(type(x)), x.name)
-    if isinstance(x, np.dtype) or _is_extended_dtype(x):
-        return "dtype", str(x)
-    if isinstance(x, type) and (issubclass(x, np.generic) or hasattr(x, "dtype")):
-        try:  # scalar types: np.float32, jnp.bfloat16
-            return "dtype", str(np.dtype(x))
-        except TypeError:
-            pass
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return "aval", {"shape": tuple(int(d) for d in x.shape), "dtype": str(x.dtype),
-                        "weak_type": bool(getattr(x, "weak_type", False)),
-                        "sharding": x.sharding}
-    if isinstance(x, PartitionSpec):
-        return "spec", {"partitions": tuple(_spec_entry(e) for e in x),
-                        "unreduced": frozenset(x.unreduced), "reduced": frozenset(x.reduced)}
-    if isinstance(x, NamedSharding):
-        mesh = x.mesh
-        ids = [int(d.id) for d in mesh.devices.flat] if isinstance(mesh, Mesh) else None
-        return "named_sharding", {
-            "axis_names": tuple(mesh.axis_names), "axis_sizes": tuple(mesh.axis_sizes),
-            "axis_types": tuple(str(t) for t in mesh.axis_types), "device_ids": ids,
-            "spec": x.spec, "memory_kind": x.memory_kind}
-    if isinstance(x, SingleDeviceSharding):
-        (device,) = x.device_set
-        return "single_device_sharding", {"device": device, "memory_kind": x.memory_kind}
-    if isinstance(x, jax.Device):
-        return "device", {"id": int(x.id), "platform": x.platform, "kind": x.device_kind,
-                          "process_index": int(x.process_index)}
-    if isinstance(x, jax.tree_util.PyTreeDef):
-        text = str(x)
-        if _ADDRESS_RE.search(text):
-            raise TypeError(f"plan_key: this PyTreeDef's text holds an object address, "
-                            f"which differs between runs: {text[:200]}")
-        return "treedef", text
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return "dataclass:" + _qualname(type(x)), {
-            f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.compare}
-    raise TypeError(
-        f"plan_key cannot encode a {_qualname(type(x))} ({_short_repr(x)}): pass str, "
-        f"numbers, None, bools, lists/tuples, dicts with str keys, jaxwap.Cluster / "
-        f"Objective, dataclasses, dtypes, ShapeDtypeStruct, PartitionSpec, NamedSharding "
-        f"or devices, or convert it to one of those (see plan_key's docstring)")
-
-
-def _spec_entry(e: Any) -> Any:
-    if e is None or isinstance(e, str):
-        return e
-    if isinstance(e, tuple):
-        return tuple(e)
-    if e is PartitionSpec.UNCONSTRAINED:
-        return ("UNCONSTRAINED",)  # a 1-tuple of this text cannot be a real entry
-    raise TypeError(f"plan_key: unexpected PartitionSpec entry {e!r}")
-
-
-def _is_extended_dtype(x: Any) -> bool:
-    if isinstance(x, (np.dtype, type)):
-        return False
-    try:
-        return bool(jax.dtypes.issubdtype(x, jax.dtypes.extended))
-    except Exception:  # noqa: BLE001 - arbitrary objects: "not a dtype" is the answer
-        return False
-
-
-def _qualname(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-def _short_repr(x: Any) -> str:
-    try:
-        r = repr(x)
-    except Exception:  # noqa: BLE001 - only for an error message
-        r = "<unrepresentable>"
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
 # --------------------------------------------------------------------------- storage
-def default_cache_dir() -> Path:
-    """`$JAXWAP_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxwap`, else `~/.cache/jaxwap`.
-
-    Empty variables count as unset, and a relative XDG_CACHE_HOME is ignored, as the XDG
-    base-directory specification says.
-    """
-    explicit = os.environ.get(ENV_VAR)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "jaxwap"
-    return Path.home() / ".cache" / "jaxwap"
-
-
 class PlanCache:
     """Plans on disk, one `<key>.json` per key, in `directory` (see `default_cache_dir`).
 

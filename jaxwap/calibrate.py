@@ -27,7 +27,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from .compile import make_mesh
+from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
 from .progress import Progress
 
@@ -81,8 +85,6 @@ def _driver_version() -> str:
 
 def calibration_path(device: Any, directory: Path | None = None) -> Path:
     """Where the calibration of this device kind, driver and jax version is kept."""
-    from .cache import default_cache_dir
-
     base = Path(directory) if directory is not None else default_cache_dir()
     kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower())
     name = f"{device.platform}-{kind}-jax{jax.__version__}-driver{_driver_version()}.json"
@@ -173,11 +175,6 @@ def _kernel_overhead(device: Any, chain: int = 64) -> float:
 
 def _all_reduce(devices: Sequence[Any], sizes: Sequence[int]) -> tuple[float, float] | None:
     """(link bandwidth B/s, latency s) from timed all-reduces of two sizes, ring model."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from .compile import make_mesh
-
     n = len(devices)
     if n < 2:
         return None

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .cost import DATA, MODEL
+from .records import DATA, MODEL
 from .state import BATCH, PARAM, LeafTable
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked

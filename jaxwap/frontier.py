@@ -43,15 +43,13 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def figures(c: Candidate) -> Any:
-    """The figures a candidate is judged on: XLA-fed when it was compiled, else the model's."""
-    return c.verified or c.predicted
-
-
 def frontier(candidates: Sequence[Candidate]) -> tuple[Candidate, ...]:
-    """The fitting candidates on the (step time, energy per sample) frontier, fastest first."""
+    """The fitting candidates on the (step time, energy per sample) frontier, fastest
+    first, each judged on its best figures (`Candidate.judged`: measured, else compiled,
+    else predicted). Every candidate of a plan processes the same batch, so energy per
+    step orders them as energy per sample does."""
     fitting = [c for c in candidates if c.fits]
-    pts = [(figures(c).step_time_s, figures(c).energy_per_sample_j) for c in fitting]
+    pts = [(c.judged.step_time_s, c.judged.energy_per_step_j) for c in fitting]
     return tuple(fitting[i] for i in pareto_front(pts))
 
 
@@ -77,11 +75,12 @@ def plot_frontier(plan: Plan, path: str | Path) -> Path:
     path = Path(path)
     front = frontier(plan.candidates)
     chosen = next((c for c in plan.candidates if c.chosen), None)
-    basis = "compiled (XLA)" if chosen is not None and chosen.verified else "predicted"
+    basis = chosen.judged.basis if chosen is not None else "predicted"
+    batch = plan.batch_size or 1
 
     def xy(cs: Sequence[Candidate]) -> tuple[list[float], list[float]]:
-        return ([figures(c).step_time_s * 1e3 for c in cs],
-                [figures(c).energy_per_sample_j * 1e3 for c in cs])
+        return ([c.judged.step_time_s * 1e3 for c in cs],
+                [c.judged.energy_per_step_j / batch * 1e3 for c in cs])
 
     fig, ax = plt.subplots(figsize=(7, 5), dpi=100)
     try:

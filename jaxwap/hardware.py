@@ -18,9 +18,12 @@ import dataclasses
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the record only: calibration sits above hardware in the layers
+    from .calibrate import Calibration
 
 GB = 1e9
 GiB = 2**30
@@ -232,23 +235,22 @@ def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:
     return _BUILTIN[name]
 
 
-def detect_cluster(devices: Sequence[Any]) -> tuple[Cluster, str | None]:
-    """The profile of the devices found: their calibration (`jaxwap calibrate`) when one
-    is cached for this device kind, driver and jax version, else the built-in profile;
-    and a note saying which.
+def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = None
+                   ) -> tuple[Cluster, str | None]:
+    """The profile of the devices found: their `calibration` when the caller has one (the
+    planner loads the one `jaxwap calibrate` cached for this device kind, driver and jax
+    version), else the built-in profile; and a note saying which.
 
     Devices must be of one kind: a plan over mixed kinds would need a per-device model
     that v1 does not have, so that is an error rather than a silent average.
     """
-    from .calibrate import load_calibration
-
     kinds = {d.device_kind for d in devices}
     if len(kinds) != 1:
         raise ValueError(f"devices of several kinds {sorted(kinds)}: jaxwap plans over "
                          f"one kind; pass devices= of one kind")
     kind = kinds.pop()
     platform = devices[0].platform
-    cal = load_calibration(devices[0])
+    cal = calibration
     note = None
     if cal is not None:
         spec = cal.spec

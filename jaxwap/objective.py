@@ -17,6 +17,16 @@ KINDS = ("throughput", "energy", "balanced", "max_slowdown")
 class _Scored(Protocol):
     step_time_s: float
     energy_per_step_j: float
+    num_devices: int
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The objective's verdict on a list of candidates: one score each (inf where not
+    eligible or excluded) and the index of the best (-1 when none is eligible)."""
+
+    scores: tuple[float, ...]
+    best: int
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,22 @@ class Objective:
         limit = fastest * (1 + float(self.max_slowdown or 0.0)) * (1 + 1e-12)
         return [p.energy_per_step_j if p.step_time_s <= limit else float("inf")
                 for p in preds]
+
+    def rank(self, figures: Sequence[_Scored | None], *, max_watts: float,
+             num_devices_available: int) -> Ranking:
+        """The one ranking of candidates: score the eligible ones (None is not eligible)
+        together, and pick the lowest score, then the least step time, then the fewest
+        devices, then the first listed. Search, verification and measured choice all
+        rank with this, each on the figures that judge its candidates."""
+        idx = [i for i, f in enumerate(figures) if f is not None]
+        got = self.scores([figures[i] for i in idx], max_watts=max_watts,
+                          num_devices_available=num_devices_available)
+        scores = [float("inf")] * len(figures)
+        for i, s in zip(idx, got, strict=True):
+            scores[i] = s
+        best = min(idx, key=lambda i: (scores[i], figures[i].step_time_s,
+                                       figures[i].num_devices, i), default=-1)
+        return Ranking(tuple(scores), best)
 
     def describe(self) -> str:
         if self.kind == "balanced":

@@ -17,12 +17,18 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from .cost import Prediction, host_exposed
 from .hardware import Cluster
-from .measure import Measurement
 from .objective import Objective
-from .train_step import StepVariant
-from .verify import CompiledFigures
+from .records import (
+    COMPILED,
+    MEASURED,
+    CompiledFigures,
+    Judged,
+    Measurement,
+    Prediction,
+    StepVariant,
+    judge,
+)
 
 PLAN_FORMAT = 1
 
@@ -39,12 +45,6 @@ class FrozenDict(dict):
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
-
-
-def _host_exposed(pr: Prediction) -> float:
-    """The part of a prediction's exposed time that is host transfer, not communication."""
-    return host_exposed(pr.host_transfer_time_s / 2, pr.batched_time_s) \
-        if pr.host_transfer_time_s else 0.0
 
 
 def spec_to_json(spec: tuple[Any, ...]) -> list[Any]:
@@ -114,6 +114,11 @@ class Candidate:
     verified: Prediction | None = None        # the model fed those figures
     variant: str = "planner"                  # or "data-parallel", the baseline layout
     measured: Measurement | None = None       # what it did on the devices (measure=)
+
+    @property
+    def judged(self) -> Judged:
+        """The figures this candidate is judged on: measured, else compiled, else predicted."""
+        return judge(self.predicted, self.verified, self.measured)
 
     @property
     def label(self) -> str:
@@ -282,11 +287,11 @@ class Plan:
             f"jaxwap plan: {self.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
             f"objective {self.objective.describe()}",
             f"hardware: {hw.num_devices} x {hw.device.name} "
-            f"({_si(dev.peak_flops, 'flop/s')} bf16, {_si(dev.memory_bandwidth, 'B/s')}, "
-            f"{_si(dev.memory_bytes, 'B')}), links {_si(hw.link_bandwidth, 'B/s')} / "
+            f"({si(dev.peak_flops, 'flop/s')} bf16, {si(dev.memory_bandwidth, 'B/s')}, "
+            f"{si(dev.memory_bytes, 'B')}), links {si(hw.link_bandwidth, 'B/s')} / "
             f"{hw.link_latency * 1e6:.1f} us",
             f"devices: {list(self.device_ids)}   batch: {self.batch_size}   memory budget: "
-            f"{_si(self.memory_budget_bytes, 'B')} per device",
+            f"{si(self.memory_budget_bytes, 'B')} per device",
             f"step: {self.step.describe()}" + self._memory_summary(),
             "",
             "predicted (model, not measured):",
@@ -294,14 +299,14 @@ class Plan:
             f"({pr.samples_per_s:,.0f} samples/s)",
             f"  compute         {pr.compute_time_s * 1e3:10.3f} ms   "
             f"utilization {pr.utilization:.0%}",
-            f"  communication   {(pr.exposed_comm_time_s - _host_exposed(pr)) * 1e3:10.3f} "
+            f"  communication   {pr.exposed_comm_time_s * 1e3:10.3f} "
             f"ms exposed of "
             f"{pr.grad_comm_time_s * 1e3:.3f} ms gradient reduction; "
             f"{pr.tp_comm_time_s * 1e3:.3f} ms tensor-parallel; "
-            f"{_si(pr.comm_bytes, 'B')} sent per device",
+            f"{si(pr.comm_bytes, 'B')} sent per device",
             f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
             f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
-            f"  peak memory     {_si(pr.peak_memory_bytes, 'B'):>10} per device"
+            f"  peak memory     {si(pr.peak_memory_bytes, 'B'):>10} per device"
             + (f"; {pr.host_transfer_time_s * 1e3:.3f} ms moving optimizer state to and "
                f"from host memory" if pr.host_transfer_time_s else ""),
         ]
@@ -312,16 +317,16 @@ class Plan:
             lines += [
                 "",
                 "compiled (XLA's own analysis of this plan, per device):",
-                f"  memory          {_si(c.memory_bytes, 'B'):>10}   "
+                f"  memory          {si(c.memory_bytes, 'B'):>10}   "
                 f"(model {_err(pr.peak_memory_bytes, c.memory_bytes)})   "
-                f"argument {_si(c.argument_bytes, 'B')}, output {_si(c.output_bytes, 'B')}, "
-                f"temp {_si(c.temp_bytes, 'B')}, aliased {_si(c.alias_bytes, 'B')}"
-                + (f"; less {_si(c.host_unverified_bytes, 'B')} of optimizer state planned "
+                f"argument {si(c.argument_bytes, 'B')}, output {si(c.output_bytes, 'B')}, "
+                f"temp {si(c.temp_bytes, 'B')}, aliased {si(c.alias_bytes, 'B')}"
+                + (f"; less {si(c.host_unverified_bytes, 'B')} of optimizer state planned "
                    f"for host memory, which this backend's analysis cannot show (modelled)"
                    if c.host_unverified_bytes else ""),
-                f"  flops           {_si(c.flops, 'flop'):>10}   "
+                f"  flops           {si(c.flops, 'flop'):>10}   "
                 f"(model {_err(pr.flops_as_xla_counts, c.flops)})",
-                f"  communication   {_si(c.comm_bytes, 'B'):>10}   "
+                f"  communication   {si(c.comm_bytes, 'B'):>10}   "
                 f"(model {_err(pr.comm_bytes, c.comm_bytes)})   "
                 f"{', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'no collectives'}",
             ]
@@ -348,21 +353,24 @@ class Plan:
         order = {id(p): i for i, p in enumerate(self.params)}
         for p in sorted(shown, key=lambda p: order[id(p)]):
             lines.append(f"  {p.keystr[:width]:<{width}}  {str(p.shape):<20} "
-                         f"{_si(p.nbytes, 'B'):>10}  {p.strategy:<{sw}} {P(*p.spec)}"
+                         f"{si(p.nbytes, 'B'):>10}  {p.strategy:<{sw}} {P(*p.spec)}"
                          + (f"  state {P(*p.state_spec)}" if p.state_spec is not None else ""))
         if len(self.params) > max_params:
             lines.append(f"  ... {len(self.params) - max_params} smaller parameters not shown")
         lines += ["", "candidates (every mesh considered, by score):",
-                  "  (basis: XLA = the model fed XLA's compiled figures; model = analytic; "
-                  "dp = plain data parallelism, the baseline)",
+                  "  (basis: measured = run on the devices; XLA = the model fed XLA's "
+                  "compiled figures; model = analytic; dp = plain data parallelism, the "
+                  "baseline)",
                   f"  {'mesh':<12} {'step ms':>10} {'samples/s':>11} {'J/step':>9} "
-                  f"{'W':>7} {'mem/dev':>9} {'basis':>5}  verdict"]
+                  f"{'W':>7} {'mem/dev':>9} {'basis':>8}  verdict"]
+        basis = {MEASURED: "measured", COMPILED: "XLA"}
+        batch = self.batch_size or 1
         for c in sorted(self.candidates, key=lambda c: (not c.chosen, c.score)):
-            cp = c.verified or c.predicted
-            lines.append(f"  {c.label:<12} {cp.step_time_s * 1e3:10.3f} {cp.samples_per_s:11,.0f} "
-                         f"{cp.energy_per_step_j:9.3f} {cp.avg_power_w:7.0f} "
-                         f"{_si(cp.peak_memory_bytes, 'B'):>9} "
-                         f"{'XLA' if c.verified else 'model':>5}  "
+            j = c.judged
+            lines.append(f"  {c.label:<12} {j.step_time_s * 1e3:10.3f} "
+                         f"{batch / j.step_time_s:11,.0f} {j.energy_per_step_j:9.3f} "
+                         f"{j.avg_power_w:7.0f} {si(j.peak_memory_bytes, 'B'):>9} "
+                         f"{basis.get(j.basis, 'model'):>8}  "
                          f"{'CHOSEN' if c.chosen else c.reason}")
         t = self.planning_time_s
         lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
@@ -377,14 +385,14 @@ def _err(predicted: float, actual: float) -> str:
     """The model's figure and its error relative to XLA's."""
     if actual == 0:
         return f"{predicted:.3g}"
-    return f"{_si(predicted, '')}, {100 * (predicted - actual) / actual:+.0f}%"
+    return f"{si(predicted, '')}, {100 * (predicted - actual) / actual:+.0f}%"
 
 
 def _opt(cls: Any, d: dict[str, Any] | None) -> Any:
     return cls.from_dict(d) if d is not None else None
 
 
-def _si(x: float, unit: str) -> str:
+def si(x: float, unit: str) -> str:
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale:
             return f"{x / scale:.3g} {prefix}{unit}"

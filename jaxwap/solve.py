@@ -19,27 +19,18 @@ planner's step variants: rematerialization and micro-batches.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import (
-    DATA,
-    MODEL,
-    MeshCosts,
-    Prediction,
-    Strategy,
-    mesh_costs,
-    peak_memory,
-    predict,
-    tp_final_cost,
-    tp_pair_cost,
-)
+from .comm import tp_final_cost, tp_pair_cost
+from .cost import MeshCosts, mesh_costs, peak_memory, predict
 from .graph import NUM_CLASSES, Graph
 from .hardware import Cluster
 from .objective import Objective
+from .records import Prediction, Strategy
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
 
@@ -257,6 +248,8 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     if not shapes:
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
     results = [solve_mesh(graph, cluster, d, m, budget, offload) for d, m in shapes]
+    rank = functools.partial(objective.rank, max_watts=cluster.device.max_watts,
+                             num_devices_available=cluster.num_devices)
     # Plain data parallelism (every parameter replicated) is what a user would write by
     # hand; its best mesh is kept as a candidate of its own so verification can always
     # weigh the plan against it on XLA's figures.
@@ -264,42 +257,30 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     dp = [r for r in dp if r.fits]
     baseline = -1
     if dp:
-        dp_scores = objective.scores([r.predicted for r in dp],
-                                     max_watts=cluster.device.max_watts,
-                                     num_devices_available=cluster.num_devices)
-        b = min(range(len(dp)), key=lambda i: (dp_scores[i], dp[i].predicted.step_time_s))
+        b = dp[rank([r.predicted for r in dp]).best]
         same = next((i for i, r in enumerate(results)
-                     if (r.d, r.m) == (dp[b].d, 1) and r.strategies == dp[b].strategies), None)
+                     if (r.d, r.m) == (b.d, 1) and r.strategies == b.strategies), None)
         if same is None:
-            results.append(dp[b])
+            results.append(b)
             baseline = len(results) - 1
         else:
             baseline = same
-    results = tuple(results)
-    fitting = [r for r in results if r.fits]
-    scores: list[float] = [math.inf] * len(results)
-    if not fitting:
+    if not any(r.fits for r in results):
         best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)
-    else:
-        # the objective ranks fitting candidates only; within max_slowdown the "fastest"
-        # is the fastest that fits
-        fit_idx = [i for i, r in enumerate(results) if r.fits and uses_model_axis(r)]
-        if not fit_idx:
-            shown = ", ".join(f"{r.d}x{r.m}" for r in results)
-            raise ValueError(
-                f"every usable mesh ({shown}) needs a model axis (batch "
-                f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "
-                f"over data), but no parameter gains from being split over it: the devices "
-                f"would only duplicate work. Use fewer devices (num_devices=) or a batch "
-                f"size divisible by the device count.")
-        fit_scores = objective.scores([results[i].predicted for i in fit_idx],
-                                      max_watts=cluster.device.max_watts,
-                                      num_devices_available=cluster.num_devices)
-        for i, s in zip(fit_idx, fit_scores, strict=True):
-            scores[i] = s
-        best = min(fit_idx, key=lambda i: (scores[i], results[i].predicted.step_time_s,
-                                           results[i].d * results[i].m))
-    return SearchResult(results, tuple(scores), best, tuple(skipped), baseline)
+        return SearchResult(tuple(results), (float("inf"),) * len(results), best,
+                            tuple(skipped), baseline)
+    # the objective ranks fitting candidates only; within max_slowdown the "fastest"
+    # is the fastest that fits
+    ranking = rank([r.predicted if r.fits and uses_model_axis(r) else None for r in results])
+    if ranking.best < 0:
+        shown = ", ".join(f"{r.d}x{r.m}" for r in results)
+        raise ValueError(
+            f"every usable mesh ({shown}) needs a model axis (batch "
+            f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "
+            f"over data), but no parameter gains from being split over it: the devices "
+            f"would only duplicate work. Use fewer devices (num_devices=) or a batch "
+            f"size divisible by the device count.")
+    return SearchResult(tuple(results), ranking.scores, ranking.best, tuple(skipped), baseline)
 
 
 def data_parallel(graph: Graph, cluster: Cluster, d: int, budget: float) -> MeshResult:
@@ -324,4 +305,5 @@ def _no_mesh_message(graph: Graph, n: int, exact: int | None, skipped: Sequence[
             f"number of devices.")
 
 
-__all__ = ["DATA", "MODEL", "MeshResult", "SearchResult", "search", "param_strategies"]
+__all__ = ["MeshResult", "SearchResult", "data_parallel", "param_strategies", "search",
+           "uses_model_axis"]

@@ -25,14 +25,13 @@ The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots")
+from .records import StepVariant
 
 
 def _policy(name: str) -> Any:
@@ -42,47 +41,13 @@ def _policy(name: str) -> Any:
             "offload_dots": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}[name]
 
 
-@dataclass(frozen=True)
-class StepVariant:
-    """How a `make_train_step` step is restructured: micro-batches and a remat policy."""
-
-    micro_batches: int = 1
-    remat: str = "none"
-
-    def __post_init__(self) -> None:
-        if (isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int)
-                or self.micro_batches < 1):
-            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-
-    @property
-    def is_plain(self) -> bool:
-        return self.micro_batches == 1 and self.remat == "none"
-
-    def describe(self) -> str:
-        parts = []
-        if self.micro_batches > 1:
-            parts.append(f"{self.micro_batches} micro-batches")
-        if self.remat != "none":
-            parts.append(f"remat {self.remat}")
-        return ", ".join(parts) or "as written"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"micro_batches": self.micro_batches, "remat": self.remat}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> StepVariant:
-        return cls(**d) if d else cls()
-
-
 class TrainStep:
     """`step(params, opt_state, batch) -> (params, opt_state, loss)` built from a loss
     function and an optax optimizer; see the module docstring. `variant` says how it is
     restructured; `with_variant` gives the same step restructured another way."""
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, *, has_aux: bool = False,
-                 variant: StepVariant = StepVariant()) -> None:
+                 variant: StepVariant | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -91,7 +56,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.has_aux = bool(has_aux)
-        self.variant = variant
+        self.variant = variant or StepVariant()
         self.__name__ = getattr(loss_fn, "__name__", "loss_fn") + "_train_step"
 
     def with_variant(self, variant: StepVariant) -> TrainStep:
@@ -186,4 +151,4 @@ def ladder(batch_size: int | None, platform: str,
     return out
 
 
-__all__ = ["REMAT_POLICIES", "StepVariant", "TrainStep", "ladder", "make_train_step"]
+__all__ = ["TrainStep", "ladder", "make_train_step"]

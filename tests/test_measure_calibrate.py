@@ -13,7 +13,7 @@ from models import MLP, copy_tree, setup
 import jaxwap
 import jaxwap.measure
 from jaxwap.calibrate import calibrate_full, calibration_path
-from jaxwap.hardware import detect_cluster
+from jaxwap.planner import resolve_cluster
 
 
 def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.import_module("jaxwap.calibrate"), "_matmul_curve", boom)
     assert jaxwap.calibrate(progress=False) == s
     # hardware=None plans with the calibrated profile (scaled to the host's devices)
-    cluster, note = detect_cluster(jax.devices())
+    cluster, note = resolve_cluster(None, jax.devices())
     assert cluster.device.name.startswith("calibrated") and "calibrated" in note
     # a corrupt file is ignored, not trusted
     calibration_path(jax.devices()[0]).write_text("{not json")
@@ -73,3 +73,62 @@ def test_measured_choice_picks_the_measured_best(monkeypatch):
 def test_measure_argument_is_checked():
     with pytest.raises(ValueError, match="measure"):
         jaxwap.auto_shard(lambda p: p, measure=-1)
+
+
+def _fake_measure(calls):
+    """A stand-in for measure_step that runs the finalist once and calls the 2-device
+    candidates fastest (so the choice is known), counting its calls."""
+    def fake(run, devices, steps, modeled_power_w):
+        run()
+        calls.append(len(devices))
+        t = 0.001 if len(devices) == 2 else 0.01
+        return jaxwap.Measurement(t, 0.5 * t * len(devices), "modeled", steps, "faked")
+    return fake
+
+
+def test_measured_micro_batched_plan_runs_micro_batched(monkeypatch):
+    """A plan restructured into micro-batches and then chosen on measurements compiles the
+    micro-batched step it reports (the measured re-choice used to drop it)."""
+    import re
+
+    from test_memory import close, cnn_problem, run
+
+    step, params, opt, batch = cnn_problem(batch=32, size=16)
+    plain = jax.jit(step).lower(params, opt, batch).compile().memory_analysis()
+    need = plain.argument_size_in_bytes + plain.output_size_in_bytes + \
+        plain.temp_size_in_bytes - plain.alias_size_in_bytes
+    calls = []
+    monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
+    sharded = jaxwap.auto_shard(step, params, num_devices=2, memory_budget=0.5 * need,
+                                hardware=jaxwap.Cluster("h100-sxm", 8), measure=1, cache=False)
+    p, o, loss = sharded(copy_tree(params), copy_tree(opt), batch)
+    plan = sharded.plan
+    assert len(calls) >= 2 and plan.measured is not None  # chosen on measurements
+    k = plan.step.micro_batches
+    assert k > 1
+    hlo = sharded.lower_and_compile(params, opt, batch).as_text()
+    trips = [int(n) for n in re.findall(r"known_trip_count\W+n\W+(\d+)", hlo)]
+    assert k in trips  # the step that runs is the micro-batched one
+    close(run(step, params, opt, batch, n=1), (p, o, loss), rtol=1e-4, atol=1e-5)
+
+
+def test_measured_choice_is_what_the_cache_keeps(monkeypatch, tmp_path):
+    """measure= is part of the plan cache's key and the cache keeps the measured choice:
+    a second run reads it back instead of silently skipping the measurement."""
+    step, params, opt, batch = setup(MLP((128, 128, 10)), (32, 16))
+    calls = []
+    monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
+    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 8), cache=jaxwap.PlanCache(tmp_path))
+    first = jaxwap.auto_shard(step, params, measure=2, **kw)
+    first(copy_tree(params), copy_tree(opt), batch)
+    measured_calls = len(calls)
+    assert measured_calls >= 2 and first.plan.measured is not None
+    second = jaxwap.auto_shard(step, params, measure=2, **kw)
+    second(copy_tree(params), copy_tree(opt), batch)
+    assert len(calls) == measured_calls  # read back, not measured again
+    assert second.plan == first.plan and second.plan.measured == first.plan.measured
+    assert second.plan.num_devices == 2
+    # without measure= the key differs: the analytic/verified plan, not the measured one
+    unmeasured = jaxwap.plan(step, params, opt, batch, **kw)
+    assert unmeasured.measured is None
+    assert len(list(tmp_path.glob("*.json"))) == 2

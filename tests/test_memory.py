@@ -12,10 +12,10 @@ from models import CNN, MLP, copy_tree
 
 import jaxwap
 from jaxwap.compile import HOST, compile_layout
-from jaxwap.cost import Strategy
 from jaxwap.graph import NUM_CLASSES, RESIDENT, analyze
-from jaxwap.planner import layout_of, trace_layout
-from jaxwap.train_step import StepVariant, ladder
+from jaxwap.records import StepVariant, Strategy
+from jaxwap.trace import layout_of, trace_layout
+from jaxwap.train_step import ladder
 
 RTOL, ATOL = 2e-5, 2e-6
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
@@ -263,8 +263,8 @@ def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     # under Auto sharding XLA all-reduces the gradient inside the scan, once per
     # micro-batch: the model charges it k times, the HLO parser counts the loop's trips
     from jaxwap.cost import mesh_costs
+    from jaxwap.hlo import compiled_figures
     from jaxwap.solve import param_strategies
-    from jaxwap.verify import compiled_figures
 
     step, *args = mlp_problem((256, 256, 10), 64, 64)
     layout, closed = layout_of(step, tuple(args), {}, None)

@@ -1,0 +1,116 @@
+"""What communication costs: ring collectives, and the collectives a layout implies.
+
+Every collective is priced by the same ring formulas, whether the model foresaw it (a
+gradient all-reduce, the gathers around a tensor-parallel layer) or XLA put it in the
+compiled program (`collective_cost` of a parsed `Collective`):
+`2(n-1)/n * bytes / bw + 2(n-1) * latency` for an all-reduce and half that for an
+all-gather or reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .graph import Graph, Layer
+from .hardware import Cluster
+from .records import Collective
+
+
+def all_reduce(nbytes: float, n: int, cluster: Cluster,
+               latency: bool = True) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a ring all-reduce over n devices.
+
+    `latency=False` leaves out the per-step latency, for collectives XLA's combiner
+    merges into one (gradient reductions): their latency is charged once per step.
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    sent = 2 * (n - 1) / n * nbytes
+    return sent / cluster.link_bandwidth + latency * 2 * (n - 1) * cluster.link_latency, sent
+
+
+def all_gather(nbytes: float, n: int, cluster: Cluster,
+               latency: bool = True) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a ring all-gather (or reduce-scatter) whose
+    full result is `nbytes`."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0, 0.0
+    sent = (n - 1) / n * nbytes
+    return sent / cluster.link_bandwidth + latency * (n - 1) * cluster.link_latency, sent
+
+
+def collective_cost(c: Collective, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a collective XLA inserted, by the ring formulas
+    the model uses for its own."""
+    n = c.group_size
+    if c.kind == "all-reduce":
+        return all_reduce(c.bytes, n, cluster)
+    if c.kind in ("all-gather", "all-to-all"):
+        return all_gather(c.bytes, n, cluster)
+    if c.kind == "reduce-scatter":
+        return all_gather(c.bytes * n, n, cluster)
+    if n <= 1:  # collective-permute
+        return 0.0, 0.0
+    return c.bytes / cluster.link_bandwidth + cluster.link_latency, float(c.bytes)
+
+
+def fsdp_comm(param_bytes: float, d: int, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight: gather it for the
+    forward pass and again for the backward pass, reduce-scatter its gradient; 1.5x the
+    bytes of the all-reduce plain data parallelism pays. (XLA may instead move activations
+    when they are the smaller, but whether it does depends on the neighbouring layouts:
+    the fidelity benchmark showed both, so the model takes the textbook cost and leaves
+    the difference to verification.)"""
+    t, sent = all_gather(param_bytes, d, cluster, False)
+    return 3 * t, 3 * sent
+
+
+def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,
+                 cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes) of model-axis communication a layer adds, given the previous
+    layer's kind: Megatron's column-then-row pairing costs one all-reduce forward and
+    one backward; an unpaired layer pays gathers to restore a replicated activation."""
+    if m <= 1:
+        return 0.0, 0.0
+    a_in, a_out = layer.act_in_bytes / d, layer.act_out_bytes / d
+    parts: list[tuple[float, float]] = []
+    if kind == "col":
+        if prev == "col":
+            parts.append(all_gather(a_in, m, cluster))
+        if layer.needs_input_grad:
+            parts.append(all_reduce(a_in, m, cluster))
+    elif kind == "row":
+        parts.append(all_reduce(a_out, m, cluster))
+        if prev != "col" and layer.needs_input_grad:
+            parts.append(all_gather(a_in, m, cluster))
+    elif prev == "col":
+        parts.append(all_gather(a_in, m, cluster))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    """A column-sharded last layer leaves its output sharded: gather it for the loss."""
+    if m <= 1 or kind != "col":
+        return 0.0, 0.0
+    return all_gather(layer.act_out_bytes / d, m, cluster)
+
+
+def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
+                  cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes) of the model-axis communication of a whole chain of layers whose
+    parameters are tensor-parallel of the given kinds (absent: not split)."""
+    t = b = 0.0
+    prev = "none"
+    for layer in graph.layers:
+        kind = kinds.get(layer.param, "none")
+        dt, db = tp_pair_cost(layer, prev, kind, d, m, cluster)
+        t, b, prev = t + dt, b + db, kind
+    if graph.layers:
+        dt, db = tp_final_cost(graph.layers[-1], prev, d, m, cluster)
+        t, b = t + dt, b + db
+    return t, b
+
+
+__all__ = ["all_gather", "all_reduce", "collective_cost", "fsdp_comm", "tp_chain_cost",
+           "tp_final_cost", "tp_pair_cost"]

@@ -1,0 +1,160 @@
+"""The options of a planning, in one record.
+
+`auto_shard`, `AutoShardedStep`, `jaxwap.plan` and the planner all take exactly these, so
+an option is declared, checked and documented once. Values are checked and canonicalised
+when the record is made (a bad value raises there, naming the option), and the record is
+part of the plan cache's key, so every option that can change a plan changes the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .cache import PlanCache
+from .hardware import Cluster, DeviceSpec
+from .objective import Objective
+
+# Steps measured per finalist by `measure=True`.
+DEFAULT_MEASURE_STEPS = 5
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan (and run) a training step.
+
+    Attributes:
+      objective: "throughput", "energy", "balanced" or `jaxwap.Objective(max_slowdown=x)`.
+      hardware: a `jaxwap.Cluster`, a `DeviceSpec` or a profile name to plan for; None:
+        the devices found (their calibration when `jaxwap calibrate` cached one).
+      devices: the devices the job may use (default `jax.devices()`); plans may use fewer.
+      memory_budget: bytes per device; None: the device memory less 10% headroom.
+      num_devices: use exactly this many devices instead of choosing.
+      verify: compile the analytic search's best candidates until this many fit by XLA's
+        own memory analysis, and choose among them on XLA's figures (0: trust the model).
+      donate: donate the state arguments (params and their mirrors) to the step, as
+        `jax.jit(donate_argnums=...)` would: use the returned state, not the one passed in.
+      compiler_options: XLA options for the compile (None: latency hiding on GPU).
+      cache: read back a plan made before for the same step and settings (True: the
+        directory in $JAXWAP_CACHE_DIR or ~/.cache/jaxwap; a `jaxwap.PlanCache`; False).
+      batch_size: the global batch size, when the most common leading dimension of the
+        arguments that are not state is not it.
+      measure: run the verified finalists on the devices before the first step (True: 5
+        steps each after a warm-up, or this many) and choose on measured time and energy
+        (NVML energy where available, modeled and labelled so otherwise). The measured
+        choice is what the plan cache keeps.
+      offload: allow plans that keep optimizer state in pinned host memory when nothing
+        else fits (on a backend that ignores memory kinds, such as XLA:CPU, the saving is
+        modelled, not verified, and the plan's notes say so).
+    """
+
+    objective: Objective = field(default_factory=Objective)
+    hardware: Cluster | DeviceSpec | str | None = None
+    devices: tuple[Any, ...] | None = None
+    memory_budget: float | None = None
+    num_devices: int | None = None
+    verify: int = 3
+    donate: bool = True
+    compiler_options: Mapping[str, Any] | None = None
+    cache: bool | PlanCache = field(default=True, compare=False)
+    batch_size: int | None = None
+    measure: int = 0
+    offload: bool = True
+
+    def __post_init__(self) -> None:
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        put("objective", Objective.parse(self.objective))
+        if self.hardware is not None and not isinstance(self.hardware,
+                                                        (Cluster, DeviceSpec, str)):
+            raise TypeError(f"hardware must be None, a jaxwap.Cluster, a DeviceSpec or a "
+                            f"profile name, got {type(self.hardware).__name__}")
+        if self.devices is not None:
+            put("devices", tuple(self.devices))
+            if not self.devices:
+                raise ValueError("devices= is empty: jaxwap needs at least one device to "
+                                 "plan for")
+        if self.memory_budget is not None:
+            if not _is_number(self.memory_budget) or not self.memory_budget > 0:
+                raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget!r}")
+            put("memory_budget", float(self.memory_budget))
+        # its range (1..the devices usable) is checked where the devices are known
+        _check_int("num_devices", self.num_devices, None, none_ok=True, exc=TypeError)
+        _check_int("verify", self.verify, 0, what="how many candidates to compile")
+        _check_int("batch_size", self.batch_size, 1, none_ok=True)
+        put("verify", int(self.verify))
+        if self.num_devices is not None:
+            put("num_devices", int(self.num_devices))
+        if self.batch_size is not None:
+            put("batch_size", int(self.batch_size))
+        put("measure", _measure_steps(self.measure))
+        if self.compiler_options is not None:
+            if not isinstance(self.compiler_options, Mapping):
+                raise TypeError(f"compiler_options must be a dict of XLA options, got "
+                                f"{type(self.compiler_options).__name__}")
+            put("compiler_options", dict(self.compiler_options))
+        if not isinstance(self.cache, (bool, PlanCache)):
+            raise TypeError(f"cache must be True, False or a jaxwap.PlanCache, got "
+                            f"{type(self.cache).__name__}")
+        put("donate", bool(self.donate))
+        put("offload", bool(self.offload))
+
+    @classmethod
+    def of(cls, options: PlanOptions | None = None, **kwargs: Any) -> PlanOptions:
+        """`options` with `kwargs` replacing its fields (a record of defaults when None);
+        an unknown name is an error that lists the known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(map(repr, unknown))}; jaxwap's "
+                            f"options are {', '.join(sorted(known))}")
+        if options is not None and not isinstance(options, PlanOptions):
+            raise TypeError(f"options must be a jaxwap.PlanOptions, got "
+                            f"{type(options).__name__}")
+        return dataclasses.replace(options, **kwargs) if options else cls(**kwargs)
+
+    @property
+    def store(self) -> PlanCache | None:
+        """The plan cache to read and write, or None."""
+        if isinstance(self.cache, PlanCache):
+            return self.cache
+        return PlanCache() if self.cache else None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _check_int(name: str, value: Any, low: int | None, *, none_ok: bool = False,
+               what: str = "", exc: type[Exception] = ValueError) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise exc(f"{name} must be an int{' or None' if none_ok else ''}"
+                  f"{f' ({what})' if what else ''}, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}{f' ({what})' if what else ''}, "
+                         f"got {value!r}")
+
+
+def _measure_steps(measure: Any) -> int:
+    if isinstance(measure, bool):
+        return DEFAULT_MEASURE_STEPS if measure else 0
+    if isinstance(measure, (int, np.integer)) and measure >= 0:
+        return int(measure)
+    raise ValueError(f"measure must be a bool or a number of steps >= 0, got {measure!r}")
+
+
+def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(options, the rest): `jaxwap.plan(step, *args, **kwargs)` passes the step's own
+    keyword arguments beside jaxwap's options; a name that is an option is an option."""
+    names = {f.name for f in dataclasses.fields(PlanOptions)}
+    return ({k: v for k, v in kwargs.items() if k in names},
+            {k: v for k, v in kwargs.items() if k not in names})
+
+
+__all__ = ["DEFAULT_MEASURE_STEPS", "PlanOptions", "split_options"]
+

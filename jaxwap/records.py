@@ -1,0 +1,236 @@
+"""The plain records every stage passes along, at the bottom of the layers.
+
+A strategy (how one parameter is laid out), a prediction (the model's figures for a
+step), XLA's compiled figures, a measurement, a step variant, the mesh axis names, and
+the one rule that says which of those figures judge a candidate. They hold data and the
+arithmetic on their own fields, nothing else: every stage above imports them, none of
+them imports a stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Mesh axis names: the batch is split over DATA, tensor-parallel weights over MODEL.
+DATA, MODEL = "data", "model"
+
+PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
+
+# Rematerialization policies a `make_train_step` step may be restructured with.
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How one parameter is laid out on the mesh.
+
+    `spec` is a PartitionSpec as a tuple of per-dim entries (None or an axis name).
+    `tp` is "col" (an output-feature dim over the model axis), "row" (a contracted dim
+    over the model axis) or "none"; `data_sharded` marks ZeRO-3 / FSDP sharding over
+    the data axis (weight, gradient and optimizer state). Memory-only variants:
+    `state_spec` (when not None) lays out the parameter's optimizer state differently from
+    the parameter: ZeRO-1, the state sharded over the data axis while the weight is not;
+    `offload` keeps that state in pinned host memory between steps, moved in and out
+    inside the compiled step.
+    """
+
+    name: str
+    spec: tuple[str | None, ...]
+    tp: str = "none"
+    data_sharded: bool = False
+    state_spec: tuple[str | None, ...] | None = None
+    offload: bool = False
+
+    def shard(self, d: int, m: int) -> int:
+        """How many ways the weight (and its gradient) is split."""
+        return (d if self.data_sharded else 1) * (m if self.tp != "none" else 1)
+
+    def state_shard(self, d: int, m: int) -> int:
+        """How many ways the optimizer state is split."""
+        zero1 = self.state_spec is not None and DATA in self.state_spec
+        return self.shard(d, m) * (d if zero1 and not self.data_sharded else 1)
+
+    def divisors(self, d: int, m: int) -> tuple[float, float, float, float]:
+        """Per-device share divisors of the WEIGHT, GRAD, OPT and RESIDENT classes
+        (infinite: not in device memory between uses)."""
+        w, s = float(self.shard(d, m)), float(self.state_shard(d, m))
+        return w, w, s, (float("inf") if self.offload else s)
+
+    @property
+    def layout_of_state(self) -> tuple[str | None, ...]:
+        return self.spec if self.state_spec is None else self.state_spec
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's figures for one step of one candidate (per device unless stated).
+
+    step time = compute + tensor-parallel (blocking) communication + the exposed part of
+    the gradient reduction + the exposed part of host transfers; `cost.assemble` is the
+    one place that adds them up.
+    """
+
+    step_time_s: float
+    samples_per_s: float
+    energy_per_step_j: float
+    energy_per_sample_j: float
+    avg_power_w: float            # all devices of the mesh together
+    peak_memory_bytes: float      # per device
+    comm_bytes: float             # bytes each device sends per step
+    compute_time_s: float
+    tp_comm_time_s: float
+    grad_comm_time_s: float
+    exposed_comm_time_s: float    # the gradient reduction the backward pass does not hide
+    flops_per_device: float
+    utilization: float
+    num_devices: int
+    busy_time_s: float = 0.0      # the roofline part of compute (no launch overhead)
+    batched_time_s: float = 0.0   # compute of batched ops: the backward pass hides in it
+    host_transfer_time_s: float = 0.0   # offloaded state moved in and out, seconds
+    # flops XLA's cost analysis counts (a loop body once) over the true flops: what to
+    # compare with compiled figures when the step has a scan (micro-batches)
+    loop_flops_ratio: float = 1.0
+    # the gradient reduction that can never overlap: the first layer's, produced last
+    tail_comm_time_s: float = 0.0
+    exposed_host_time_s: float = 0.0    # host transfers the step cannot hide
+
+    @property
+    def flops_as_xla_counts(self) -> float:
+        return self.flops_per_device * self.loop_flops_ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Prediction:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective in a compiled program: its kind, the bytes of its result on one
+    device, the mesh axes its replica groups span, and the size of each group."""
+
+    kind: str
+    bytes: int
+    axes: tuple[str, ...]
+    group_size: int
+
+
+@dataclass(frozen=True)
+class CompiledFigures:
+    """XLA's own per-device figures for one compiled candidate."""
+
+    memory_bytes: float        # argument + output + temp - alias
+    argument_bytes: float
+    output_bytes: float
+    temp_bytes: float
+    alias_bytes: float
+    flops: float
+    bytes_accessed: float
+    comm_bytes: float          # sent per device by `collectives`, ring formulas
+    collectives: tuple[Collective, ...]
+    compile_time_s: float = field(default=0.0, compare=False)  # a timing, not a figure
+    host_bytes: float = 0.0    # host-memory argument + output + temp XLA reports
+    # state the plan keeps in host memory that this backend's analysis counts on the
+    # device (XLA:CPU ignores memory kinds): taken out of memory_bytes, and unverified
+    host_unverified_bytes: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["collectives"] = [asdict(c) for c in self.collectives]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompiledFigures:
+        d = dict(d)
+        d["collectives"] = tuple(Collective(c["kind"], c["bytes"], tuple(c["axes"]),
+                                            c["group_size"]) for c in d["collectives"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one candidate did on the devices: per step, over `steps` steps."""
+
+    step_time_s: float
+    energy_per_step_j: float
+    energy_source: str     # "nvml-energy-counter" | "nvml-power-polling" | "modeled"
+    steps: int
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Measurement:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    """How a `make_train_step` step is restructured: micro-batches and a remat policy."""
+
+    micro_batches: int = 1
+    remat: str = "none"
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int)
+                or self.micro_batches < 1):
+            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.micro_batches == 1 and self.remat == "none"
+
+    def describe(self) -> str:
+        parts = []
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
+        if self.remat != "none":
+            parts.append(f"remat {self.remat}")
+        return ", ".join(parts) or "as written"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batches": self.micro_batches, "remat": self.remat}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> StepVariant:
+        return cls(**d) if d else cls()
+
+
+@dataclass(frozen=True)
+class Judged:
+    """The figures a candidate is judged on, and what they are (`basis`): measured on
+    the devices, the model fed XLA's compiled figures, or the model alone. Memory is
+    never measured: a measured candidate keeps its compiled (or predicted) memory."""
+
+    basis: str
+    step_time_s: float
+    energy_per_step_j: float
+    peak_memory_bytes: float
+    num_devices: int
+
+    @property
+    def avg_power_w(self) -> float:
+        return self.energy_per_step_j / self.step_time_s if self.step_time_s > 0 else 0.0
+
+
+def judge(predicted: Prediction, verified: Prediction | None = None,
+          measured: Measurement | None = None) -> Judged:
+    """Which figures judge a candidate: measured, else compiled, else predicted. The one
+    rule the search, verification, measured choice, the Plan and the frontier share."""
+    ref = verified or predicted
+    if measured is not None:
+        return Judged(MEASURED, measured.step_time_s, measured.energy_per_step_j,
+                      ref.peak_memory_bytes, ref.num_devices)
+    return Judged(COMPILED if verified is not None else PREDICTED, ref.step_time_s,
+                  ref.energy_per_step_j, ref.peak_memory_bytes, ref.num_devices)
+
+
+__all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES",
+           "Collective", "CompiledFigures", "Judged", "Measurement", "Prediction",
+           "StepVariant", "Strategy", "judge"]

@@ -1,0 +1,185 @@
+"""Tracing: the step's arguments flattened and classified, and its jaxpr.
+
+`layout_of` flattens (args, kwargs) into leaves with readable paths, gives each a role
+(parameter or a mirror of one, batch, other; see `state.py`), traces the step on abstract
+values with `jax.make_jaxpr`, and gives every output leaf the role of the input it
+mirrors. With several processes a process-local batch leaf stands for its rows of the
+global batch. Nothing here touches a device or a real array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from .state import (
+    BATCH,
+    PARAM,
+    LeafTable,
+    ParamInfo,
+    check_params_found,
+    classify_leaves,
+    param_infos,
+    path_tokens,
+)
+
+
+@dataclass(frozen=True)
+class ArgLayout:
+    """The step's arguments flattened: per-leaf paths, avals and roles, and how to rebuild."""
+
+    args_treedef: Any
+    kw_names: tuple[str, ...]
+    inputs: LeafTable
+    outputs: LeafTable
+    out_treedef: Any
+    params: tuple[ParamInfo, ...]
+    params_treedef: Any
+
+
+def find_params(args: Sequence[Any], params: Any) -> Any:
+    """The params tree: given, or the first argument (its `.params` for a TrainState)."""
+    if params is not None:
+        return params
+    if not args:
+        raise ValueError("the step was called with no positional arguments, so there is no "
+                         "first argument to take as the parameters: pass params=")
+    first = args[0]
+    inner = getattr(first, "params", None)
+    if inner is not None and not isinstance(first, dict) and jax.tree_util.tree_leaves(inner):
+        return inner
+    return first
+
+
+def flat_leaves(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list, Any, tuple[str, ...]]:
+    """(path, leaf) pairs of (args, kwargs) with readable roots, and how to rebuild them."""
+    names = tuple(sorted(kwargs))
+    tree = (tuple(args), tuple(kwargs[k] for k in names))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return flat, treedef, names
+
+
+def _root_path(path: Sequence[Any], names: tuple[str, ...]) -> tuple[str, Sequence[Any]]:
+    which, idx = path[0].idx, path[1].idx
+    root = f"args[{idx}]" if which == 0 else f"kwargs[{names[idx]!r}]"
+    return root, path[2:]
+
+
+def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
+                 ) -> tuple[list[tuple[str, Sequence[Any], Any]], Any, tuple[str, ...]]:
+    """(root, key path, leaf) for every leaf of (args, kwargs), roots like `args[2]`."""
+    flat, treedef, names = flat_leaves(args, kwargs)
+    return [(*_root_path(path, names), leaf) for path, leaf in flat], treedef, names
+
+
+def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
+              params: Any, batch_size: int | None = None) -> tuple[ArgLayout, Any]:
+    """Classify every argument leaf, trace the step, classify every output leaf.
+
+    The step is traced before the inputs are settled: a leaf it hands back at the same
+    path and shape (batch-norm statistics, a step counter) is carried state, not data,
+    whatever its leading dimension. Outputs take the role of the input they mirror, so
+    state comes back on the sharding it went in with.
+    """
+    ptree = find_params(args, params)
+    infos, ptreedef = param_infos(ptree)
+    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
+                if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))}
+    entries, treedef, names = leaf_entries(args, kwargs)
+    leaves = [leaf for _, _, leaf in entries]
+    infer = batch_size is None
+    first = classify_leaves(entries, infos, identity=identity, batch_size=batch_size,
+                            infer_batch=infer)
+
+    def trace(avals: Sequence[Any]) -> tuple[Any, Any]:
+        # Trace the user's function itself (not a wrapper made here), so jax's own tracing
+        # cache, keyed on the function, makes a second planning of the same step cheap.
+        a, k = jax.tree_util.tree_unflatten(treedef, avals)
+        return jax.make_jaxpr(fn, return_shape=True)(*a, **dict(zip(names, k, strict=True)))
+
+    closed, out_shape = trace(first.avals)
+    out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
+    returned = [(path_tokens(p), tuple(int(d) for d in x.shape)) for p, x in out_flat]
+
+    def carried(tokens: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+        n = len(tokens)
+        return n > 0 and any(len(t) >= n and t[len(t) - n:] == tokens and s == shape
+                             for t, s in returned)
+
+    inputs = globalize(classify_leaves(entries, infos, identity=identity,
+                                       batch_size=batch_size, infer_batch=infer,
+                                       carried=carried), leaves)
+    check_params_found(inputs, infos)
+    if batch_size is not None and not any(r.kind == BATCH for r in inputs.roles):
+        raise ValueError(f"batch_size={batch_size}: no argument leaf has it as its leading "
+                         f"dimension")
+    if inputs.avals != first.avals:  # several processes: trace the global shapes
+        closed, out_shape = trace(inputs.avals)
+    outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
+                              batch_size=inputs.batch_size, infer_batch=False)
+    outputs = _mirror_inputs(outputs, returned, entries, inputs)
+    return ArgLayout(treedef, names, inputs, outputs, out_treedef, infos, ptreedef), closed
+
+
+def _mirror_inputs(outputs: LeafTable, returned: Sequence[tuple[tuple[str, ...], Any]],
+                   entries: Sequence[tuple[str, Sequence[Any], Any]],
+                   inputs: LeafTable) -> LeafTable:
+    """An output at the path and shape of an input takes that input's role: state comes
+    back as it went in, and a parameter's output is the parameter or one of its mirrors
+    as the input at the longest matching path was (whatever order the step returns them)."""
+    keyed = [(path_tokens(p), tuple(int(d) for d in a.shape), r)
+             for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles, strict=True)
+             if len(p) > 0]
+    roles = list(outputs.roles)
+    for i, (tokens, shape) in enumerate(returned):
+        is_param = roles[i].kind == PARAM
+        best = max(((len(t), r) for t, s, r in keyed
+                    if s == shape and (r.kind == PARAM) == is_param
+                    and (not is_param or r.param == roles[i].param)
+                    and len(t) <= len(tokens) and tokens[len(tokens) - len(t):] == t),
+                   default=None, key=lambda x: x[0])
+        if best is not None:
+            roles[i] = best[1]
+    return LeafTable(outputs.paths, outputs.avals, tuple(roles), outputs.batch_size)
+
+
+def is_process_local(leaf: Any) -> bool:
+    """Host data (numpy, Python scalars, arrays on this process's devices only), as opposed
+    to a global jax.Array or an abstract ShapeDtypeStruct, which already say global shapes."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return False
+    if isinstance(leaf, jax.Array):
+        return leaf.is_fully_addressable
+    return True
+
+
+def globalize(table: LeafTable, leaves: Sequence[Any]) -> LeafTable:
+    """With several processes, each passes its own slice of the batch: a process-local
+    batch leaf stands for `process_count` times its rows. Everything else (params, state)
+    is the same on every process. A no-op with one process."""
+    nproc = jax.process_count()
+    if nproc == 1 or table.batch_size is None:
+        return table
+    avals = list(table.avals)
+    for i, (role, leaf) in enumerate(zip(table.roles, leaves, strict=True)):
+        if role.kind == BATCH and is_process_local(leaf):
+            a = avals[i]
+            avals[i] = jax.ShapeDtypeStruct((a.shape[0] * nproc, *a.shape[1:]), a.dtype)
+    batch = table.batch_size * nproc if any(
+        r.kind == BATCH and is_process_local(x) for r, x in zip(table.roles, leaves,
+                                                                 strict=True)) else table.batch_size
+    return LeafTable(table.paths, tuple(avals), table.roles, batch)
+
+
+def trace_layout(fn: Callable, layout: ArgLayout) -> Any:
+    """The jaxpr of `fn` at the layout's abstract arguments."""
+    a, k = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
+    return jax.make_jaxpr(fn)(*a, **dict(zip(layout.kw_names, k, strict=True)))
+
+
+__all__ = ["ArgLayout", "find_params", "flat_leaves", "globalize", "is_process_local",
+           "layout_of", "leaf_entries", "trace_layout"]

@@ -1,0 +1,113 @@
+"""graph.analyze: layers from the primitive table's rules, and the roofline adapter's checks.
+
+Inputs are built from `jax.make_jaxpr` and `jaxwap.state` alone, as the planner builds them.
+"""
+
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxwap.graph import Graph, analyze
+from jaxwap.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info, roofline_rules
+from jaxwap.state import classify_leaves, param_infos
+
+
+def _analyze(step, params, *args, batch_size):
+    """analyze() of `step(params, *args) -> new params` with roles as the planner gives."""
+    infos, _ = param_infos(params)
+    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(params))}
+    flat, _ = jax.tree_util.tree_flatten_with_path((params, *args))
+    inputs = classify_leaves([("args", p, leaf) for p, leaf in flat], infos,
+                             identity=identity, batch_size=batch_size)
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, *args)
+    out_flat, _ = jax.tree_util.tree_flatten_with_path(out_shape)
+    outputs = classify_leaves([("out", p, leaf) for p, leaf in out_flat], infos,
+                              batch_size=batch_size, infer_batch=False)
+    return analyze(closed, inputs.roles, outputs.roles, infos, batch_size)
+
+
+def _sgd(loss):
+    def step(params, *args):
+        grads = jax.grad(loss)(params, *args)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    return step
+
+
+def _layer(graph: Graph, param: int):
+    return next(L for L in graph.layers if L.param == param)
+
+
+def _f32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def test_ragged_dot_weight_is_a_layer():
+    g, k, n, B = 4, 8, 16, 32
+    params = {"w": _f32(g, k, n)}
+
+    def loss(p, x, group_sizes):
+        return jnp.sum(jax.lax.ragged_dot(x, p["w"], group_sizes) ** 2)
+
+    graph = _analyze(_sgd(loss), params, _f32(B, k), jax.ShapeDtypeStruct((g,), jnp.int32),
+                     batch_size=B)
+    layer = _layer(graph, 0)
+    assert (layer.in_dims, layer.out_dims) == ((1,), (2,))
+    assert graph.tp_param[layer.op_index] == 0
+
+
+def test_dense_and_conv_layer_dims():
+    params = {"conv": _f32(3, 3, 4, 8), "dense": _f32(8, 10), "head": _f32(5, 10)}
+
+    def loss(p, x):
+        h = jax.lax.conv_general_dilated(x, p["conv"], (1, 1), "SAME",
+                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        h = jnp.mean(jax.nn.relu(h), axis=(1, 2)) @ p["dense"]
+        return jnp.sum((h @ p["head"].T) ** 2)  # a transposed [out, in] weight
+
+    graph = _analyze(_sgd(loss), params, _f32(16, 6, 6, 4), batch_size=16)
+    dims = {j: (L.in_dims, L.out_dims) for j, L in enumerate(graph.layers)}
+    assert dims == {0: ((2,), (3,)), 1: ((0,), (1,)), 2: ((1,), (0,))}
+    assert [L.param for L in graph.layers] == [0, 1, 2]  # params in key order: conv, dense, head
+
+
+def test_primitive_table():
+    for name in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
+        assert prim_info(name).kind == MATMUL and prim_info(name).layer is not None
+    assert prim_info("reshape").kind == FREE
+    assert prim_info("convert_element_type").same_layout
+    assert prim_info("transpose").permutation is not None
+    assert prim_info("reduce_sum").kind == HEAVY
+    assert prim_info("pjit").inline
+    assert prim_info("no_such_primitive").kind == ELEMENTWISE
+    assert prim_info("add").layer is None
+
+
+@pytest.fixture
+def fresh_adapter():
+    roofline_rules.cache_clear()
+    yield
+    roofline_rules.cache_clear()
+
+
+@pytest.mark.parametrize("missing", ["_rooflines", "RooflineRuleContext", "RooflineShape"])
+def test_roofline_adapter_fails_loudly(monkeypatch, fresh_adapter, missing):
+    monkeypatch.delattr(sys.modules["jax.experimental.roofline.roofline"], missing)
+    with pytest.raises(RuntimeError, match=missing) as e:
+        _analyze(_sgd(lambda p, x: jnp.sum(x @ p["w"])), {"w": _f32(4, 2)}, _f32(8, 4),
+                 batch_size=8)
+    assert jax.__version__ in str(e.value) and "jaxwap needs updating" in str(e.value)
+
+
+def test_roofline_adapter_rejects_changed_context(monkeypatch, fresh_adapter):
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Context:  # a jax that renamed a field the adapter passes
+        name_stack: object
+        primitive: object
+
+    monkeypatch.setattr(sys.modules["jax.experimental.roofline.roofline"],
+                        "RooflineRuleContext", Context)
+    with pytest.raises(RuntimeError, match="avals_in"):
+        roofline_rules()
