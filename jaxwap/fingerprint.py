@@ -1,35 +1,33 @@
 """Deterministic fingerprints: the canonical encoding behind `plan_key`, and a structural
 hash of a jaxpr; equal for equal inputs in any process (any hash seed, any addresses).
 
-`jaxpr_fingerprint` walks the jaxpr instead of printing it: printing a GPT-2 step costs
-several traces of it, and a cached plan should cost little more than one trace. A low
-module: of jaxwap it imports only hardware and objective (for `_canonical_object`).
+`jaxpr_fingerprint` walks the jaxpr instead of printing it: printing a GPT-2 step takes
+ten times as long as tracing it again, and a cached plan should cost little more than the
+trace. A low module: of jaxwap it imports hardware and objective (`_canonical_object`).
 """
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import enum
 import functools
 import hashlib
 import re
-import sys
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax._src import core as jcore  # Jaxpr, Var, Literal, ShapedArray: no public home
-from jax._src import literals as jax_literals
+from jax._src import linear_util, literals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from .hardware import Cluster, DeviceSpec
 from .objective import Objective
 
-# ` at 0x7f...` is how Python's default repr shows an object's address, which differs
-# between runs; masked wherever a repr is used.
+# ` at 0x7f...`: an object's address in Python's default repr, which differs between runs
 _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -165,30 +163,19 @@ def _short_repr(x: Any) -> str:
 
 
 # --------------------------------------------------------------------------- jaxprs
-class _Tag:
-    """A type marker in a value nest (see `_Walker`): equal only to itself, printed
-    `@name`, unlike any builtin's repr."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return "@" + self.name
-
-
+# Types in a value nest (see `_Walker`): each equal only to itself, printed `@name`.
+_Tag = enum.Enum("_Tag", "jaxpr closed aval dtype enum array num float true false dict set "
+                 "ntuple fields fn prim canon mesh type repr effects")
+_Tag.__repr__ = lambda self: "@" + self.name  # type: ignore[method-assign]
 (_JAXPR, _CLOSED, _AVAL, _DTYPE, _ENUM, _ARRAY, _NUM, _FLOAT, _TRUE, _FALSE, _DICT, _SET,
- _TUPLE, _FIELDS, _FN, _PRIM, _CANON, _MESH, _TYPE, _REPR, _EFFECTS) = map(_Tag, (
-    "jaxpr closed aval dtype enum array num float true false dict set ntuple fields fn "
-    "prim canon mesh type repr effects").split())
+ _TUPLE, _FIELDS, _FN, _PRIM, _CANON, _MESH, _TYPE, _REPR, _EFFECTS) = _Tag
 
 _ATOMS = frozenset([type(None), int, str, bytes])  # values that are their own encoding
 _DEVICE_MEMORY = jcore.MemorySpace.Device
 _Literal, _DropVar = jcore.Literal, jcore.DropVar
-_TypedNdArray = getattr(jax_literals, "TypedNdArray", None)
-_SMALL_ARRAY = 4096  # bytes: an array param up to this size counts by value
+_TypedNdArray = getattr(literals, "TypedNdArray", None)
 _Handler = Callable[["_Walker", Any], Any]
+_DIGESTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # by jaxpr
 
 
 def jaxpr_fingerprint(closed_jaxpr: Any) -> str:
@@ -197,8 +184,9 @@ def jaxpr_fingerprint(closed_jaxpr: Any) -> str:
     Per equation: primitive, params (sorted), inputs (variables by number in order of
     binding, literals by value and type), outputs' types (shape, dtype, weak type, and
     where set the sharding spec, varying / unreduced axes, memory space); nested jaxprs
-    by their digest, once per call however often shared. Callables count by name, never
-    by address; closed-over arrays by type, not value (a plan depends on shapes only).
+    by their digest. Callables count by name, never by address; closed-over arrays by
+    type, not value (a plan depends on shapes only). Jaxprs are immutable, and jax hands
+    back the same object for a step traced again: digests are kept while it lives.
     """
     if isinstance(closed_jaxpr, jcore.ClosedJaxpr):
         closed_jaxpr = closed_jaxpr.jaxpr
@@ -213,66 +201,49 @@ class _Walker:
     uses, in order of first use) and a stream of ints, hashed once. Table entries are
     value nests: None, int, str, bytes, and tuples, `_Tag`-led for other types (bool and
     float too), whose reprs are canonical and whose == holds only between equal reprs, so
-    dicts intern them. `memo`: id -> (object, encoding) of nested jaxprs and costly
-    params; holding the object keeps its id its own. jax shares avals (GPT-2: 6,000
-    outputs, 55 avals): each is encoded once (`aval_ids`), numbered by value."""
+    dicts intern them. `memo`: id -> (object, encoding) of avals (jax shares them: GPT-2
+    has 6,000 outputs, 55 avals) and costly params; holding the object keeps its id."""
 
-    __slots__ = ("memo", "aval_ids", "aval_codes", "codes", "keep")
+    __slots__ = ("memo",)
 
     def __init__(self) -> None:
         self.memo: dict[int, tuple[Any, Any]] = {}
-        self.aval_ids: dict[int, int] = {}  # id(aval) -> number of its encoding
-        self.aval_codes: dict[Any, int] = {}  # encoding -> number
-        self.codes: list[Any] = []  # number -> encoding
-        self.keep: list[Any] = []  # the avals counted in aval_ids, kept alive
 
     def digest(self, jaxpr: Any) -> str:
-        return self.memoised(jaxpr, self._digest)
+        return _DIGESTS.get(jaxpr) or _DIGESTS.setdefault(jaxpr, self.jaxpr(jaxpr))
 
-    def _digest(self, jaxpr: Any) -> str:
-        tables, stream = self.jaxpr(jaxpr)
-        head = repr(tables).encode("utf-8", "surrogatepass")
-        return hashlib.sha256(b"%d:%s%s" % (len(head), head, stream)).hexdigest()
-
-    def jaxpr(self, jaxpr: Any) -> tuple[tuple[Any, ...], bytes]:
-        """(tables, stream). The stream: the binders' types; per equation its operation,
-        its inputs (a variable's number, or -1 - i for literal i) and its outputs' types
-        (-1 - i when dropped); the outputs. The operation's arity is in its table entry."""
+    def jaxpr(self, jaxpr: Any) -> str:
+        """Hash of the tables and the stream: the binders' types; per equation its
+        operation (whose table entry has its arity), its inputs (a variable's number, or
+        -1 - i for literal i), its outputs' types (-1 - i when dropped); the outputs."""
         num: dict[Any, int] = {}  # variable -> number, in order of binding
-        types: dict[int, int] = {}  # aval number -> index in this jaxpr's table
+        types: dict[Any, int] = {}  # aval's encoding -> index in this jaxpr's table
         local: dict[int, int] = {}  # id(aval) -> the same index
         ops: dict[Any, int] = {}  # operation's encoding -> index
         seen: dict[Any, int] = {}  # operation as found (params by ==, types) -> index
         lits: dict[Any, int] = {}
-        conv, atom, type_of = self.conv, self.atom, self.type_of
-        atoms, exact = _ATOMS, _EQ_EXACT
+        conv, atom, type_of, atoms, exact = self.conv, self.atom, self.type_of, _ATOMS, _EQ_EXACT
         binders = (*jaxpr.constvars, *jaxpr.invars)
         stream: list[int] = [type_of(v.aval, types, local) for v in binders]
         num.update((v, i) for i, v in enumerate(binders))
         append = stream.append
-        raw: Any
         for e in jaxpr.eqns:  # inlined by hand: this loop is most of the time
             p, ins, outs = e.params, e.invars, e.outvars
-            if e.effects:
-                raw = op = None
-            elif not p:
-                raw = (e.primitive.name, len(ins), len(outs))
-                op = seen.get(raw)
-            elif exact.issuperset(kinds := tuple(map(type, p.values()))):
-                raw = (e.primitive.name, len(ins), len(outs), *p.items(), *kinds)
-                op = seen.get(raw)  # equal params of these types: equal encodings
-            else:
-                raw = op = None
+            raw = op = None
+            if not e.effects:  # params as found, with their types
+                try:  # TypeError: unhashable, e.g. a tuple holding a list
+                    op = seen.get(raw := (e.primitive, len(ins), len(outs), *p.items(),
+                                          *map(type, p.values())))
+                except TypeError:
+                    raw = None
             if op is None:
                 key: tuple[Any, ...] = (e.primitive.name, len(ins), len(outs), tuple([
                     (k, v if v.__class__ in atoms else conv(v)) for k, v in sorted(p.items())]))
                 if e.effects:
                     key += (self.effects(e.effects),)
-                op = ops.get(key)
-                if op is None:
-                    op = ops[key] = len(ops)
-                if raw is not None:
-                    seen[raw] = op
+                op = ops.setdefault(key, len(ops))
+                if raw is not None and exact.issuperset(raw[3 + len(p):]):
+                    seen[raw] = op  # equal params of these types have equal encodings
             append(op)
             try:
                 stream += [num[a] if a.__class__ is not _Literal else atom(a, num, types, local,
@@ -286,14 +257,13 @@ class _Walker:
                     i = type_of(v.aval, types, local)
                 append(i if v.__class__ is not _DropVar else -1 - i)
         stream += [atom(a, num, types, local, lits) for a in jaxpr.outvars]
-        data = array.array("i", stream)  # 32-bit: OverflowError past 2**31 variables
-        if sys.byteorder == "big":
-            data.byteswap()
-        return (_JAXPR, len(jaxpr.constvars), len(jaxpr.invars), len(jaxpr.outvars),
-                self.effects(jaxpr.effects) if jaxpr.effects else None,
-                [self.codes[g] for g in types], list(ops), list(lits)), data.tobytes()
+        data = np.asarray(stream, "<i4").tobytes()  # OverflowError past 2**31 variables
+        head = repr((_JAXPR, len(jaxpr.constvars), len(jaxpr.invars), len(jaxpr.eqns),
+                     len(jaxpr.outvars), self.effects(jaxpr.effects) if jaxpr.effects else None,
+                     list(types), list(ops), list(lits))).encode("utf-8", "surrogatepass")
+        return hashlib.sha256(b"%d:%s%s" % (len(head), head, data)).hexdigest()
 
-    def atom(self, a: Any, num: dict[Any, int], types: dict[int, int],
+    def atom(self, a: Any, num: dict[Any, int], types: dict[Any, int],
              local: dict[int, int], lits: dict[Any, int]) -> int:
         """A variable's number (new if unbound, not expected), or -1 - the literal's index
         in the jaxpr's table of (value, type)."""
@@ -304,32 +274,16 @@ class _Walker:
         value = v.tobytes() if fast else self.conv(v)  # fast: dtype and shape in the type
         i = local.get(id(aval))
         key = (value, i if i is not None else self.type_of(aval, types, local))
-        i = lits.get(key)
-        if i is None:
-            i = lits[key] = len(lits)
-        return -1 - i
+        return -1 - lits.setdefault(key, len(lits))
 
-    def type_of(self, a: Any, types: dict[int, int], local: dict[int, int]) -> int:
-        """a's index in the jaxpr's table of types, added if new."""
-        g = self.aval_ids.get(id(a))
-        if g is None:
-            code = self.aval(a)
-            g = self.aval_codes.get(code)
-            if g is None:
-                g = self.aval_codes[code] = len(self.codes)
-                self.codes.append(code)
-            self.aval_ids[id(a)] = g
-            self.keep.append(a)
-        i = types.get(g)
-        if i is None:
-            i = types[g] = len(types)
-        local[id(a)] = i
+    def type_of(self, a: Any, types: dict[Any, int], local: dict[int, int]) -> int:
+        """a's index in the jaxpr's table of types (by value), added if new."""
+        i = local[id(a)] = types.setdefault(self.memoised(a, self.aval), len(types))
         return i
 
     def aval(self, a: Any) -> tuple[Any, ...]:
-        """Shape, dtype, weak type, and where not the default what `str(aval)` shows
-        besides: sharding spec (and mesh), memory space (host offload), varying /
-        unreduced / reduced axes."""
+        """Shape, dtype, weak type, and where set what else `str(aval)` shows: sharding
+        spec (and mesh), memory space (host offload), varying / unreduced axes."""
         if a.__class__ is not jcore.ShapedArray:  # tokens, refs, ...: rare and short
             return (_AVAL, _qualname(type(a)), _ADDRESS_RE.sub(" at 0x?", str(a)))
         code = (a.shape, _dtype_name(a.dtype), _TRUE if a.weak_type else _FALSE)
@@ -345,7 +299,7 @@ class _Walker:
         return (_EFFECTS, tuple(sorted((self.conv(e) for e in effects), key=repr)))
 
     def conv(self, v: Any) -> Any:
-        """A param value as a value nest (see the module's docstring)."""
+        """A param value as a value nest (see the class docstring)."""
         t = type(v)
         if t in _ATOMS:
             return v
@@ -365,9 +319,8 @@ class _Walker:
 
 
 # --------------------------------------------------------------------------- values
-@functools.cache
+@functools.cache  # hashing a dtype is cheaper than printing it
 def _dtype_name(dtype: Any) -> str:
-    """str of a dtype instance, cached: hashing a dtype is cheaper than printing it."""
     return str(dtype)
 
 
@@ -389,8 +342,7 @@ def _canon(x: Any) -> tuple[Any, bytes]:
 
 
 def _mesh(m: Any) -> tuple[Any, ...]:
-    """Axis names, sizes, types, and device ids where it has them (as _canonical_object's
-    NamedSharding)."""
+    """As `_canonical_object` has a NamedSharding's mesh (device ids if it has them)."""
     ids = (tuple(int(d.id) for d in m.devices.flat if d is not None)  # Mesh(): a None
            if isinstance(m, Mesh) else None)
     return (_MESH, tuple(m.axis_names), tuple(m.axis_sizes),
@@ -417,69 +369,73 @@ def _fn_name(v: Any) -> Any:
     return name if isinstance(name, str) else _qualname(type(v))
 
 
+def _function(w: _Walker, v: Any) -> Any:
+    """By name only: a closure's identity differs between traces, and what it computes is
+    in the jaxprs beside it (the thunks of custom_jvp_call / custom_vjp_call)."""
+    return (_FN, _qualname(type(v)), _fn_name(v))
+
+
+def _dtype(w: _Walker, v: Any) -> Any:
+    return (_DTYPE, _dtype_name(v))
+
+
 def _canonical(w: _Walker, v: Any) -> Any:
-    try:  # TypeError: e.g. a class, or a PyTreeDef whose text holds an address
+    try:  # _canonical_object refuses e.g. a class, a PyTreeDef whose text holds an address
         return w.memoised(v, _canon)
     except (TypeError, AttributeError):
         return _repr_fallback(w, v)
 
 
+def _number(w: _Walker, x: Any) -> Any:
+    """A subclass of int, float, ...: jax's TypedInt, TypedFloat (with a dtype)."""
+    base = next(b for b in (int, float, complex, str, bytes) if isinstance(x, b))
+    return (_NUM, _qualname(type(x)), w.conv(base(x)), _dtype_name(getattr(x, "dtype", None)))
+
+
 def _resolve(t: type, v: Any) -> tuple[_Handler, bool]:
-    """The handler for values of type t, and whether equal values (==) of that type always
+    """The handler for values of type t, and whether equal (==) values of type t always
     have equal encodings, as `_EQ_EXACT` records (not so for floats: -0.0 == 0.0)."""
-    if issubclass(t, jcore.ClosedJaxpr):  # consts: by their constvars' types
-        return (lambda w, x: (_CLOSED, w.digest(x.jaxpr))), True
-    if issubclass(t, jcore.Jaxpr):
-        return (lambda w, x: (_JAXPR, w.digest(x))), True
-    if issubclass(t, enum.Enum):  # before int and str: IntEnum, StrEnum
-        return (lambda w, x: (_ENUM, _qualname(type(x)), x.name)), True
-    if issubclass(t, np.generic):
-        return (lambda w, x: w.conv(x.item())), issubclass(t, (np.integer, np.bool_))
-    if issubclass(t, np.ndarray):
-        return (lambda w, x: (_ARRAY, _dtype_name(x.dtype), x.shape,
-                              x.tobytes() if x.nbytes <= _SMALL_ARRAY else None)), False
-    if issubclass(t, np.dtype) or _is_extended_dtype(v):
-        return (lambda w, x: (_DTYPE, _dtype_name(x))), True
     if issubclass(t, tuple) and hasattr(t, "_fields"):  # ConvDimensionNumbers, ...
         return (lambda w, x: w.memoised(x, lambda y: (
             _TUPLE, _qualname(type(y)), tuple(y._fields), _seq(w, y)))), True
-    if issubclass(t, (tuple, list)):
-        return _seq, False
-    if issubclass(t, dict):
-        return (lambda w, x: (_DICT, tuple(sorted(
-            ((w.conv(k), w.conv(y)) for k, y in x.items()), key=lambda ky: repr(ky[0]))))), False
-    if issubclass(t, (set, frozenset)):
-        return (lambda w, x: (_SET, tuple(sorted((w.conv(y) for y in x), key=repr)))), False
-    for base in (bool, int, float, complex, str, bytes):  # subclasses, e.g. TypedFloat
-        if issubclass(t, base):
-            return (lambda w, x, b=base: (_NUM, _qualname(type(x)), w.conv(b(x)), _dtype_name(
-                x.dtype) if hasattr(x, "dtype") else None)), False
-    if issubclass(t, type):  # np.float32, jnp.bfloat16 as dtypes, as in plan_key
-        return _canonical, True
-    if issubclass(t, jcore.Primitive):
-        return (lambda w, x: (_PRIM, x.name)), True
-    if issubclass(t, jcore.AbstractValue):
-        return (lambda w, x: w.aval(x)), False
-    if issubclass(t, (Mesh, jax.sharding.AbstractMesh)):
-        return (lambda w, x: w.memoised(x, _mesh)), True
-    if issubclass(t, (PartitionSpec, NamedSharding, SingleDeviceSharding, jax.Device,
-                      jax.ShapeDtypeStruct, jax.tree_util.PyTreeDef)):
-        return _canonical, True
+    for kinds, handler, exact in _KINDS:
+        if issubclass(t, kinds):
+            return handler, exact
+    if _is_extended_dtype(v):
+        return _dtype, True
     if dataclasses.is_dataclass(t):  # e.g. checkpoint policies, effects
         return (lambda w, x: w.memoised(x, lambda y: (_FIELDS, _qualname(type(y)), tuple(
             (f.name, w.conv(getattr(y, f.name))) for f in dataclasses.fields(y)
             if f.compare)))), False
     if t.__name__ == "UnspecifiedValue":  # jax's stateless "no sharding given" marker
         return (lambda w, x: (_TYPE, _qualname(type(x)))), True
-    if issubclass(t, (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-                      functools.partial)) or (callable(v) and isinstance(
-                          getattr(v, "__name__", None), str)):  # incl. lu.WrappedFun
-        # by name only: a closure's identity differs between traces, and what it
-        # computes is in the jaxprs beside it
-        return (lambda w, x: (_FN, _qualname(type(x)), _fn_name(x))), True
+    if callable(v) and isinstance(getattr(v, "__name__", None), str):
+        return _function, True
     return _repr_fallback, False
 
 
+_KINDS: tuple[tuple[Any, _Handler, bool], ...] = (  # in order: the first that matches
+    (jcore.ClosedJaxpr, lambda w, x: (_CLOSED, w.digest(x.jaxpr)), True),  # consts: types
+    (jcore.Jaxpr, lambda w, x: (_JAXPR, w.digest(x)), True),
+    (enum.Enum, lambda w, x: (_ENUM, _qualname(type(x)), x.name), True),  # IntEnum: an int
+    ((np.integer, np.bool_), lambda w, x: w.conv(x.item()), True),
+    (np.generic, lambda w, x: w.conv(x.item()), False),
+    (np.ndarray, lambda w, x: (_ARRAY, _dtype_name(x.dtype), x.shape,
+                               x.tobytes() if x.nbytes <= 4096 else None), False),  # small
+    (np.dtype, _dtype, True),
+    ((tuple, list), _seq, False),
+    (dict, lambda w, x: (_DICT, tuple(sorted(
+        ((w.conv(k), w.conv(y)) for k, y in x.items()), key=lambda ky: repr(ky[0])))), False),
+    ((set, frozenset), lambda w, x: (_SET, tuple(sorted(map(w.conv, x), key=repr))), False),
+    ((int, float, complex, str, bytes), _number, False),
+    ((type, PartitionSpec, NamedSharding, SingleDeviceSharding, jax.Device,  # np.float32:
+      jax.ShapeDtypeStruct, jax.tree_util.PyTreeDef), _canonical, True),  # a dtype
+    (jcore.Primitive, lambda w, x: (_PRIM, x.name), True),
+    (jcore.AbstractValue, lambda w, x: w.aval(x), False),
+    ((Mesh, jax.sharding.AbstractMesh), lambda w, x: w.memoised(x, _mesh), True),
+    ((types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+      linear_util.WrappedFun), _function, True),
+)
 _HANDLERS: dict[type, _Handler] = {
     tuple: _seq, list: _seq, bool: lambda w, x: _TRUE if x else _FALSE,
     float: lambda w, x: (_FLOAT, float.hex(x))}

@@ -4,10 +4,12 @@ when anything the planner reads differs, and never by printing the jaxpr."""
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +30,8 @@ F32 = jax.ShapeDtypeStruct((4, 4), jnp.float32)
 
 
 def fp(f: Callable, *args) -> str:
-    return jaxpr_fingerprint(jax.make_jaxpr(f)(*args))
+    """The fingerprint of a fresh trace of f (jax hands back its cached jaxpr for f)."""
+    return jaxpr_fingerprint(jax.make_jaxpr(lambda *a: f(*a))(*args))
 
 
 def named(op: Callable) -> Callable:
@@ -151,6 +154,18 @@ def test_a_jaxpr_and_its_closed_jaxpr_give_the_same_fingerprint():
         jaxpr_fingerprint("{ lambda ; a:f32[]. let  in (a,) }")
 
 
+def test_digests_are_kept_only_while_their_jaxpr_lives():
+    f = named(jnp.tanh)
+    closed = jax.make_jaxpr(f)(F32)
+    digest = jaxpr_fingerprint(closed)
+    assert jax.make_jaxpr(f)(F32) is closed  # jax's own trace cache: the same object
+    assert jaxpr_fingerprint(closed) == digest
+    alive = weakref.ref(closed.jaxpr)
+    del closed, f
+    gc.collect()
+    assert alive() is None
+
+
 CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
@@ -178,10 +193,12 @@ def test_fingerprint_changes_with_what_the_planner_reads(name):
 
 # --------------------------------------------------------------------------- no printing
 def test_fingerprint_never_prints_the_jaxpr(monkeypatch):
-    """Printing is what made the old fingerprint slow; a walk must not fall back on it."""
-    closed = jax.make_jaxpr(lambda x: custom_vjp(jnp.sin)(scanned(jnp.cos)(x)))(F32)
-    expected = jaxpr_fingerprint(closed)
-    mlp, cnn = here()["flax mlp"], here()["flax cnn"]
+    """Printing is what made the old fingerprint slow; a walk must not fall back on it.
+    (Each step is traced anew: a digest already taken of the same jaxpr is reused.)"""
+    def nested() -> str:
+        return fp(lambda x: custom_vjp(jnp.sin)(scanned(jnp.cos)(x)), F32)
+
+    expected, mlp, cnn = nested(), here()["flax mlp"], here()["flax cnn"]
 
     def refuse(self):
         raise AssertionError("jaxpr_fingerprint printed a jaxpr")
@@ -190,7 +207,7 @@ def test_fingerprint_never_prints_the_jaxpr(monkeypatch):
         monkeypatch.setattr(cls, "__str__", refuse)
         monkeypatch.setattr(cls, "__repr__", refuse)
     monkeypatch.setattr(jcore, "pp_jaxpr", refuse)
-    assert jaxpr_fingerprint(closed) == expected
+    assert nested() == expected
     assert flax_step() == mlp
     assert flax_step(models.CNN(), (2, 8, 8, 3)) == cnn
 
@@ -199,13 +216,22 @@ class Opaque:
     """A param type the fingerprint does not know: its repr holds an address."""
 
 
-def test_unknown_param_types_fingerprint_deterministically():
-    prim = jcore.Primitive("jaxwap_test_opaque")
+def test_unusual_params_fingerprint_deterministically_and_exactly():
+    prim = jcore.Primitive("jaxwap_test_params")
     prim.def_abstract_eval(lambda x, **_: x)
 
-    def f(x):
-        return prim.bind(x, obj=Opaque(), fn=lambda y: y)
+    def step(*params: dict) -> Callable:
+        def f(x):
+            for p in params:
+                x = prim.bind(x, **p)
+            return x
+        return f
 
+    opaque = step({"obj": Opaque(), "fn": lambda y: y})
     assert " at 0x" in repr(Opaque())
-    assert fp(f, F32) == fp(f, F32)  # other objects, other addresses
-    assert fp(f, F32) != fp(f, jax.ShapeDtypeStruct((4, 5), jnp.float32))
+    assert fp(opaque, F32) == fp(opaque, F32)  # other objects, other addresses
+    assert fp(opaque, F32) != fp(opaque, jax.ShapeDtypeStruct((4, 5), jnp.float32))
+    # equal (==) params of other types or signs are told apart, even within one jaxpr
+    same = [step({"v": 0.0}, {"v": 0.0}), step({"v": 0.0}, {"v": -0.0}),
+            step({"v": 1}, {"v": 1}), step({"v": 1}, {"v": True}), step({"v": 1}, {"v": 1.0})]
+    assert len({fp(f, F32) for f in same}) == len(same)
