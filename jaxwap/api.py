@@ -23,7 +23,7 @@ from .options import PlanOptions, split_options
 from .plan import Plan
 from .planner import Planned, make_plan, record_measurements
 from .records import DATA, MODEL
-from .state import abstract_leaf, classify_leaves
+from .state import abstract_entries, classify_leaves
 from .trace import flat_leaves, globalize, is_process_local, leaf_entries
 
 
@@ -59,12 +59,11 @@ class AutoShardedStep:
 
     # ------------------------------------------------------------------ planning
     def _signature(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """What a compiled step is reused for: the arguments' structure, shapes, dtypes."""
         entries, treedef, names = leaf_entries(args, kwargs)
-        avals = []
-        for root, path, leaf in entries:
-            a = abstract_leaf(leaf, f"{root}{jax.tree_util.keystr(tuple(path))}")
-            avals.append((tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))))
-        return treedef, names, tuple(avals)
+        return treedef, names, tuple((tuple(a.shape), str(a.dtype),
+                                      bool(getattr(a, "weak_type", False)))
+                                     for a in abstract_entries(entries))
 
     def _planned(self, args: Sequence[Any], kwargs: dict[str, Any],
                  measure: bool = True) -> tuple[Any, Planned]:

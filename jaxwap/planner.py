@@ -122,11 +122,10 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     key = None
     if store is not None:
         key = plan_key(
-            jaxpr=jaxpr_fingerprint(closed),
-            args=list(zip(layout.inputs.paths, layout.inputs.avals, layout.inputs.roles,
-                          strict=True)),
-            params=layout.params, options=options, devices=devs, hardware=cluster,
-            memory_budget=budget, xla_flags=os.environ.get("XLA_FLAGS"))
+            jaxpr=jaxpr_fingerprint(closed), args=_arg_key(layout),
+            params=[(p.path, p.shape, p.dtype) for p in layout.params], options=options,
+            devices=devs, hardware=cluster, memory_budget=budget,
+            xla_flags=os.environ.get("XLA_FLAGS"))
         hit = store.get(key)
         if hit is not None:
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
@@ -140,6 +139,15 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     return Planned(plan, layout, ctx, found.graph, found.search, found.verification,
                    found.verification.compiled_best if found.verification else None,
                    None if found.rung.is_plain else found.fn, key)
+
+
+def _arg_key(layout: ArgLayout) -> list[tuple[Any, ...]]:
+    """Every argument leaf as the cache key needs it, in plain values (cheap to encode:
+    a GPT-2 step has 450 leaves): path, shape, dtype, weak type, sharding, role."""
+    return [(path, tuple(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False)),
+             a.sharding, r.kind, r.param, r.mirror)
+            for path, a, r in zip(layout.inputs.paths, layout.inputs.avals,
+                                  layout.inputs.roles, strict=True)]
 
 
 def record_measurements(planned: Planned, measured: Mapping[int, Measurement],

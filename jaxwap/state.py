@@ -57,16 +57,22 @@ class LeafRole:
     mirror: bool = False
 
 
+# The attribute that names a key-path entry, per entry type (DictKey.key, GetAttrKey.name,
+# SequenceKey.idx, ...): looked up once per type, since planning reads every leaf's path.
+_TOKEN_ATTR: dict[type, str | None] = {}
+
+
 def key_token(key: Any) -> str:
     """A key-path entry as a plain token, so a dict key and an attribute of one name match."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+    t = type(key)
+    if t not in _TOKEN_ATTR:
+        _TOKEN_ATTR[t] = next((a for a in ("key", "name", "idx") if hasattr(key, a)), None)
+    attr = _TOKEN_ATTR[t]
+    return str(key if attr is None else getattr(key, attr))
 
 
 def path_tokens(path: Sequence[Any]) -> tuple[str, ...]:
-    return tuple(key_token(k) for k in path)
+    return tuple(map(key_token, path))
 
 
 def is_key_dtype(dtype: Any) -> bool:
@@ -76,8 +82,9 @@ def is_key_dtype(dtype: Any) -> bool:
         return False
 
 
-def abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
-    """A leaf as a ShapeDtypeStruct; anything that is not array-like is a clear error."""
+def abstract_leaf(leaf: Any, where: str | Callable[[], str]) -> jax.ShapeDtypeStruct:
+    """A leaf as a ShapeDtypeStruct; anything that is not array-like is a clear error
+    naming the leaf (`where`, or a function giving it: only an error needs it)."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
@@ -88,6 +95,7 @@ def abstract_leaf(leaf: Any, where: str) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((), dtype, weak_type=not isinstance(leaf, bool))
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
         return jax.ShapeDtypeStruct(tuple(leaf.shape), leaf.dtype)
+    where = where() if callable(where) else where
     raise TypeError(f"{where}: expected an array, jax.ShapeDtypeStruct or Python scalar, "
                     f"got {type(leaf).__name__} ({leaf!r:.80})")
 
@@ -112,16 +120,40 @@ def param_infos(params: Any) -> tuple[tuple[ParamInfo, ...], Any]:
     return tuple(infos), treedef
 
 
+class SuffixIndex:
+    """Items keyed by a path, found by the longest key that ends a given path.
+
+    Matching leaves by key-path suffix is how roles are told (an optax moment at
+    `opt_state[0].mu['dense']['kernel']` mirrors `params['dense']['kernel']`); a dict of
+    keys answers each leaf in one probe per suffix instead of a scan of every key, which
+    keeps planning linear in the number of leaves (a GPT-2 step has 450)."""
+
+    def __init__(self, items: Sequence[tuple[tuple[str, ...], Any]]) -> None:
+        self._by_key: dict[tuple[str, ...], list[Any]] = {}
+        for key, value in items:
+            self._by_key.setdefault(tuple(key), []).append(value)
+
+    def longest(self, tokens: tuple[str, ...], accept: Callable[[Any], bool]) -> Any | None:
+        """The first accepted item (in the order given) under the longest key that is a
+        suffix of `tokens`; None when no key ending `tokens` has an accepted item."""
+        for n in range(len(tokens), 0, -1):
+            for value in self._by_key.get(tokens[len(tokens) - n:], ()):
+                if accept(value):
+                    return value
+        return None
+
+
 def match_param(tokens: tuple[str, ...], shape: tuple[int, ...],
-                params: Sequence[ParamInfo]) -> int:
-    """The parameter a leaf mirrors (longest matching path suffix, same shape), or -1."""
-    best, best_len = -1, -1
-    for j, p in enumerate(params):
-        n = len(p.path)
-        if (p.shape == shape and best_len < n <= len(tokens)
-                and tokens[len(tokens) - n:] == p.path):
-            best, best_len = j, n
-    return best
+                params: Sequence[ParamInfo] | SuffixIndex) -> int:
+    """The parameter a leaf mirrors (longest matching path suffix, same shape), or -1.
+    `params` may be a `SuffixIndex` of (path, (index, shape)) made once for many leaves."""
+    index = params if isinstance(params, SuffixIndex) else param_index(params)
+    hit = index.longest(tokens, lambda js: js[1] == shape)
+    return -1 if hit is None else hit[0]
+
+
+def param_index(params: Sequence[ParamInfo]) -> SuffixIndex:
+    return SuffixIndex([(p.path, (j, p.shape)) for j, p in enumerate(params)])
 
 
 @dataclass(frozen=True)
@@ -134,11 +166,19 @@ class LeafTable:
     batch_size: int | None
 
 
+def abstract_entries(entries: Sequence[tuple[str, Sequence[Any], Any]]
+                     ) -> list[jax.ShapeDtypeStruct]:
+    """The abstract value of every `(root, key path, leaf)` entry."""
+    return [abstract_leaf(leaf, lambda r=root, p=path: f"{r}{jax.tree_util.keystr(tuple(p))}")
+            for root, path, leaf in entries]
+
+
 def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
                     batch_size: int | None = None, infer_batch: bool = True,
                     carried: Callable[[tuple[str, ...], tuple[int, ...]], bool] | None = None,
-                    by_path: bool = False) -> LeafTable:
+                    by_path: bool = False,
+                    avals: Sequence[jax.ShapeDtypeStruct] | None = None) -> LeafTable:
     """Assign roles to `(root, key path, leaf)` entries: param mirror, batch, or other.
 
     `identity` maps id(array) -> param index for leaves that are the user's own param
@@ -146,20 +186,22 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
     classified with the inputs' B); otherwise it is inferred. `carried(path, shape)` says
     a leaf is state the step returns (batch-norm statistics, counters): never data, and
     not counted when inferring B. `by_path` decides parameter-or-mirror from the path
-    alone (`is_parameter_path`), for a tree that holds only optimizer state.
+    alone (`is_parameter_path`), for a tree that holds only optimizer state. `avals`: the
+    entries' abstract values when the caller has them (`abstract_entries`).
     """
     identity = identity or {}
+    index = param_index(params)
+    given = abstract_entries(entries) if avals is None else avals
     paths, avals, param_of, state, own, tokens_of = [], [], [], [], [], []
-    for root, path, leaf in entries:
+    for (root, path, leaf), a in zip(entries, given, strict=True):
         where = f"{root}{jax.tree_util.keystr(tuple(path))}"
-        a = abstract_leaf(leaf, where)
         shape = tuple(int(s) for s in a.shape)
         tokens = path_tokens(path)
         j = identity.get(id(leaf), -1)
         own.append(j >= 0)
         tokens_of.append(tokens)
         if j < 0:
-            j = match_param(tokens, shape, params)
+            j = match_param(tokens, shape, index)
         paths.append(where)
         avals.append(a)
         param_of.append(j)

@@ -21,6 +21,8 @@ from .state import (
     PARAM,
     LeafTable,
     ParamInfo,
+    SuffixIndex,
+    abstract_entries,
     check_params_found,
     classify_leaves,
     param_infos,
@@ -91,33 +93,34 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
                 if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))}
     entries, treedef, names = leaf_entries(args, kwargs)
     leaves = [leaf for _, _, leaf in entries]
-    infer = batch_size is None
-    first = classify_leaves(entries, infos, identity=identity, batch_size=batch_size,
-                            infer_batch=infer)
+    avals = abstract_entries(entries)
 
     def trace(avals: Sequence[Any]) -> tuple[Any, Any]:
         # Trace the user's function itself (not a wrapper made here), so jax's own tracing
         # cache, keyed on the function, makes a second planning of the same step cheap.
         a, k = jax.tree_util.tree_unflatten(treedef, avals)
-        return jax.make_jaxpr(fn, return_shape=True)(*a, **dict(zip(names, k, strict=True)))
+        traced = jax.jit(fn).trace(*a, **dict(zip(names, k, strict=True)))
+        return traced.jaxpr, traced.out_info
 
-    closed, out_shape = trace(first.avals)
+    closed, out_shape = trace(avals)
     out_flat, out_treedef = jax.tree_util.tree_flatten_with_path(out_shape)
     returned = [(path_tokens(p), tuple(int(d) for d in x.shape)) for p, x in out_flat]
 
+    # (path suffix, shape) of every output: an input the step hands back at the end of
+    # one of them, with its shape, is carried state
+    handed_back = {(t[len(t) - n:], s) for t, s in returned for n in range(1, len(t) + 1)}
+
     def carried(tokens: tuple[str, ...], shape: tuple[int, ...]) -> bool:
-        n = len(tokens)
-        return n > 0 and any(len(t) >= n and t[len(t) - n:] == tokens and s == shape
-                             for t, s in returned)
+        return len(tokens) > 0 and (tokens, shape) in handed_back
 
     inputs = globalize(classify_leaves(entries, infos, identity=identity,
-                                       batch_size=batch_size, infer_batch=infer,
-                                       carried=carried), leaves)
+                                       batch_size=batch_size, infer_batch=batch_size is None,
+                                       carried=carried, avals=avals), leaves)
     check_params_found(inputs, infos)
     if batch_size is not None and not any(r.kind == BATCH for r in inputs.roles):
         raise ValueError(f"batch_size={batch_size}: no argument leaf has it as its leading "
                          f"dimension")
-    if inputs.avals != first.avals:  # several processes: trace the global shapes
+    if list(inputs.avals) != avals:  # several processes: trace the global shapes
         closed, out_shape = trace(inputs.avals)
     outputs = classify_leaves([("out", path, leaf) for path, leaf in out_flat], infos,
                               batch_size=inputs.batch_size, infer_batch=False)
@@ -131,17 +134,15 @@ def _mirror_inputs(outputs: LeafTable, returned: Sequence[tuple[tuple[str, ...],
     """An output at the path and shape of an input takes that input's role: state comes
     back as it went in, and a parameter's output is the parameter or one of its mirrors
     as the input at the longest matching path was (whatever order the step returns them)."""
-    keyed = [(path_tokens(p), tuple(int(d) for d in a.shape), r)
-             for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles, strict=True)
-             if len(p) > 0]
+    keyed = SuffixIndex([(path_tokens(p), (tuple(int(d) for d in a.shape), r))
+                         for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles,
+                                                    strict=True) if len(p) > 0])
     roles = list(outputs.roles)
     for i, (tokens, shape) in enumerate(returned):
-        is_param = roles[i].kind == PARAM
-        best = max(((len(t), r) for t, s, r in keyed
-                    if s == shape and (r.kind == PARAM) == is_param
-                    and (not is_param or r.param == roles[i].param)
-                    and len(t) <= len(tokens) and tokens[len(tokens) - len(t):] == t),
-                   default=None, key=lambda x: x[0])
+        out = roles[i]
+        best = keyed.longest(tokens, lambda sr, out=out, shape=shape: (
+            sr[0] == shape and (sr[1].kind == PARAM) == (out.kind == PARAM)
+            and (out.kind != PARAM or sr[1].param == out.param)))
         if best is not None:
             roles[i] = best[1]
     return LeafTable(outputs.paths, outputs.avals, tuple(roles), outputs.batch_size)
