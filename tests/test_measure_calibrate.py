@@ -100,7 +100,8 @@ def test_measured_micro_batched_plan_runs_micro_batched(monkeypatch):
     calls = []
     monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
     sharded = jaxwap.auto_shard(step, params, num_devices=2, memory_budget=0.5 * need,
-                                hardware=jaxwap.Cluster("h100-sxm", 8), measure=1, cache=False)
+                                hardware=jaxwap.Cluster("h100-sxm", 8), measure=1, verify=1,
+                                cache=False)
     p, o, loss = sharded(copy_tree(params), copy_tree(opt), batch)
     plan = sharded.plan
     assert len(calls) >= 2 and plan.measured is not None  # chosen on measurements
@@ -118,7 +119,8 @@ def test_measured_choice_is_what_the_cache_keeps(monkeypatch, tmp_path):
     step, params, opt, batch = setup(MLP((128, 128, 10)), (32, 16))
     calls = []
     monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
-    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 8), cache=jaxwap.PlanCache(tmp_path))
+    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 8), cache=jaxwap.PlanCache(tmp_path),
+              verify=1)
     first = jaxwap.auto_shard(step, params, measure=2, **kw)
     first(copy_tree(params), copy_tree(opt), batch)
     measured_calls = len(calls)
