@@ -210,7 +210,8 @@ class Plan:
     # ------------------------------------------------------------------ frontier
     def frontier(self) -> tuple[Candidate, ...]:
         """The fitting candidates on the Pareto frontier of step time vs energy per sample
-        (each judged on `verified or predicted`), fastest first."""
+        (each judged on `Candidate.judged`: measured, else compiled, else predicted),
+        fastest first."""
         from .frontier import frontier
 
         return frontier(self.candidates)
