@@ -19,7 +19,17 @@ from typing import Any
 from .hardware import Cluster
 from .objective import Objective, Ranking
 from .plan import Candidate, ParamPlacement, Plan
-from .records import COMPILED, DATA, MEASURED, MODEL, PREDICTED, Measurement, StepVariant, judge
+from .records import (
+    COMPILED,
+    DATA,
+    MEASURED,
+    MODEL,
+    PREDICTED,
+    Judged,
+    Measurement,
+    StepVariant,
+    judge,
+)
 from .solve import SearchResult, uses_model_axis
 from .state import ParamInfo
 from .verify import Verification
@@ -69,7 +79,8 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
     figs = ver.figures if ver is not None else {}
     vpreds = ver.predictions if ver is not None else {}
     best = search.results[chosen]
-    ref = judge(best.predicted, vpreds.get(chosen), measured.get(chosen))
+    decision = _Decision(search, ver, tiers, top, chosen, ctx.budget,
+                         judge(best.predicted, vpreds.get(chosen), measured.get(chosen)))
     cands = []
     for i, r in enumerate(search.results):
         j = judge(r.predicted, vpreds.get(i), measured.get(i))
@@ -78,9 +89,9 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
         counts = Counter(s.name for s in r.strategies)
         cands.append(Candidate(
             ((DATA, r.d), (MODEL, r.m)), r.predicted, float(score), fits, i == chosen,
-            _verdict(i, chosen, j, ref, score, tiers, top, search, ver, ctx.budget),
-            tuple(sorted(counts.items())), compiled=figs.get(i), verified=vpreds.get(i),
-            variant=r.variant, measured=measured.get(i)))
+            decision.verdict(i, j, score), tuple(sorted(counts.items())),
+            compiled=figs.get(i), verified=vpreds.get(i), variant=r.variant,
+            measured=measured.get(i)))
     placements = tuple(
         ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name, s.state_spec,
                        s.offload)
@@ -104,32 +115,43 @@ _BASIS_WORD = {PREDICTED: "analytic", COMPILED: "compiled", MEASURED: "measured"
 _NOT_REACHED = {COMPILED: "not verified", MEASURED: "not measured"}
 
 
-def _verdict(i: int, chosen: int, j: Any, ref: Any, score: float,
-             tiers: Mapping[str, Ranking], top: str, search: SearchResult,
-             ver: Verification | None, budget: float) -> str:
-    """Why candidate i is not the plan (or that it is)."""
-    r = search.results[i]
-    figs = ver.figures if ver is not None else {}
-    if i == chosen:
-        return "chosen"
-    if ver is not None and i in ver.failed:
-        return f"did not compile: {ver.failed[i]}"
-    if i in figs and figs[i].memory_bytes > budget:
-        return f"over memory budget by XLA's analysis ({figs[i].memory_bytes / budget:.2f}x)"
-    if not r.fits:
-        return f"over memory budget ({j.peak_memory_bytes / budget:.2f}x)"
-    if not uses_model_axis(r):
-        return "no parameter gains from the model axis: it would only duplicate work"
-    if score == float("inf"):
-        return "outside the allowed slowdown"
-    word = _BASIS_WORD[j.basis]
-    if j.basis != top:
-        own = tiers[j.basis]
-        return (f"{_NOT_REACHED[top]} ({word} score {score / own.scores[own.best]:.2f}x the "
-                f"{word} best)")
-    return (f"{word} score {score / tiers[top].scores[chosen]:.2f}x: "
-            f"{j.step_time_s / ref.step_time_s:.2f}x time, "
-            f"{j.energy_per_step_j / ref.energy_per_step_j:.2f}x energy")
+@dataclass(frozen=True)
+class _Decision:
+    """What was decided, and on which tier: enough to say why each candidate lost."""
+
+    search: SearchResult
+    ver: Verification | None
+    tiers: Mapping[str, Ranking]
+    top: str                 # the highest tier reached, which chose
+    chosen: int
+    budget: float
+    ref: Judged              # the chosen candidate's figures
+
+    def verdict(self, i: int, j: Judged, score: float) -> str:
+        """Why candidate i (judged `j`, scored `score` in its own tier) is not the plan."""
+        r = self.search.results[i]
+        ver, budget = self.ver, self.budget
+        figs = ver.figures if ver is not None else {}
+        if i == self.chosen:
+            return "chosen"
+        if ver is not None and i in ver.failed:
+            return f"did not compile: {ver.failed[i]}"
+        if i in figs and figs[i].memory_bytes > budget:
+            return f"over memory budget by XLA's analysis ({figs[i].memory_bytes / budget:.2f}x)"
+        if not r.fits:
+            return f"over memory budget ({j.peak_memory_bytes / budget:.2f}x)"
+        if not uses_model_axis(r):
+            return "no parameter gains from the model axis: it would only duplicate work"
+        if score == float("inf"):
+            return "outside the allowed slowdown"
+        word = _BASIS_WORD[j.basis]
+        if j.basis != self.top:
+            own = self.tiers[j.basis]
+            return (f"{_NOT_REACHED[self.top]} ({word} score {score / own.scores[own.best]:.2f}x "
+                    f"the {word} best)")
+        return (f"{word} score {score / self.tiers[self.top].scores[self.chosen]:.2f}x: "
+                f"{j.step_time_s / self.ref.step_time_s:.2f}x time, "
+                f"{j.energy_per_step_j / self.ref.energy_per_step_j:.2f}x energy")
 
 
 __all__ = ["PlanContext", "build_plan", "rank_measured"]
