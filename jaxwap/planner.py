@@ -68,17 +68,16 @@ class Planned:
         return self.context.devices
 
 
-def resolve_cluster(hardware: Any, devices: Sequence[Any]) -> tuple[Cluster, str | None]:
-    """The hardware to plan for: as given, or the devices found (with their calibration,
-    when `jaxwap calibrate` cached one for them)."""
+def resolve_cluster(hardware: Cluster | DeviceSpec | str | None,
+                    devices: Sequence[Any]) -> tuple[Cluster, str | None]:
+    """The hardware to plan for: as given (a Cluster, or a DeviceSpec or profile name for
+    one of each device; `PlanOptions` has checked the type), or the devices found (with
+    their calibration, when `jaxwap calibrate` cached one for them)."""
     if hardware is None:
         return detect_cluster(devices, load_calibration(devices[0]))
     if isinstance(hardware, Cluster):
         return hardware, None
-    if isinstance(hardware, (str, DeviceSpec)):
-        return Cluster(hardware, len(devices)), None
-    raise TypeError(f"hardware must be None, a jaxwap.Cluster, a DeviceSpec or a profile "
-                    f"name, got {type(hardware).__name__}")
+    return Cluster(hardware, len(devices)), None
 
 
 def memory_budget(options: PlanOptions, cluster: Cluster, device: Any) -> float:
