@@ -13,7 +13,7 @@ from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
 from .objective import Objective
 from .options import PlanOptions
 from .plan import Candidate, ParamPlacement, Plan
-from .records import Measurement, Prediction, StepVariant, Strategy
+from .records import STRATEGY_FAMILIES, Measurement, Prediction, StepVariant, Strategy
 from .train_step import TrainStep, make_train_step
 from .version import __version__
 
@@ -35,6 +35,7 @@ __all__ = [
     "PlanCache",
     "PlanOptions",
     "Prediction",
+    "STRATEGY_FAMILIES",
     "StepVariant",
     "Strategy",
     "TrainStep",

@@ -18,6 +18,7 @@ import numpy as np
 from .cache import PlanCache
 from .hardware import Cluster, DeviceSpec
 from .objective import Objective
+from .records import DATA, MODEL, STRATEGY_FAMILIES
 
 # Steps measured per finalist by `measure=True`.
 DEFAULT_MEASURE_STEPS = 5
@@ -50,6 +51,16 @@ class PlanOptions:
       offload: allow plans that keep optimizer state in pinned host memory when nothing
         else fits (on a backend that ignores memory kinds, such as XLA:CPU, the saving is
         modelled, not verified, and the plan's notes say so).
+      mesh_shape: use exactly this mesh, e.g. `{"data": 2, "model": 4}` (an axis left out
+        has size 1) instead of searching over meshes; the per-parameter layouts are still
+        chosen.
+      strategies: restrict every parameter's layout to these families of
+        `jaxwap.STRATEGY_FAMILIES`: "replicate", "tp" (a feature dim over the model axis),
+        "zero1" (optimizer state over the data axis), "fsdp" (weight, gradient and state
+        over the data axis), "offload" (state in host memory). A layout qualifies when
+        every family it combines is allowed; a parameter with no qualifying split (a bias
+        no axis divides) stays replicated, and without "replicate" a mesh on which no
+        parameter gets an allowed split is not a candidate. `("fsdp",)` forces FSDP.
     """
 
     objective: Objective = field(default_factory=Objective)
@@ -64,6 +75,8 @@ class PlanOptions:
     batch_size: int | None = None
     measure: int = 0
     offload: bool = True
+    mesh_shape: Mapping[str, int] | None = None
+    strategies: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -101,6 +114,20 @@ class PlanOptions:
                             f"{type(self.cache).__name__}")
         put("donate", bool(self.donate))
         put("offload", bool(self.offload))
+        if self.mesh_shape is not None:
+            put("mesh_shape", _mesh_shape(self.mesh_shape))
+            n = self.mesh_shape[0][1] * self.mesh_shape[1][1]
+            if self.num_devices is not None and self.num_devices != n:
+                raise ValueError(f"num_devices={self.num_devices} contradicts mesh_shape="
+                                 f"{dict(self.mesh_shape)} ({n} devices); give one of them")
+        if self.strategies is not None:
+            put("strategies", _strategies(self.strategies))
+
+    @property
+    def mesh(self) -> tuple[int, int] | None:
+        """The (data, model) sizes `mesh_shape` fixes, or None."""
+        return None if self.mesh_shape is None else \
+            (self.mesh_shape[0][1], self.mesh_shape[1][1])
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **kwargs: Any) -> PlanOptions:
@@ -146,6 +173,41 @@ def _measure_steps(measure: Any) -> int:
     if isinstance(measure, (int, np.integer)) and measure >= 0:
         return int(measure)
     raise ValueError(f"measure must be a bool or a number of steps >= 0, got {measure!r}")
+
+
+def _mesh_shape(shape: Any) -> tuple[tuple[str, int], ...]:
+    """{"data": d, "model": m} (either may be left out) as ((DATA, d), (MODEL, m)), the
+    form the record keeps (and reads again when `dataclasses.replace` remakes it)."""
+    if isinstance(shape, tuple) and all(isinstance(x, tuple) and len(x) == 2
+                                        and isinstance(x[0], str) for x in shape):
+        shape = dict(shape)
+    if not isinstance(shape, Mapping):
+        raise TypeError(f"mesh_shape must be a dict of axis name -> size such as "
+                        f"{{'{DATA}': 2, '{MODEL}': 4}}, got {shape!r}")
+    unknown = sorted(set(shape) - {DATA, MODEL})
+    if unknown:
+        raise ValueError(f"mesh_shape has unknown axis name(s) {unknown}; jaxwap's mesh axes "
+                         f"are {DATA!r} and {MODEL!r}")
+    for axis, size in shape.items():
+        _check_int(f"mesh_shape[{axis!r}]", size, 1)
+    return tuple((axis, int(shape.get(axis, 1))) for axis in (DATA, MODEL))
+
+
+def _strategies(families: Any) -> tuple[str, ...]:
+    """The allowed strategy families, checked, in `STRATEGY_FAMILIES` order."""
+    if isinstance(families, str):
+        families = (families,)
+    try:
+        given = set(families)
+    except TypeError:
+        raise TypeError(f"strategies must be a tuple of names from {STRATEGY_FAMILIES}, got "
+                        f"{families!r}") from None
+    unknown = sorted(map(str, given - set(STRATEGY_FAMILIES)))
+    if unknown or not given:
+        raise ValueError(f"strategies={tuple(families)!r}: "
+                         + (f"unknown name(s) {unknown}" if unknown else "empty")
+                         + f"; choose from {STRATEGY_FAMILIES}")
+    return tuple(f for f in STRATEGY_FAMILIES if f in given)
 
 
 def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -111,6 +111,9 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     if options.num_devices is not None and not 1 <= options.num_devices <= usable:
         raise ValueError(f"num_devices={options.num_devices} is outside 1..{usable} "
                          f"(devices usable)")
+    if options.mesh is not None and options.mesh[0] * options.mesh[1] > usable:
+        raise ValueError(f"mesh_shape={dict(options.mesh_shape)} needs "
+                         f"{options.mesh[0] * options.mesh[1]} devices; {usable} are usable")
     budget = memory_budget(options, cluster, devs[0])
     t0 = time.perf_counter()
     layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
@@ -202,7 +205,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         tb = time.perf_counter()
         searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
                                      num_devices_exact=options.num_devices,
-                                     micro_batches=rung.micro_batches, offload=options.offload)
+                                     micro_batches=rung.micro_batches, offload=options.offload,
+                                     mesh=options.mesh,
+                                     allowed=None if options.strategies is None
+                                     else frozenset(options.strategies))
         try:
             result = searcher(ctx.budget)
         except ValueError as e:

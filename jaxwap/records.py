@@ -17,6 +17,11 @@ DATA, MODEL = "data", "model"
 
 PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
 
+# The families a parameter layout is built from, which `PlanOptions(strategies=...)` may
+# restrict a plan to: replicated, tensor parallel over the model axis, optimizer state
+# sharded over data (ZeRO-1), everything sharded over data (FSDP), state in host memory.
+STRATEGY_FAMILIES: tuple[str, ...] = ("replicate", "tp", "zero1", "fsdp", "offload")
+
 # Rematerialization policies a `make_train_step` step may be restructured with.
 REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots")
 
@@ -60,6 +65,15 @@ class Strategy:
     @property
     def layout_of_state(self) -> tuple[str | None, ...]:
         return self.spec if self.state_spec is None else self.state_spec
+
+    @property
+    def families(self) -> frozenset[str]:
+        """The `STRATEGY_FAMILIES` this layout combines ({"replicate"} when none)."""
+        out = {name for name, on in (("tp", self.tp != "none"),
+                                     ("zero1", self.state_spec is not None),
+                                     ("fsdp", self.data_sharded), ("offload", self.offload))
+               if on}
+        return frozenset(out or {"replicate"})
 
 
 @dataclass(frozen=True)
@@ -232,5 +246,5 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
 
 
 __all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES",
-           "Collective", "CompiledFigures", "Judged", "Measurement", "Prediction",
-           "StepVariant", "Strategy", "judge"]
+           "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
+           "Prediction", "StepVariant", "Strategy", "judge"]

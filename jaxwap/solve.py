@@ -73,11 +73,12 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
     return tuple(spec)
 
 
-def param_strategies(graph: Graph, j: int, d: int, m: int,
-                     offload: bool = True) -> tuple[Strategy, ...]:
+def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
+                     allowed: frozenset[str] | None = None) -> tuple[Strategy, ...]:
     """Replicate; column / row over model; each also with its optimizer state sharded over
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
-    optimizer state, each of those with the state kept in host memory."""
+    optimizer state, each of those with the state kept in host memory. `allowed` keeps
+    only the layouts whose families it holds (see `restrict`)."""
     shape = graph.params[j].shape
     nd = len(shape)
     all_dims = range(nd)
@@ -103,7 +104,16 @@ def param_strategies(graph: Graph, j: int, d: int, m: int,
         out.append(Strategy(prefix + "fsdp", sharded, tp=tp, data_sharded=True))
     if has_state and offload:
         out += [dataclasses.replace(s, name=s.name + "+offload", offload=True) for s in out]
-    return tuple(out)
+    return restrict(out, allowed)
+
+
+def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
+             ) -> tuple[Strategy, ...]:
+    """The layouts every family of which is allowed; replicated when none is (a parameter
+    no axis divides cannot take the split asked for). `options[0]` is the replicated one."""
+    if allowed is None:
+        return tuple(options)
+    return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
 def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[int]:
@@ -193,8 +203,9 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
-               offload: bool = True) -> MeshResult:
-    strategies = [param_strategies(graph, j, d, m, offload) for j in range(len(graph.params))]
+               offload: bool = True, allowed: frozenset[str] | None = None) -> MeshResult:
+    strategies = [param_strategies(graph, j, d, m, offload, allowed)
+                  for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, m, strategies)
     tried: dict[tuple[int, ...], Prediction] = {}
     for w in _OVERLAP_WEIGHTS:
@@ -212,15 +223,19 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
 
 
 def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
-                num_devices_exact: int | None = None, micro_batches: int = 1
+                num_devices_exact: int | None = None, micro_batches: int = 1,
+                mesh: tuple[int, int] | None = None
                 ) -> tuple[list[tuple[int, int]], list[str]]:
     """Every (data, model) factorisation of n <= num_devices devices worth trying (with
-    micro-batches, each micro-batch must split evenly over the data axis)."""
+    micro-batches, each micro-batch must split evenly over the data axis); only `mesh`
+    when the caller fixes it."""
     shapes, skipped = [], []
     ns = [num_devices_exact] if num_devices_exact else range(1, num_devices + 1)
+    if mesh is not None:
+        ns = [mesh[0] * mesh[1]]
     for n in ns:
         for d in range(1, n + 1):
-            if n % d:
+            if n % d or (mesh is not None and d != mesh[0]):
                 continue
             m = n // d
             if batch_size is None and d > 1:
@@ -242,18 +257,32 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
            budget: float, num_devices_exact: int | None = None,
-           micro_batches: int = 1, offload: bool = True) -> SearchResult:
+           micro_batches: int = 1, offload: bool = True, mesh: tuple[int, int] | None = None,
+           allowed: frozenset[str] | None = None) -> SearchResult:
+    """Every mesh worth trying (or only `mesh`), each with its best layout of the `allowed`
+    strategy families, ranked by the objective."""
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
-                                  micro_batches)
+                                  micro_batches, mesh)
     if not shapes:
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    results = [solve_mesh(graph, cluster, d, m, budget, offload) for d, m in shapes]
+    results = [solve_mesh(graph, cluster, d, m, budget, offload, allowed) for d, m in shapes]
+    if allowed is not None and "replicate" not in allowed:
+        # a forced split must happen: a mesh where it cannot is no candidate
+        kept = [r for r in results if any(s.families <= allowed for s in r.strategies)]
+        skipped += [f"{r.d}x{r.m}: no parameter can take the strategies "
+                    f"{', '.join(sorted(allowed))} on it" for r in results if r not in kept]
+        if not kept:
+            raise ValueError(f"no mesh lets any parameter use the strategies "
+                             f"{', '.join(sorted(allowed))} ({'; '.join(skipped[-6:])})")
+        results = kept
     rank = functools.partial(objective.rank, max_watts=cluster.device.max_watts,
                              num_devices_available=cluster.num_devices)
     # Plain data parallelism (every parameter replicated) is what a user would write by
     # hand; its best mesh is kept as a candidate of its own so verification can always
-    # weigh the plan against it on XLA's figures.
-    dp = [data_parallel(graph, cluster, d, budget) for d, m in shapes if m == 1]
+    # weigh the plan against it on XLA's figures (unless the strategies forbid it).
+    replicate_ok = allowed is None or "replicate" in allowed
+    dp = [data_parallel(graph, cluster, d, budget) for d, m in shapes
+          if m == 1 and replicate_ok]
     dp = [r for r in dp if r.fits]
     baseline = -1
     if dp:
@@ -274,6 +303,12 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     ranking = rank([r.predicted if r.fits and uses_model_axis(r) else None for r in results])
     if ranking.best < 0:
         shown = ", ".join(f"{r.d}x{r.m}" for r in results)
+        if mesh is not None:
+            raise ValueError(
+                f"mesh_shape {mesh[0]}x{mesh[1]}: no parameter gains from being split over "
+                f"its model axis of {mesh[1]}, so its devices would only duplicate work. "
+                f"Force tensor parallelism with strategies=('tp', ...) or use a model axis "
+                f"of 1.")
         raise ValueError(
             f"every usable mesh ({shown}) needs a model axis (batch "
             f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "

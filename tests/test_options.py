@@ -14,7 +14,8 @@ import jaxwap
 PUBLIC = {
     "AutoShardedStep", "Calibration", "Candidate", "Cluster", "DeviceSpec", "EnergyMeter",
     "EnergyReading", "Measurement", "Objective", "ParamPlacement", "Plan", "PlanCache",
-    "PlanOptions", "Prediction", "StepVariant", "Strategy", "TrainStep", "__version__",
+    "PlanOptions", "Prediction", "STRATEGY_FAMILIES", "StepVariant", "Strategy", "TrainStep",
+    "__version__",
     "auto_shard", "builtin_device_names", "calibrate", "device_spec", "load_calibration",
     "make_train_step", "measure_energy", "plan",
 }
@@ -31,7 +32,7 @@ def test_every_option_is_accepted_by_plan_and_auto_shard():
     every = dict(objective="throughput", hardware=jaxwap.Cluster("h100-sxm", 8),
                  devices=jax.devices(), memory_budget=1e9, num_devices=2, verify=0,
                  donate=False, compiler_options={}, cache=False, batch_size=16,
-                 measure=0, offload=False)
+                 measure=0, offload=False, mesh_shape={"data": 2}, strategies=("replicate",))
     assert set(every) == {f.name for f in dataclasses.fields(jaxwap.PlanOptions)}
     plan = jaxwap.plan(step, params, opt, batch, **every)
     assert plan.num_devices == 2 and plan.objective.kind == "throughput"
@@ -39,7 +40,8 @@ def test_every_option_is_accepted_by_plan_and_auto_shard():
     assert wrapped.options == jaxwap.PlanOptions(**every)
     # a record and keywords together: the keywords replace the record's fields
     rec = jaxwap.PlanOptions(**every)
-    assert jaxwap.plan(step, params, opt, batch, options=rec, num_devices=1).num_devices == 1
+    assert jaxwap.plan(step, params, opt, batch, options=rec, num_devices=1,
+                       mesh_shape=None).num_devices == 1
 
 
 def test_options_are_checked_once_by_name():
@@ -68,8 +70,53 @@ def test_every_option_that_can_change_a_plan_is_in_the_cache_key(tmp_path):
     base = dict(hardware=jaxwap.Cluster("h100-sxm", 8), verify=0, cache=store)
     jaxwap.plan(step, params, opt, batch, **base)
     for change in (dict(donate=False), dict(offload=False), dict(compiler_options={"x": 1}),
-                   dict(num_devices=2)):
+                   dict(num_devices=2), dict(mesh_shape={"data": 2, "model": 1}),
+                   dict(strategies=("fsdp",))):
         jaxwap.plan(step, params, opt, batch, **base, **change)
-    assert len(list(tmp_path.glob("*.json"))) == 5
+    assert len(list(tmp_path.glob("*.json"))) == 7
     jaxwap.plan(step, params, opt, batch, **base)  # the same question: read back
-    assert len(list(tmp_path.glob("*.json"))) == 5
+    assert len(list(tmp_path.glob("*.json"))) == 7
+
+
+def test_mesh_shape_and_strategies_are_checked_by_name():
+    with pytest.raises(ValueError, match="mesh_shape has unknown axis.*'pipe'"):
+        jaxwap.PlanOptions(mesh_shape={"pipe": 2})
+    with pytest.raises(ValueError, match=r"mesh_shape\['model'\] must be >= 1"):
+        jaxwap.PlanOptions(mesh_shape={"model": 0})
+    with pytest.raises(TypeError, match="mesh_shape must be a dict"):
+        jaxwap.PlanOptions(mesh_shape=(2, 4))
+    with pytest.raises(ValueError, match="num_devices=4 contradicts mesh_shape"):
+        jaxwap.PlanOptions(mesh_shape={"data": 2, "model": 4}, num_devices=4)
+    with pytest.raises(ValueError, match=r"unknown name\(s\) \['zero3'\].*choose from"):
+        jaxwap.PlanOptions(strategies=("zero3",))
+    assert jaxwap.PlanOptions(strategies="fsdp").strategies == ("fsdp",)
+    assert jaxwap.PlanOptions(mesh_shape={"model": 4}).mesh == (1, 4)
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    with pytest.raises(ValueError, match="needs 16 devices; 8 are usable"):
+        jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 4, "model": 4},
+                    hardware=jaxwap.Cluster("h100-sxm", 8), verify=0, cache=False)
+
+
+def test_mesh_shape_fixes_the_mesh_and_strategies_restrict_every_layout():
+    step, params, opt, batch = abstract_setup((256, 256, 16), 16, 64)
+    base = dict(hardware=jaxwap.Cluster("h100-sxm", 8), verify=0, cache=False)
+    plan = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 4}, **base)
+    assert dict(plan.mesh_shape) == {"data": 4, "model": 1}
+    assert {c.num_devices for c in plan.candidates} == {4}
+    with pytest.raises(ValueError, match="mesh_shape 2x4: no parameter gains.*strategies"):
+        jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4}, **base)
+    both = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4},
+                       strategies=("tp",), **base)
+    assert dict(both.mesh_shape) == {"data": 2, "model": 4}
+    fsdp = jaxwap.plan(step, params, opt, batch, strategies=("fsdp",), num_devices=4, **base)
+    # every parameter a data-axis split divides is FSDP, the rest replicated; no other
+    # family anywhere, and no mesh without a data axis
+    assert {p.strategy for p in fsdp.params} <= {"fsdp", "replicate"}
+    assert any(p.strategy == "fsdp" for p in fsdp.params)
+    assert all(p.strategy == "fsdp" for p in fsdp.params if p.shape[0] % fsdp.mesh_shape[
+        "data"] == 0 or p.shape[-1] % fsdp.mesh_shape["data"] == 0)
+    assert fsdp.mesh_shape["data"] > 1
+    tp = jaxwap.plan(step, params, opt, batch, strategies=("tp",),
+                     mesh_shape={"model": 4}, **base)
+    kernels = [p for p in tp.params if len(p.shape) == 2]
+    assert {p.strategy for p in kernels} <= {"tp-col", "tp-row"} and kernels
