@@ -10,6 +10,12 @@ arguments on the simulated CPU devices:
 - plain data parallelism (every parameter replicated), where the mesh has a data axis,
 - ZeRO-3 / FSDP (every parameter that can be, sharded over the data axis), likewise.
 
+The two forced layouts are what the planner itself finds on that mesh with
+`PlanOptions(strategies=("replicate",))` / `("fsdp",)` (the same `solve.solve_mesh`), and
+every candidate is compiled by `verify.compile_candidate`, the function verification and
+`auto_shard` compile through: the weight spec, the optimizer-state spec and its memory
+kind are the candidate's own (a ZeRO-1 candidate compiles with its state sharded).
+
 Compiling is the slow part (seconds per candidate for the full-size models on 2 CPU
 cores), so results are kept in `benchmarks/results/candidates_<workload>.json` and reused
 by the next script when the workload, hardware and jaxwap version match.
@@ -24,6 +30,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -40,16 +47,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.compile import compile_layout  # noqa: E402
-from jaxwap.cost import mesh_costs, predict  # noqa: E402
-from jaxwap.hlo import compiled_figures  # noqa: E402
 from jaxwap.planner import Planned, make_plan  # noqa: E402
 from jaxwap.records import CompiledFigures  # noqa: E402
-from jaxwap.solve import param_strategies, uses_model_axis  # noqa: E402
+from jaxwap.solve import MeshResult, solve_mesh, uses_model_axis  # noqa: E402
+from jaxwap.verify import compile_candidate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 HARDWARE = jaxwap.Cluster("h100-sxm", 8)
-VARIANTS = ("planner", "data-parallel", "fsdp")
+# variant -> the strategy families it forces (None: the planner's own choice)
+VARIANTS: dict[str, frozenset[str] | None] = {
+    "planner": None, "data-parallel": frozenset({"replicate"}), "fsdp": frozenset({"fsdp"})}
+# Bumped when what a record's compiled figures describe changes: saved records of another
+# format are compiled again. 2: candidates compiled by verify.compile_candidate with their
+# real placements (format 1 laid ZeRO-1 / offloaded optimizer state out like the weight).
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -89,20 +100,20 @@ def plan_analytic(w: zoo.Workload, cluster: jaxwap.Cluster = HARDWARE) -> Planne
                                                 verify=0, cache=False))
 
 
-def _variant_choice(strats: Sequence[Sequence[Any]], variant: str,
-                    planner: Sequence[str]) -> list[int] | None:
-    names = {"planner": None, "data-parallel": "replicate", "fsdp": "fsdp"}[variant]
-    out = []
-    for j, options in enumerate(strats):
-        want = planner[j] if names is None else names
-        idx = next((i for i, s in enumerate(options) if s.name == want), None)
-        if idx is None:  # "fsdp" where no dim divides: keep it replicated
-            idx = 0
-        out.append(idx)
-    return out
-
-
 Key = tuple[int, int, tuple[str, ...]]
+
+
+def variant_candidate(planned: Planned, r: MeshResult, variant: str,
+                      cluster: jaxwap.Cluster = HARDWARE) -> MeshResult:
+    """The candidate `variant` names on r's mesh: r itself for "planner", else the planner's
+    own best assignment with the variant's strategy families forced."""
+    allowed = VARIANTS[variant]
+    if allowed is None:
+        return r
+    assert planned.graph is not None
+    budget = cluster.device.memory_bytes * 0.9
+    return dataclasses.replace(solve_mesh(planned.graph, cluster, r.d, r.m, budget,
+                                          allowed=allowed), variant=variant)
 
 
 def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any],
@@ -111,42 +122,35 @@ def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any
     """Every (mesh, variant) priced by the current model; compiled figures come from
     `known` (layouts compiled before: XLA's figures do not depend on jaxwap's model) or
     from a compile now. Identical layouts appear once."""
-    graph, search = planned.graph, planned.search
-    assert graph is not None and search is not None
+    search = planned.search
+    assert search is not None
     devices = jax.devices()
     records: list[Record] = []
     seen: set[Key] = set()
     for r in search.results:
         if not uses_model_axis(r) or r.variant != "planner":  # the baseline comes below
             continue
-        strats = [param_strategies(graph, j, r.d, r.m) for j in range(len(graph.params))]
-        mc = mesh_costs(graph, cluster, r.d, r.m, strats)
-        planner_names = [s.name for s in r.strategies]
         for variant in VARIANTS:
             if variant != "planner" and r.d == 1:
                 continue
-            choice = _variant_choice(strats, variant, planner_names)
-            layout = tuple(strats[j][c].name for j, c in enumerate(choice))
+            cand = variant_candidate(planned, r, variant, cluster)
+            layout = tuple(s.name for s in cand.strategies)
             key = (r.d, r.m, layout)
             if key in seen:
                 continue
             seen.add(key)
-            pred = predict(graph, cluster, mc, choice)
             if key in known:
                 figs, err = known[key]
             else:
-                specs = [strats[j][c].spec for j, c in enumerate(choice)]
                 t0 = time.perf_counter()
                 try:
-                    cs = compile_layout(w.step, planned.layout, r.d, r.m, specs, devices)
-                    figs = compiled_figures(cs.compiled, (r.d, r.m), cluster,
-                                            cs.compile_time_s)
+                    figs, _ = compile_candidate(w.step, planned.layout, cand, devices, cluster)
                     err = None
                 except Exception as e:  # noqa: BLE001 - recorded, not hidden
                     figs, err = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 log(f"  {w.name:14s} {r.d}x{r.m} {variant:13s} compiled in "
                     f"{time.perf_counter() - t0:5.1f} s" + (f"  ERROR {err}" if err else ""))
-            records.append(Record(r.d, r.m, variant, layout, pred, figs, err))
+            records.append(Record(r.d, r.m, variant, layout, cand.predicted, figs, err))
     return records
 
 
@@ -157,7 +161,7 @@ def load_or_compile(w: zoo.Workload, small: bool, refresh: bool = False,
     devices), compiles for the rest; the file is rewritten with everything known."""
     path = RESULTS / f"candidates_{w.name}.json"
     planned = plan_analytic(w)
-    meta = {"workload": w.name, "description": w.description, "small": small,
+    meta = {"format": FORMAT, "workload": w.name, "description": w.description, "small": small,
             "hardware": HARDWARE.to_dict(), "jax": jax.__version__,
             "devices": len(jax.devices())}
     known: dict[Key, Any] = {}

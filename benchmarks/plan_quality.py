@@ -33,10 +33,8 @@ import candidates  # noqa: E402  (sets up 8 simulated devices before jax starts)
 import jax  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.compile import compile_layout  # noqa: E402
 from jaxwap.cost import with_compiled  # noqa: E402
-from jaxwap.hlo import compiled_figures  # noqa: E402
-from jaxwap.verify import run_verification  # noqa: E402
+from jaxwap.verify import compile_candidate, run_verification  # noqa: E402
 
 GOAL_REGRET, GOAL_PLAN_S = 0.03, 1.0
 OBJECTIVE = jaxwap.Objective("balanced")
@@ -70,10 +68,8 @@ def evaluate(w: Any, planned: Any, records: list[candidates.Record], n: int) -> 
     def replay(mr: Any) -> tuple[Any, None]:
         key = (mr.d, mr.m, tuple(s.name for s in mr.strategies))
         if key not in compiled:  # a layout the 8-device records do not hold: compile it
-            cs = compile_layout(w.step, analytic.layout, mr.d, mr.m,
-                                [s.spec for s in mr.strategies], jax.devices())
-            compiled[key] = compiled_figures(cs.compiled, (mr.d, mr.m), cluster,
-                                             cs.compile_time_s)
+            compiled[key] = compile_candidate(w.step, analytic.layout, mr, jax.devices(),
+                                              cluster)[0]
         return compiled[key], None
 
     ver = run_verification(analytic.search, 3, replay, cluster=cluster, objective=OBJECTIVE,

@@ -43,10 +43,14 @@ class LeafLayout:
 
 
 def placement_of(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], bool]:
-    """(weight spec, optimizer-state spec, state offloaded) of a strategy, a placement or
-    a bare spec tuple (the same spec for both, nothing offloaded)."""
-    if isinstance(p, tuple):
-        return p, p, False
+    """(weight spec, optimizer-state spec, state offloaded) of a `Strategy` or a plan's
+    `ParamPlacement`. A bare spec would leave the optimizer state's layout to a guess (a
+    benchmark once compiled every ZeRO-1 candidate as data parallelism that way), so it is
+    refused."""
+    if not all(hasattr(p, a) for a in ("spec", "layout_of_state", "offload")):
+        raise TypeError(f"a parameter's placement must be a jaxwap Strategy or ParamPlacement "
+                        f"(its weight spec, optimizer-state spec and memory kind), got "
+                        f"{type(p).__name__} {p!r}")
     return tuple(p.spec), tuple(p.layout_of_state), bool(p.offload)
 
 
@@ -111,8 +115,7 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
     """Lower and compile `fn` (flattened per `layout`) for this mesh and parameter layout,
     from abstract arguments only: nothing is allocated and no user array is touched.
 
-    `placements` holds one entry per parameter: a `Strategy`, a `ParamPlacement` or a
-    bare spec tuple. Optimizer state kept in host memory enters and leaves the step there;
+    `placements` holds one entry per parameter: a `Strategy` or a `ParamPlacement`. Optimizer state kept in host memory enters and leaves the step there;
     the step moves it to device memory where the user's code reads it and back where it
     returns it, so XLA schedules (and on GPU overlaps) the transfers.
     """

@@ -172,3 +172,61 @@ def test_the_data_parallel_baseline_is_always_verified():
     assert dp, [(c.label, c.strategy_counts) for c in plan.candidates if c.compiled]
     chosen = next(c for c in plan.candidates if c.chosen)
     assert chosen.score <= min(c.score for c in dp)
+
+
+# ------------------------------------------------------------------ one compile path
+def _forced_candidate(family: str, d: int = 4):
+    """The planner's own candidate on a (d, 1) mesh with `family` forced, and with every
+    parameter replicated, compiled by `verify.compile_candidate` (the function verification,
+    the benchmarks and `auto_shard` compile a candidate through)."""
+    from jaxwap.planner import make_plan
+    from jaxwap.solve import solve_mesh
+    from jaxwap.verify import compile_candidate
+
+    step, params, opt, batch = abstract_setup((64, 64, 16), 32, 32)
+    planned = make_plan(step, (params, opt, batch), {}, params=None,
+                        options=jaxwap.PlanOptions(hardware=H100X8, verify=0, cache=False,
+                                                   mesh_shape={"data": d},
+                                                   strategies=(family,)))
+    out = {}
+    for name in (family, "replicate"):
+        r = solve_mesh(planned.graph, H100X8, d, 1, 1e12, allowed=frozenset({name}))
+        assert {s.name for s in r.strategies} == {name}, r.strategies
+        figs, cs = compile_candidate(step, planned.layout, r, jax.devices(), H100X8)
+        out[name] = (cs, figs)
+    return planned.layout, out
+
+
+def _bytes_per_device(cs, layout, mirror: bool) -> int:
+    """Per-device bytes of the parameter (mirror=False) or optimizer-state (mirror=True)
+    arguments, from the shardings the compiled executable itself takes."""
+    shardings = jax.tree.leaves(cs.compiled.input_shardings[0])
+    total = 0
+    for sh, aval, role in zip(shardings, layout.inputs.avals, layout.inputs.roles,
+                              strict=True):
+        if role.kind == "param" and role.mirror == mirror:
+            total += int(np.prod(sh.shard_shape(aval.shape))) * aval.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("family, mirror", [("zero1", True), ("fsdp", False)])
+def test_compiled_zero1_state_and_fsdp_weights_are_one_dth_per_device(family, mirror):
+    """ZeRO-1 compiles with the Adam moments sharded 4 ways and FSDP with the weights
+    sharded 4 ways: the compiled program's own argument layout and XLA's memory analysis
+    both show it (a candidate compiled from bare specs would hold the full state)."""
+    d = 4
+    layout, out = _forced_candidate(family, d)
+    (cs, figs), (cs_rep, figs_rep) = out[family], out["replicate"]
+    full = _bytes_per_device(cs_rep, layout, mirror)
+    assert full > 0
+    assert _bytes_per_device(cs, layout, mirror) * d == full
+    # XLA's own argument bytes fall by exactly what those layouts no longer hold
+    state = [_bytes_per_device(c, layout, True) + _bytes_per_device(c, layout, False)
+             for c in (cs, cs_rep)]
+    args = cs.compiled.memory_analysis().argument_size_in_bytes
+    args_rep = cs_rep.compiled.memory_analysis().argument_size_in_bytes
+    assert args_rep - args == state[1] - state[0] >= full - full // d
+    if family == "zero1":  # the weights themselves stay whole
+        assert _bytes_per_device(cs, layout, False) == _bytes_per_device(cs_rep, layout, False)
+    else:  # FSDP shards the weights' optimizer state with them
+        assert _bytes_per_device(cs, layout, True) * d == _bytes_per_device(cs_rep, layout, True)
