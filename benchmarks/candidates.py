@@ -30,7 +30,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -45,18 +44,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import zoo  # noqa: E402
+from layouts import variant_candidate  # noqa: E402
 
 import jaxwap  # noqa: E402
 from jaxwap.planner import Planned, make_plan  # noqa: E402
 from jaxwap.records import CompiledFigures  # noqa: E402
-from jaxwap.solve import MeshResult, solve_mesh, uses_model_axis  # noqa: E402
+from jaxwap.solve import uses_model_axis  # noqa: E402
 from jaxwap.verify import compile_candidate  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 HARDWARE = jaxwap.Cluster("h100-sxm", 8)
-# variant -> the strategy families it forces (None: the planner's own choice)
-VARIANTS: dict[str, frozenset[str] | None] = {
-    "planner": None, "data-parallel": frozenset({"replicate"}), "fsdp": frozenset({"fsdp"})}
+COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # Bumped when what a record's compiled figures describe changes: saved records of another
 # format are compiled again. 2: candidates compiled by verify.compile_candidate with their
 # real placements (format 1 laid ZeRO-1 / offloaded optimizer state out like the weight).
@@ -103,19 +101,6 @@ def plan_analytic(w: zoo.Workload, cluster: jaxwap.Cluster = HARDWARE) -> Planne
 Key = tuple[int, int, tuple[str, ...]]
 
 
-def variant_candidate(planned: Planned, r: MeshResult, variant: str,
-                      cluster: jaxwap.Cluster = HARDWARE) -> MeshResult:
-    """The candidate `variant` names on r's mesh: r itself for "planner", else the planner's
-    own best assignment with the variant's strategy families forced."""
-    allowed = VARIANTS[variant]
-    if allowed is None:
-        return r
-    assert planned.graph is not None
-    budget = cluster.device.memory_bytes * 0.9
-    return dataclasses.replace(solve_mesh(planned.graph, cluster, r.d, r.m, budget,
-                                          allowed=allowed), variant=variant)
-
-
 def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any],
                          cluster: jaxwap.Cluster = HARDWARE,
                          log: Any = print) -> list[Record]:
@@ -130,10 +115,10 @@ def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any
     for r in search.results:
         if not uses_model_axis(r) or r.variant != "planner":  # the baseline comes below
             continue
-        for variant in VARIANTS:
+        for variant in COMPILED_VARIANTS:
             if variant != "planner" and r.d == 1:
                 continue
-            cand = variant_candidate(planned, r, variant, cluster)
+            cand = variant_candidate(planned.graph, r, variant, cluster)
             layout = tuple(s.name for s in cand.strategies)
             key = (r.d, r.m, layout)
             if key in seen:

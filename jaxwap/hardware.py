@@ -263,8 +263,11 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))
     if platform == "cpu":
+        # devices of one process share its host's cores; processes pinned to their own
+        # cores (one device each) are separate machines as far as compute goes
+        local = sum(1 for d in devices if d.process_index == devices[0].process_index)
         return Cluster(_host_share(spec, devices, calibrated=cal is not None), len(devices),
-                       shared_compute=True), note
+                       shared_compute=local > 1), note
     return Cluster(spec, len(devices)), note
 
 
