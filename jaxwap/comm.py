@@ -5,15 +5,32 @@ gradient all-reduce, the gathers around a tensor-parallel layer) or XLA put it i
 compiled program (`collective_cost` of a parsed `Collective`):
 `2(n-1)/n * bytes / bw + 2(n-1) * latency` for an all-reduce and half that for an
 all-gather or reduce-scatter.
+
+What data parallelism reduces is found the way XLA's SPMD partitioner finds it
+(`batch_dims`): an op that sums over the batch dim leaves every device a partial sum,
+which is all-reduced over the data axis where it is made, before anything adds it to
+another. So a weight used by several batched ops (a tied embedding: lookup and LM head)
+has its gradient reduced once per use, not once per step; and a loss, a metric or a
+batch-norm statistic is reduced too. (XLA:CPU compiles it so; XLA:GPU's
+all-reduce-reassociate pass may merge `add(all-reduce(a), all-reduce(b))` into one when
+only reshapes, pads, slices or converts stand between them, so there this is an upper
+bound that verification corrects.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from .graph import Graph, Layer
+import numpy as np
+
+from .flatten import FlatProgram
 from .hardware import Cluster
+from .primitives import batch_rule, default_batch
 from .records import Collective
+
+if TYPE_CHECKING:
+    from .graph import Graph, Layer
 
 
 def all_reduce(nbytes: float, n: int, cluster: Cluster,
@@ -52,6 +69,43 @@ def collective_cost(c: Collective, cluster: Cluster) -> tuple[float, float]:
     if n <= 1:  # collective-permute
         return 0.0, 0.0
     return c.bytes / cluster.link_bandwidth + cluster.link_latency, float(c.bytes)
+
+
+def batch_dims(prog: FlatProgram, batch_inputs: Sequence[int]
+               ) -> tuple[list[int | None], np.ndarray]:
+    """Where data parallelism splits every value of the flat program, and which ops make
+    partial sums of it.
+
+    Batch inputs are split on their leading dim (as `compile_layout` places them); each
+    op's batch rule (`primitives.register_batch`) says where that dim goes in its results
+    and whether the op sums over it (a contraction over the batch, a reduction, a scatter
+    of every row into one array). Returns the split dim of every value (None: whole on
+    every device) and, per op, whether its results are such partial sums: one all-reduce
+    over the data axis each.
+    """
+    axis: list[int | None] = [None] * len(prog.vars)
+    for i in batch_inputs:
+        axis[i] = 0 if prog.vars[i].shape else None
+    partial = np.zeros(len(prog.ops), dtype=bool)
+    for k, op in enumerate(prog.ops):
+        ins = [axis[i] for i in op.ins]
+        if all(a is None for a in ins):
+            continue
+        try:
+            outs, summed = batch_rule(op.prim)(op.eqn, ins)
+        except Exception:  # noqa: BLE001 - an equation its rule does not expect
+            outs, summed = default_batch(op.eqn, ins)
+        for o, a in zip(op.outs, outs, strict=True):
+            axis[o] = a
+        partial[k] = summed and all(a is None for a in outs)
+    return axis, partial
+
+
+def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes) of the partial sums over the batch that are not gradients (the
+    loss, metrics, batch-norm statistics: `Graph.reduce_bytes`), all-reduced over the data
+    axis whatever the parameters' layouts; latency left to the combined reduction."""
+    return all_reduce(graph.reduce_bytes, d, cluster, False)
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster) -> tuple[float, float]:
@@ -112,5 +166,5 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
     return t, b
 
 
-__all__ = ["all_gather", "all_reduce", "collective_cost", "fsdp_comm", "tp_chain_cost",
-           "tp_final_cost", "tp_pair_cost"]
+__all__ = ["all_gather", "all_reduce", "batch_dims", "batch_reduce_comm", "collective_cost",
+           "fsdp_comm", "tp_chain_cost", "tp_final_cost", "tp_pair_cost"]

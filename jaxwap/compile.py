@@ -115,9 +115,10 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
     """Lower and compile `fn` (flattened per `layout`) for this mesh and parameter layout,
     from abstract arguments only: nothing is allocated and no user array is touched.
 
-    `placements` holds one entry per parameter: a `Strategy` or a `ParamPlacement`. Optimizer state kept in host memory enters and leaves the step there;
-    the step moves it to device memory where the user's code reads it and back where it
-    returns it, so XLA schedules (and on GPU overlaps) the transfers.
+    `placements` holds one entry per parameter: a `Strategy` or a `ParamPlacement`.
+    Optimizer state kept in host memory enters and leaves the step there; the step moves
+    it to device memory where the user's code reads it and back where it returns it, so
+    XLA schedules (and on GPU overlaps) the transfers.
     """
     mesh = make_mesh(d, m, devices)
     in_lay = leaf_specs(layout.inputs, placements, d)

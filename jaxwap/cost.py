@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import all_reduce, collective_cost, fsdp_comm, tp_chain_cost
+from .comm import all_reduce, batch_reduce_comm, collective_cost, fsdp_comm, tp_chain_cost
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
 from .records import DATA, CompiledFigures, Prediction, Strategy
@@ -252,15 +252,17 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     grads = [mc.grad_comm[j][s] for j, s in picked]
     first = graph.layers[0].param if graph.layers else None
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
+    # the loss, metrics and batch statistics are partial sums over the batch too
+    red_t, red_b = batch_reduce_comm(graph, d, cluster)
     parts = StepParts(
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),
         blocking=tp_t,
-        grad_comm=sum(g[0] for g in grads) + _combined_latency(strats, d, cluster),
+        grad_comm=sum(g[0] for g in grads) + red_t + _combined_latency(strats, d, cluster),
         tail_comm=grads[first][0] if first is not None else 0.0,
         batched_time=mc.batched_time,
         host_one_way=sum(mc.host[j][s] for j, s in picked),
-        comm_bytes=sum(g[1] for g in grads) + tp_b,
+        comm_bytes=sum(g[1] for g in grads) + red_b + tp_b,
         memory=peak_memory(graph, d, m, strats)[0],
         flops=mc.base_flops + sum(mc.param_flops[j][s] for j, s in picked),
         loop_flops_ratio=loop_flops_ratio(graph))

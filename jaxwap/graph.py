@@ -27,9 +27,19 @@ from typing import Any
 
 import numpy as np
 
+from .comm import batch_dims
 from .flatten import FlatOp, FlatProgram, flatten, itemsize_of
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
-from .primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, RooflineRules, prim_info, roofline_rules
+from .primitives import (
+    ELEMENTWISE,
+    FREE,
+    HEAVY,
+    MATMUL,
+    RooflineRules,
+    linear_in,
+    prim_info,
+    roofline_rules,
+)
 from .state import BATCH, PARAM, LeafRole, ParamInfo
 
 __all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "Graph", "Layer", "analyze"]
@@ -76,9 +86,13 @@ class Graph:
     repeat: np.ndarray         # [ops] iterations of the enclosing (inlined) scans
     resident_bytes: np.ndarray  # [P] bytes of each param's optimizer state (its mirrors)
     host_transfer: np.ndarray  # [ops] bool: a copy between device and host memory
-    # [P] how many times a parameter's gradient is produced per step: inside a scan over
-    # micro-batches XLA reduces it across the data axis in every iteration
+    # [P] how many whole gradients of each parameter data parallelism all-reduces per
+    # step: one per batched use (partial sums are reduced before they are added), in
+    # every iteration of a scan over micro-batches (`comm.batch_dims`)
     grad_repeat: np.ndarray
+    # bytes of the other partial sums over the batch, all-reduced over the data axis per
+    # step: the loss, metrics, batch-norm statistics and their gradients
+    reduce_bytes: float = 0.0
 
     @property
     def total_flops(self) -> float:
@@ -95,6 +109,10 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     costs = _op_costs(prog, kinds, rules)
     splits = _op_splits(prog, kinds, flow)
     mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params))
+    grad_repeat, reduce_bytes = _data_reductions(prog, in_roles, out_roles, params)
+    # where no partial sum was found, the old rule: once per step, or per scan iteration
+    fallback = _grad_repeat(prog.ops, splits.owner, mem.op_class, len(params))
+    grad_repeat = np.where(grad_repeat > 0, grad_repeat, fallback)
     return Graph(
         params=tuple(params), batch_size=batch_size, flops=costs.flops, bytes=costs.bytes,
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
@@ -102,7 +120,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
-        grad_repeat=_grad_repeat(prog.ops, splits.owner, mem.op_class, len(params)))
+        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes)
 
 
 def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
@@ -349,6 +367,46 @@ def _memory(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
                         dtype=np.int64)
     return _Memory(live, op_class, resident)
+
+
+def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
+                     out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
+                     ) -> tuple[np.ndarray, float]:
+    """What data parallelism all-reduces per step: per parameter, its partial gradient
+    sums in units of its whole gradient; and the bytes of every other partial sum.
+
+    Each op that sums over the batch (`comm.batch_dims`) is one all-reduce of its result
+    (two such ops on one operand are two: XLA's CSE merges the sums, not the all-reduces).
+    It is a parameter's when its result flows linearly (a summand, not through a square
+    root or the like), through values not split by the batch, into that parameter's new
+    value or optimizer state; else it is a loss, metric or statistic (a batch-norm mean
+    reaches the scale's gradient only through a reciprocal square root). A gradient is
+    priced in its parameter's dtype (XLA:CPU promotes a bf16 all-reduce to f32). A
+    parameter with no partial sum found gets 0 (the caller falls back to once a step).
+    """
+    batch_in = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
+    axis, partial = batch_dims(prog, batch_in)
+    reach = np.full(len(prog.vars), -1, np.int64)  # the parameter a value flows into
+    for o, r in zip(prog.out_ids, out_roles, strict=True):
+        if r.kind == PARAM:
+            reach[o] = r.param
+    for op in reversed(prog.ops):
+        to = next((int(reach[o]) for o in op.outs if axis[o] is None and reach[o] >= 0), -1)
+        if to >= 0:
+            for n, i in enumerate(op.ins):
+                if axis[i] is None and reach[i] < 0 and linear_in(op.eqn, op.prim, n):
+                    reach[i] = to
+    elems = np.zeros(len(params))
+    other = 0.0
+    for k in np.flatnonzero(partial):
+        op = prog.ops[k]
+        j = next((int(reach[o]) for o in op.outs if reach[o] >= 0), -1)
+        if j >= 0:
+            elems[j] += float(sum(prog.size[o] for o in op.outs)) * op.repeat
+        else:
+            other += float(sum(prog.nbytes[o] for o in op.outs)) * op.repeat
+    sizes = np.array([max(p.size, 1) for p in params], dtype=np.float64)
+    return elems / sizes, other
 
 
 def _grad_repeat(ops: Sequence[FlatOp], op_owner: np.ndarray, op_class: np.ndarray,

@@ -1,0 +1,167 @@
+"""Data-parallel communication, predicted vs compiled, to the byte.
+
+XLA's SPMD partitioner all-reduces every partial sum over the batch where it is made, so a
+weight used by two batched ops (a tied embedding, a layer applied twice) has two gradient
+contributions reduced before they are added, and a loss or batch statistic is reduced too.
+Each test plans a tiny step, compiles its plain data-parallel layout on simulated CPU
+devices and compares the model's bytes with the collectives in the compiled HLO.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from models import abstract_setup
+
+import jaxwap
+from jaxwap.comm import all_reduce, batch_reduce_comm
+from jaxwap.compile import compile_layout
+from jaxwap.cost import mesh_costs, predict
+from jaxwap.graph import analyze
+from jaxwap.hlo import compiled_figures
+from jaxwap.solve import param_strategies
+from jaxwap.trace import layout_of
+
+CLUSTER = jaxwap.Cluster("h100-sxm", 8)
+B, T, V, C = 8, 4, 64, 16
+f32 = jnp.float32
+
+
+def _sds(*shape, dtype=f32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _data_parallel(step, params, *rest, d):
+    """(graph, predicted comm bytes, compiled figures) of `step(params, *rest)` with every
+    parameter replicated on a d x 1 mesh."""
+    layout, closed = layout_of(step, (params, *rest), {}, params, batch_size=B)
+    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
+                    layout.inputs.batch_size)
+    strats = [param_strategies(graph, j, d, 1) for j in range(len(graph.params))]
+    choice = [next(i for i, s in enumerate(opts) if s.name == "replicate") for opts in strats]
+    pred = predict(graph, CLUSTER, mesh_costs(graph, CLUSTER, d, 1, strats), choice)
+    cs = compile_layout(step, layout, d, 1, [s[c] for s, c in zip(strats, choice, strict=True)],
+                        jax.devices())
+    return graph, pred.comm_bytes, compiled_figures(cs.compiled, (d, 1), CLUSTER)
+
+
+def _model_bytes(graph, d):
+    """(gradient bytes, other bytes) the model says data parallelism sends per device."""
+    grads = sum(all_reduce(p.nbytes * r, d, CLUSTER)[1]
+                for p, r in zip(graph.params, graph.grad_repeat, strict=True))
+    return grads, batch_reduce_comm(graph, d, CLUSTER)[1]
+
+
+def _check(graph, predicted, figs, d):
+    """The model's bytes are XLA's; the prediction holds the gradients' (and the other
+    partial sums' once cost.py counts them)."""
+    grads, other = _model_bytes(graph, d)
+    assert grads + other == pytest.approx(figs.comm_bytes, rel=1e-12)
+    assert predicted in (pytest.approx(grads, rel=1e-12), pytest.approx(grads + other, rel=1e-12))
+
+
+def _adam_step(loss):
+    """A step that returns only the new parameters and state (no loss: nothing but
+    gradients is reduced)."""
+    tx = optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx
+
+
+def _tied_lm_loss(p, batch):
+    """Embedding lookup and LM head share one [V, C] matrix, as GPT-2's do."""
+    h = p["wte"][batch["tokens"]] + p["wpe"][None]
+    h = jnp.tanh(h @ p["w"])
+    logits = h @ p["wte"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def _twice_mlp_loss(p, batch):
+    """One square layer applied twice (weight and bias each used by two batched ops)."""
+    h = jax.nn.relu(batch["x"] @ p["w"] + p["b"])
+    h = jax.nn.relu(h @ p["w"] + p["b"])
+    return jnp.mean((h @ p["out"] - batch["y"]) ** 2)
+
+
+def _tied_setup():
+    params = {"wte": _sds(V, C), "wpe": _sds(T, C), "w": _sds(C, C)}
+    batch = {"tokens": _sds(B, T, dtype=jnp.int32), "targets": _sds(B, T, dtype=jnp.int32)}
+    return _tied_lm_loss, params, batch
+
+
+def _twice_setup():
+    params = {"b": _sds(C), "out": _sds(C, 2), "w": _sds(C, C)}
+    batch = {"x": _sds(B, C), "y": _sds(B, 2)}
+    return _twice_mlp_loss, params, batch
+
+
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("setup, used_twice", [(_tied_setup, ("wte",)),
+                                               (_twice_setup, ("b", "w"))],
+                         ids=["tied-embedding", "layer-used-twice"])
+def test_weight_used_twice_is_reduced_twice(setup, used_twice, d):
+    loss, params, batch = setup()
+    step, tx = _adam_step(loss)
+    graph, predicted, figs = _data_parallel(step, params, jax.eval_shape(tx.init, params),
+                                            batch, d=d)
+    reps = {p.path[-1]: float(r) for p, r in zip(graph.params, graph.grad_repeat, strict=True)}
+    assert reps == {k: 2.0 if k in used_twice else 1.0 for k in reps}
+    assert {c.kind for c in figs.collectives} == {"all-reduce"}
+    assert predicted == pytest.approx(figs.comm_bytes, rel=1e-12)
+    assert graph.reduce_bytes == 0.0  # no loss returned: only gradients are reduced
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_plain_mlp_with_loss(d):
+    """An MLP whose step returns its loss: gradients once each, plus the loss (a mean over
+    the batch, one float32 all-reduced)."""
+    step, params, opt_state, batch = abstract_setup((32, 32, 10), B, 16)
+    graph, predicted, figs = _data_parallel(step, params, opt_state, batch, d=d)
+    assert (graph.grad_repeat == 1).all()
+    assert graph.reduce_bytes == 4.0
+    _check(graph, predicted, figs, d)
+
+
+def _norm_loss(p, batch):
+    """Batch normalisation by hand: the batch mean and variance (and their gradients) are
+    partial sums over the batch too, but not the scale's gradient, which they reach only
+    through a reciprocal square root."""
+    x = batch["x"] @ p["w"]
+    mean = x.mean(0)
+    var = (x * x).mean(0) - mean * mean
+    y = (x - mean) * (p["scale"] * jax.lax.rsqrt(var + 1e-5)) + p["bias"]
+    return jnp.mean(jnp.tanh(y) ** 2)
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_batch_statistics_are_not_gradients(d):
+    params = {"bias": _sds(C), "scale": _sds(C), "w": _sds(C, C)}
+    step, tx = _adam_step(_norm_loss)
+    graph, predicted, figs = _data_parallel(step, params, jax.eval_shape(tx.init, params),
+                                            {"x": _sds(B, C)}, d=d)
+    assert (graph.grad_repeat == 1).all()
+    # forward: the mean and the mean of squares; backward: the mean's cotangent (the
+    # variance's is made from the same sum as the scale's gradient)
+    assert graph.reduce_bytes == 3 * C * 4
+    assert sum(c.bytes for c in figs.collectives) == \
+        sum(p.nbytes for p in graph.params) + graph.reduce_bytes
+    _check(graph, predicted, figs, d)
+
+
+def test_micro_batches_reduce_every_iteration():
+    """A scan over micro-batches reduces each micro-batch's gradients in the loop."""
+    loss, params, batch = _twice_setup()
+    step = jaxwap.make_train_step(loss, optax.sgd(0.1)).with_variant(
+        jaxwap.StepVariant(micro_batches=2))
+    graph, predicted, figs = _data_parallel(step, params, jax.eval_shape(step.init, params),
+                                            batch, d=2)
+    reps = {p.path[-1]: float(r) for p, r in zip(graph.params, graph.grad_repeat, strict=True)}
+    assert reps == {"b": 4.0, "out": 2.0, "w": 4.0}
+    _check(graph, predicted, figs, 2)
