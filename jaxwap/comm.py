@@ -108,15 +108,18 @@ def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster) -> tuple[float, fl
     return all_reduce(graph.reduce_bytes, d, cluster, False)
 
 
-def fsdp_comm(param_bytes: float, d: int, cluster: Cluster) -> tuple[float, float]:
+def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
+              passes: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight: gather it for the
-    forward pass and again for the backward pass, reduce-scatter its gradient; 1.5x the
-    bytes of the all-reduce plain data parallelism pays. (XLA may instead move activations
-    when they are the smaller, but whether it does depends on the neighbouring layouts:
-    the fidelity benchmark showed both, so the model takes the textbook cost and leaves
-    the difference to verification.)"""
+    forward pass and again for the backward pass (in each of `passes` loop iterations,
+    micro-batches), reduce-scatter its gradient once per partial gradient (`reductions`:
+    a weight used twice has two, and each micro-batch its own); 1.5x the bytes of the
+    all-reduce plain data parallelism pays. (XLA may instead move activations when they
+    are the smaller, but whether it does depends on the neighbouring layouts: the fidelity
+    benchmark showed both, so the model takes the textbook cost and leaves the difference
+    to verification.)"""
     t, sent = all_gather(param_bytes, d, cluster, False)
-    return 3 * t, 3 * sent
+    return (2 * passes + reductions) * t, (2 * passes + reductions) * sent
 
 
 def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,

@@ -132,6 +132,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         return sums[group, split]
 
     reps = graph.grad_repeat
+    # loop iterations a parameter's own ops run in (micro-batches): FSDP gathers per pass
+    passes = np.ones(len(graph.params))
+    np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
     rows: list[list[np.ndarray]] = []
     g_comm, host = [], []
     for j, strats in enumerate(strategies):
@@ -143,13 +146,15 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                        + summed("s", s.state_shard(d, m))[:, j])
             local = pbytes / (m if s.tp != "none" else 1)
             if s.data_sharded:
-                t, b = fsdp_comm(local, d, cluster)
+                # the weight is gathered once per pass, each partial gradient reduced
+                t, b = fsdp_comm(local, d, cluster, reps[j], passes[j])
             else:
                 # ZeRO-1 reduce-scatters the gradient and all-gathers the new weight:
                 # the bytes of the all-reduce it replaces (textbook; verification checks
-                # what XLA does)
+                # what XLA does), once per partial gradient
                 t, b = all_reduce(local, d, cluster, False)
-            row_c.append((t * reps[j], b * reps[j]))
+                t, b = t * reps[j], b * reps[j]
+            row_c.append((t, b))
             row_h.append(float(resident[j]) / s.state_shard(d, m)
                          / dev.host_bandwidth if s.offload else 0.0)
         rows.append(row)
