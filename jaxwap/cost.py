@@ -46,9 +46,15 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     f = graph.flops / split
     b = graph.bytes / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
+    rate = np.where(graph.conv > 0, rate * dev.conv_efficiency, rate)
     half = float(dev.efficiency_half_flops or 0.0) * speed
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, per_kernel / (per_kernel + half), 1.0)
+    if dev.small_input_conv_flops is not None:
+        # the backend's generic convolution loop: no library, no efficiency curve
+        slow = graph.conv == 2
+        rate = np.where(slow, dev.small_input_conv_flops * speed, rate)
+        eff = np.where(slow, 1.0, eff)
     busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / (dev.memory_bandwidth * speed))
     if graph.host_transfer.any():
         # residuals a remat policy offloads cross the host link, not device memory

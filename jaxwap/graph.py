@@ -90,6 +90,9 @@ class Graph:
     # step: one per batched use (partial sums are reduced before they are added), in
     # every iteration of a scan over micro-batches (`comm.batch_dims`)
     grad_repeat: np.ndarray
+    # [ops] 0: not a convolution, 1: a convolution, 2: one whose window is larger than its
+    # input in some spatial dim (backends may compute those on a slow generic path)
+    conv: np.ndarray
     # bytes of the other partial sums over the batch, all-reduced over the data axis per
     # step: the loss, metrics, batch-norm statistics and their gradients
     reduce_bytes: float = 0.0
@@ -120,7 +123,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
-        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes)
+        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes,
+        conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8))
 
 
 def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
@@ -272,6 +276,23 @@ def _op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> 
             lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
     return _OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)))
+
+
+def _conv_kind(eqn: Any) -> int:
+    """0: not a convolution; 1: a convolution; 2: one whose (dilated) window is larger
+    than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
+    3x3 convolution over a 1x1 or 2x2 map."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    dn = eqn.params["dimension_numbers"]
+    lhs_sp, rhs_sp = dn.lhs_spec[2:], dn.rhs_spec[2:]
+    lhs_dil = eqn.params.get("lhs_dilation") or (1,) * len(lhs_sp)
+    rhs_dil = eqn.params.get("rhs_dilation") or (1,) * len(rhs_sp)
+    for a, b, dl, dr in zip(lhs_sp, rhs_sp, lhs_dil, rhs_dil, strict=True):
+        if (rhs[b] - 1) * dr + 1 > (lhs[a] - 1) * dl + 1:
+            return 2
+    return 1
 
 
 # --------------------------------------------------------------------------- splits

@@ -53,6 +53,11 @@ class DeviceSpec:
       host_bandwidth: per-direction bandwidth between the device and pinned host memory,
         bytes/s (PCIe for a GPU, effective rather than the link's nominal figure): what
         keeping optimizer state in host memory costs per step.
+      conv_efficiency: the share of the matmul rate convolutions reach (library
+        convolutions such as cuDNN's come close to 1; XLA:CPU's do not): calibrated.
+      small_input_conv_flops: flop/s of a convolution whose window is larger than its
+        input (a 3x3 kernel over a 2x2 map), which XLA:CPU computes with a generic loop
+        far below its library's rate; None: the backend has no such path.
     """
 
     name: str
@@ -67,6 +72,8 @@ class DeviceSpec:
     link_bandwidth: float = 25 * GB
     link_latency_s: float = 10e-6
     host_bandwidth: float = 25 * GB
+    conv_efficiency: float = 1.0
+    small_input_conv_flops: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -77,7 +84,9 @@ class DeviceSpec:
                                    ("efficiency_half_flops", 0.0, True),
                                    ("kernel_overhead_s", 0.0, False),
                                    ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
-                                   ("host_bandwidth", 0.0, True)):
+                                   ("host_bandwidth", 0.0, True),
+                                   ("conv_efficiency", 0.0, True),
+                                   ("small_input_conv_flops", 0.0, True)):
             v = getattr(self, field)
             if v is not None and not (v > low if strict else v >= low):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
@@ -293,6 +302,8 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         peak_flops=spec.peak_flops * share,
         peak_flops_f32=(spec.peak_flops_f32 or spec.peak_flops) * share,
         memory_bandwidth=spec.memory_bandwidth * share, max_watts=spec.max_watts * share,
+        small_input_conv_flops=None if spec.small_input_conv_flops is None
+        else spec.small_input_conv_flops * share,
         memory_bytes=float(host_memory) / max(local, 1),
         idle_watts=spec.idle_watts * share, efficiency_half_flops=None)
 

@@ -264,6 +264,9 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                                   micro_batches, mesh)
     if not shapes:
+        if mesh is not None:
+            raise ValueError(f"mesh_shape {mesh[0]}x{mesh[1]} cannot be used: "
+                             f"{'; '.join(s.split(': ', 1)[1] for s in skipped)}")
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
     results = [solve_mesh(graph, cluster, d, m, budget, offload, allowed) for d, m in shapes]
     if allowed is not None and "replicate" not in allowed:

@@ -8,6 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -82,3 +83,49 @@ def abstract_setup(widths: Sequence[int], batch: int, in_dim: int, *,
          else jax.ShapeDtypeStruct((batch,), jnp.int32))
     data = {"x": jax.ShapeDtypeStruct((batch, in_dim), jnp.float32), "y": y}
     return make_step(model, tx, regression), params, jax.eval_shape(tx.init, params), data
+
+
+class TypedMLP(nn.Module):
+    """`MLP` with its compute dtype and parameter dtype chosen (bfloat16 for both trains
+    wholly in bfloat16: weights, gradients, their reductions and the optimizer state);
+    float32 logits."""
+
+    widths: Sequence[int] = (64, 64, 10)
+    dtype: Any = jnp.bfloat16
+    param_dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(self.dtype)
+        for w in self.widths[:-1]:
+            x = nn.relu(nn.Dense(w, dtype=self.dtype, param_dtype=self.param_dtype)(x))
+        x = nn.Dense(self.widths[-1], dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        return x.astype(jnp.float32)
+
+
+def host_setup(model: nn.Module, x_shape: tuple[int, ...], num_classes: int = 10,
+               tx: optax.GradientTransformation | None = None, seed: int = 0) -> tuple:
+    """`setup` without running the model: Flax's `init` applies it once, which compiles
+    every op eagerly (or the whole forward pass under jit): seconds for a small CNN on 2
+    cores. The parameters' shapes come from `jax.eval_shape`, their values from numpy:
+    kernels N(0, 1/fan_in), LayerNorm/BatchNorm scales 1, biases 0; the batch too (x ~
+    N(0, 1), integer labels). Returns (step, params, opt_state, batch)."""
+    tx = tx or optax.adam(1e-2)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape, np.float32)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct(x_shape,
+                                                                               jnp.float32))
+
+    def init(path: Any, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        if len(leaf.shape) >= 2:
+            value = rng.standard_normal(leaf.shape, np.float32) / np.sqrt(
+                np.prod(leaf.shape[:-1]))
+        else:
+            scale = getattr(path[-1], "key", None) == "scale"
+            value = np.full(leaf.shape, 1.0 if scale else 0.0, np.float32)
+        return jnp.asarray(value.astype(leaf.dtype))
+
+    params = jax.tree_util.tree_map_with_path(init, shapes)
+    batch = {"x": jnp.asarray(x),
+             "y": jnp.asarray(rng.integers(0, num_classes, x_shape[0]).astype(np.int32))}
+    return make_step(model, tx), params, jax.jit(tx.init)(params), batch

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import struct
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxwap
 from jaxwap.frontier import pareto_front
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # ---------------------------------------------------------------- pareto_front
 
@@ -104,8 +112,89 @@ def test_plan_frontier(small_plan):
                         != (f.step_time_s, f.energy_per_sample_j))
 
 
-def test_plot_frontier_writes_png(small_plan, tmp_path):
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+CHOSEN_RED = (0xD6 / 255, 0x27 / 255, 0x28 / 255)   # matplotlib's "tab:red", the chosen star
+
+
+def assert_real_png(path: Path) -> np.ndarray:
+    """`path` is a PNG with the 8-byte signature, an IHDR chunk first with a positive size,
+    that matplotlib decodes to that size; returns the RGBA pixels."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert (length, kind) == (13, b"IHDR")
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 0 and height > 0
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == (height, width)
+    return pixels
+
+
+def has_color(pixels: np.ndarray, rgb: tuple[float, float, float], tol: float = 0.02) -> bool:
+    return bool((np.abs(pixels[..., :3] - np.asarray(rgb)) <= tol).all(axis=-1).any())
+
+
+def test_plot_frontier_writes_a_png_of_the_candidates_with_the_choice_marked(small_plan,
+                                                                           tmp_path):
     pytest.importorskip("matplotlib")
     out = small_plan.plot_frontier(tmp_path / "f.png")
     assert out == tmp_path / "f.png"
-    assert out.read_bytes()[:4] == b"\x89PNG"
+    pixels = assert_real_png(out)
+    # drawn, not blank: the 7 x 5 inch figure at 100 dpi, many colours, the chosen star
+    assert pixels.shape[:2] == (500, 700)
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10
+    assert sum(c.chosen for c in small_plan.candidates) == 1
+    assert has_color(pixels, CHOSEN_RED)
+
+
+def _example_common():
+    """examples/common.py, imported as zoo.py does (under a private name, so that it cannot
+    shadow tests/models.py): it imports no jax at module level."""
+    name = "_jaxwap_examples_common"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, EXAMPLES / "common.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_example_frontier_flag_plots_the_plan_it_trained_with(tmp_path, monkeypatch, capsys):
+    """`examples/alexnet_flax.py --auto --frontier PATH ...` is `common.main(AlexNet, argv)`:
+    run here in this process with CI-sized flags (1 step, batch 8, 32 px) and two changes
+    that keep it to seconds: a small Linen CNN in AlexNet's place (AlexNet's 21.6 M
+    parameters take ~20 s to initialise and compile on this CPU) and analytic planning
+    (verify=0: the command line cannot ask for it, and compiling the finalists costs ~25 s).
+    Flags, planning, the training loop, the printed frontier and the plot are the example's."""
+    import flax.linen as nn
+
+    pytest.importorskip("matplotlib")
+
+    class SmallNet(nn.Module):       # what common.main needs: num_classes, dtype, NHWC in
+        num_classes: int = 10
+        dtype: object = jnp.float32
+
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2), dtype=self.dtype)(x))
+            return nn.Dense(self.num_classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+    common = _example_common()
+    monkeypatch.setattr(common, "_platform", "cpu")      # the CPU defaults, no device set-up
+    plain = jaxwap.auto_shard
+    monkeypatch.setattr(jaxwap, "auto_shard",
+                        lambda *a, **kw: plain(*a, **{**kw, "verify": 0, "cache": False}))
+    path = tmp_path / "frontier.png"
+    stats = common.main(SmallNet, name="SmallNet", cpu_image_size=32, argv=[
+        "--auto", "--frontier", str(path), "--steps", "1", "--batch-size", "8",
+        "--image-size", "32", "--num-classes", "10", "--dtype", "float32",
+        "--hardware", "h100-sxm"])
+    printed = capsys.readouterr().out
+    assert np.isfinite(stats["losses"]).all()
+    assert "Pareto frontier" in printed and f"frontier plot written to {path}" in printed
+    assert_real_png(path)
+    # --frontier without --auto is refused
+    with pytest.raises(SystemExit):
+        common.parse_args("x", cpu_image_size=32, argv=["--frontier", str(path)])

@@ -108,6 +108,10 @@ def test_mesh_shape_fixes_the_mesh_and_strategies_restrict_every_layout():
     both = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4},
                        strategies=("tp",), **base)
     assert dict(both.mesh_shape) == {"data": 2, "model": 4}
+    with pytest.raises(ValueError, match="mesh_shape 1x5 cannot be used: no layer weight has "
+                                         "a dim divisible by model=5"):
+        jaxwap.plan(step, params, opt, batch, mesh_shape={"model": 5}, strategies=("tp",),
+                    **base)
     fsdp = jaxwap.plan(step, params, opt, batch, strategies=("fsdp",), num_devices=4, **base)
     # every parameter a data-axis split divides is FSDP, the rest replicated; no other
     # family anywhere, and no mesh without a data axis
