@@ -3,10 +3,15 @@
 Datasheet peaks flatter every device. `calibrate()` times what the cost model's
 parameters stand for, on the real device: matmuls of several sizes and dtypes (peak
 flop/s and the efficiency curve: a matmul of w flops takes (w + w_half) / peak), a large
-elementwise op (memory bandwidth), a chain of tiny matmuls (per-kernel overhead), an
-all-reduce of two sizes across the devices (link bandwidth and latency), and, where NVML
-answers, idle and loaded power. The result is cached per device kind, driver and jax
-version, and `hardware=None` planning uses it when it exists.
+elementwise op (memory bandwidth), a chain of tiny matmuls (per-kernel overhead),
+all-reduces from 4 KiB up across the devices (link bandwidth and latency), and, where
+NVML answers, idle and loaded power. The result is cached per device kind, driver, jax
+version and process count, and `hardware=None` planning uses it when it exists.
+
+Under jax.distributed (`jaxwap calibrate --coordinator ...`, once per process) every
+process measures its own device, the links are timed by all-reduces over all the global
+devices (gloo between CPU processes), and the processes agree on the median of their
+figures so that every process plans with the same profile.
 
 Every figure is measured on the device named; what could not be measured (power without
 NVML, links with one device) keeps the built-in profile's value and says so in the notes.
@@ -17,30 +22,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
-import time
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from .compile import make_mesh
+from . import probes
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
+from .launch import all_processes, process_median, start_distributed
 from .progress import Progress
 
-CALIBRATION_FORMAT = 1
+# 2: num_processes, and measurements["link"] says what was timed (1 is still read)
+CALIBRATION_FORMAT = 3
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """A calibrated profile, what it was measured on, and what was not measured."""
+    """A calibrated profile, what it was measured on, and what was not measured.
+
+    `num_devices` is every device the links were measured across, over `num_processes`
+    processes; the per-device figures come from one device per process (their median)."""
 
     spec: DeviceSpec
     device_kind: str
@@ -50,6 +58,7 @@ class Calibration:
     driver: str
     measurements: dict[str, Any]
     notes: tuple[str, ...]
+    num_processes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -60,11 +69,11 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        if d.get("format") != CALIBRATION_FORMAT:
+        if d.get("format") not in (1, CALIBRATION_FORMAT):  # 1: one process, by definition
             raise ValueError("stale calibration format")
         return cls(DeviceSpec.from_dict(d["spec"]), d["device_kind"], d["platform"],
                    d["num_devices"], d["jax_version"], d["driver"], d["measurements"],
-                   tuple(d["notes"]))
+                   tuple(d["notes"]), int(d.get("num_processes", 1)))
 
 
 # --------------------------------------------------------------------------- storage
@@ -83,17 +92,23 @@ def _driver_version() -> str:
         return "none"
 
 
-def calibration_path(device: Any, directory: Path | None = None) -> Path:
-    """Where the calibration of this device kind, driver and jax version is kept."""
+def calibration_path(device: Any, directory: Path | None = None,
+                     num_processes: int | None = None) -> Path:
+    """Where the calibration of this device kind, driver, jax version and process count
+    (default: this run's) is kept. Links between processes are not links inside one, so a
+    cluster's calibration has a file of its own; one process keeps the plain name."""
     base = Path(directory) if directory is not None else default_cache_dir()
     kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower())
-    name = f"{device.platform}-{kind}-jax{jax.__version__}-driver{_driver_version()}.json"
-    return base / "calibration" / name
+    procs = jax.process_count() if num_processes is None else int(num_processes)
+    name = f"{device.platform}-{kind}-jax{jax.__version__}-driver{_driver_version()}"
+    return base / "calibration" / (name + (f"-{procs}proc" if procs > 1 else "") + ".json")
 
 
-def load_calibration(device: Any, directory: Path | None = None) -> Calibration | None:
-    """The cached calibration for this device kind, or None (a bad file counts as none)."""
-    path = calibration_path(device, directory)
+def load_calibration(device: Any, directory: Path | None = None,
+                     num_processes: int | None = None) -> Calibration | None:
+    """The cached calibration for this device kind and process count (default: this
+    run's), or None (a bad file counts as none)."""
+    path = calibration_path(device, directory, num_processes)
     try:
         return Calibration.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
@@ -103,107 +118,15 @@ def load_calibration(device: Any, directory: Path | None = None) -> Calibration 
 def _save(cal: Calibration, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # a temporary name of this process's own: processes sharing the directory never
+        # write into one file; the rename is atomic, so a reader sees a whole record
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cal.to_dict(), indent=1))
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache must not lose the measurement
         import warnings
 
         warnings.warn(f"could not save the calibration to {path}: {e}", stacklevel=3)
-
-
-# --------------------------------------------------------------------------- timing
-def _time(fn: Callable[[], Any], repeats: int = 5) -> float:
-    """Median seconds of fn() after one warm-up call (fn must block until done)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def _fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
-    """Least-squares slope and intercept (intercept clipped at 0)."""
-    slope, intercept = np.polyfit(np.asarray(x, float), np.asarray(y, float), 1)
-    return float(slope), float(max(intercept, 0.0))
-
-
-# --------------------------------------------------------------------------- measurements
-def _matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
-                  progress: Progress) -> dict[str, Any]:
-    """Seconds per n x n x n matmul: slope = 1 / peak, intercept = w_half / peak + launch."""
-    works, times = [], []
-    for n in sizes:
-        a = jax.device_put(jnp.ones((n, n), dtype), device)
-        f = jax.jit(lambda x: x @ x)
-        t = _time(lambda f=f, a=a: f(a).block_until_ready())
-        works.append(2.0 * n ** 3)
-        times.append(t)
-        progress.step(f"matmul {np.dtype(dtype).name} {n}")
-    slope, intercept = _fit_line(works, times)
-    best = max(w / t for w, t in zip(works, times, strict=True))
-    return {"sizes": list(sizes), "work_flops": works, "seconds": times,
-            "peak_flops": 1.0 / slope if slope > 0 else best, "intercept_s": intercept}
-
-
-def _bandwidth(device: Any, nbytes: int) -> float:
-    """Bytes/s of an elementwise op that reads and writes nbytes each."""
-    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-    f = jax.jit(lambda v: v * 1.0001 + 1.0)
-    t = _time(lambda: f(x).block_until_ready())
-    return 2.0 * nbytes / t
-
-
-def _kernel_overhead(device: Any, chain: int = 64) -> float:
-    """Seconds per extra kernel: a chain of tiny dependent matmuls that cannot fuse."""
-    x = jax.device_put(jnp.ones((8, 8), jnp.float32), device)
-
-    def chained(k: int) -> Callable[[Any], Any]:
-        def f(v: Any) -> Any:
-            for _ in range(k):
-                v = jnp.tanh(v @ v)
-            return v
-        return jax.jit(f)
-
-    f1, fk = chained(1), chained(chain)
-    t1 = _time(lambda: f1(x).block_until_ready(), 9)
-    tk = _time(lambda: fk(x).block_until_ready(), 9)
-    return max((tk - t1) / (chain - 1), 1e-7)
-
-
-def _all_reduce(devices: Sequence[Any], sizes: Sequence[int]) -> tuple[float, float] | None:
-    """(link bandwidth B/s, latency s) from timed all-reduces of two sizes, ring model."""
-    n = len(devices)
-    if n < 2:
-        return None
-    mesh = make_mesh(n, 1, devices)
-    ts = []
-    for nbytes in sizes:
-        per = max(nbytes // 4, 1)
-        x = jax.device_put(jnp.ones((n, per), jnp.float32), NamedSharding(mesh, P("data")))
-        f = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, P()))
-        ts.append(_time(lambda f=f, x=x: f(x).block_until_ready()))
-    # t = 2(n-1)/n * B / bw + 2(n-1) * lat
-    xs = [2 * (n - 1) / n * s for s in sizes]
-    slope, intercept = _fit_line(xs, ts)
-    bw = 1.0 / slope if slope > 0 else xs[-1] / ts[-1]
-    return bw, intercept / (2 * (n - 1))
-
-
-def _power(devices: Sequence[Any], load: Callable[[], Any]) -> tuple[float, float, str] | None:
-    """(idle W, loaded W) per device from NVML, or None without it."""
-    from .energy import EnergyMeter, measure_energy
-
-    with EnergyMeter(devices) as meter:
-        time.sleep(0.5)
-    idle = meter.reading
-    if idle is None or idle.source == "modeled":
-        return None
-    loaded, _ = measure_energy(load, devices, min_window_s=1.0)
-    n = len(devices)
-    return idle.avg_power_w / n, loaded.avg_power_w / n, loaded.source
 
 
 def calibrate(devices: Sequence[Any] | None = None, *, progress: bool = True,
@@ -219,72 +142,140 @@ def calibrate(devices: Sequence[Any] | None = None, *, progress: bool = True,
 
 def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = True,
                    quick: bool = False, directory: Path | None = None,
-                   use_cache: bool = True) -> Calibration:
-    devs = tuple(devices) if devices is not None else tuple(jax.local_devices())
+                   use_cache: bool = True, notes: Sequence[str] = ()) -> Calibration:
+    """`calibrate`, returning the whole record (raw measurements, what it was measured on).
+
+    `devices` defaults to every device of the run, `jax.devices()`: under jax.distributed
+    they span the processes, and every process must then call this with the same
+    arguments, since the links are timed by collectives all of them take part in.
+    `notes` are added to the record's (why a cluster calibration fell back, say)."""
+    devs = tuple(devices) if devices is not None else tuple(jax.devices())
     if not devs:
         raise ValueError("calibrate: no devices")
     kinds = {d.device_kind for d in devs}
     if len(kinds) != 1:
         raise ValueError(f"calibrate: devices of several kinds {sorted(kinds)}")
-    dev = devs[0]
-    path = calibration_path(dev, directory)
+    me = jax.process_index()
+    local = [d for d in devs if d.process_index == me]
+    procs = len({d.process_index for d in devs})
+    if not local:
+        raise ValueError(f"calibrate: devices holds none of process {me}'s own; each "
+                         f"process measures its own device")
+    if 1 < procs < jax.process_count():
+        raise ValueError(f"calibrate: devices span {procs} of the {jax.process_count()} "
+                         f"processes; pass all of them (jax.devices()) or this process's own")
+    dev = local[0]
+    path = calibration_path(dev, directory, procs)
     if use_cache:
-        cached = load_calibration(dev, directory)
-        if cached is not None and cached.num_devices == len(devs):
-            return cached
+        cached = load_calibration(dev, directory, procs)
+        hit = cached is not None and cached.num_devices == len(devs) \
+            and cached.num_processes == procs
+        if procs > 1:  # all reuse or all measure: a measuring process needs its peers
+            hit = all_processes(hit)
+        if hit and cached is not None:
+            return dataclasses.replace(cached, notes=cached.notes + tuple(notes))
     on_cpu = dev.platform == "cpu"
     sizes = [128, 256, 512] if (quick or on_cpu) else [1024, 2048, 4096, 8192]
     if quick and not on_cpu:
         sizes = [512, 1024, 2048]
-    bw_bytes = (16 if on_cpu or quick else 512) * 2**20
-    steps = 2 * len(sizes) + 4
+    bw_bytes = probes.cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
+    steps = 2 * len(sizes) + 5
     bar = Progress(steps, progress, "jaxwap calibrate")
-    notes: list[str] = []
+    notes_: list[str] = list(notes)
     base = builtin_for_kind(dev.device_kind, dev.platform)
-    f32 = _matmul_curve(dev, jnp.float32, sizes, bar)
-    bf16 = _matmul_curve(dev, jnp.bfloat16, sizes, bar)
-    bandwidth = _bandwidth(dev, bw_bytes)
+    f32 = probes.matmul_curve(dev, jnp.float32, sizes, bar)
+    bf16 = probes.matmul_curve(dev, jnp.bfloat16, sizes, bar)
+    bandwidth = probes.bandwidth(dev, bw_bytes)
     bar.step("memory bandwidth")
-    overhead = _kernel_overhead(dev)
+    overhead = probes.kernel_overhead(dev)
     bar.step("kernel overhead")
-    link = _all_reduce(devs, [2**12, 2**22 if not (on_cpu or quick) else 2**18])
+    conv_eff, small_conv = probes.conv_rates(dev, f32, quick)
+    bar.step("convolutions")
+    link = probes.all_reduce(devs, probes.link_sizes(on_cpu, quick), repeats=5 if quick else 20)
+    buffer_latency = probes.buffer_latency(devs) if link is not None else float("nan")
     bar.step("all-reduce")
     if link is None:
-        notes.append("one device: link bandwidth and latency are the built-in profile's")
+        notes_.append("one device: link bandwidth and latency are the built-in profile's")
     power = None
     try:
-        power = _power(devs, lambda: jax.block_until_ready(
+        power = probes.power(local, lambda: jax.block_until_ready(
             jax.jit(lambda x: x @ x)(jax.device_put(jnp.ones((sizes[-1],) * 2), dev))))
     except Exception as e:  # noqa: BLE001 - power is optional; the profile says so
-        notes.append(f"power not measured: {type(e).__name__}: {e}")
+        notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
-    if power is None:
-        notes.append("power not measured (no NVML for these devices): idle and max watts "
-                     "are the built-in profile's")
-    peak16 = bf16["peak_flops"]
+    nan = float("nan")  # none: the median over processes is then none too
+    fig = {"peak_flops": bf16["peak_flops"], "peak_flops_f32": f32["peak_flops"],
+           "bf16_intercept_s": bf16["intercept_s"], "memory_bandwidth": bandwidth,
+           "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
+           "small_input_conv_flops": small_conv,
+           "link_bandwidth": link["bandwidth_Bps"] if link else nan,
+           "link_latency_s": link["latency_s"] if link else nan,
+           "link_buffer_latency_s": buffer_latency,
+           "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan}
+    per_process = None
+    if procs > 1:
+        fig, per_process = process_median(fig)
+        if link is not None:
+            link = dict(link, bandwidth_Bps=fig["link_bandwidth"],
+                        latency_s=fig["link_latency_s"])
+        notes_.append(f"measured on {procs} processes x {len(local)} device(s): per-device "
+                      f"figures are the median of each process's own device; links were "
+                      f"timed across all {len(devs)} devices")
+    watts = None if math.isnan(fig["idle_watts"] + fig["loaded_watts"]) else \
+        [fig["idle_watts"], fig["loaded_watts"]]
+    if watts is None:
+        notes_.append("power not measured (no NVML for these devices): idle and max watts "
+                      "are the built-in profile's")
+    peak16 = fig["peak_flops"]
     # intercept = w_half / peak + launch overhead
-    half = max((bf16["intercept_s"] - overhead) * peak16, peak16 * 1e-7)
+    half = max((fig["bf16_intercept_s"] - fig["kernel_overhead_s"]) * peak16, peak16 * 1e-7)
+    linked = not math.isnan(fig["link_bandwidth"] + fig["link_latency_s"])
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
-        peak_flops_f32=f32["peak_flops"], memory_bandwidth=bandwidth,
-        kernel_overhead_s=overhead, efficiency_half_flops=half,
-        idle_watts=power[0] if power else base.idle_watts,
-        max_watts=max(power[1], power[0]) if power else base.max_watts,
-        link_bandwidth=link[0] if link else base.link_bandwidth,
-        link_latency_s=link[1] if link else base.link_latency_s)
+        peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
+        kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
+        conv_efficiency=fig["conv_efficiency"],
+        # a generic-loop convolution far below the library's rate is a backend's slow
+        # path (XLA:CPU); where it is not slower, the backend has no such path
+        small_input_conv_flops=fig["small_input_conv_flops"]
+        if fig["small_input_conv_flops"] < 0.5 * fig["conv_efficiency"]
+        * fig["peak_flops_f32"] else None,
+        idle_watts=watts[0] if watts else base.idle_watts,
+        max_watts=max(watts) if watts else base.max_watts,
+        link_bandwidth=fig["link_bandwidth"] if linked else base.link_bandwidth,
+        link_latency_s=max(fig["link_latency_s"], 0.0) if linked else base.link_latency_s,
+        link_buffer_latency_s=fig["link_buffer_latency_s"] if linked
+        else base.link_buffer_latency_s)
+    topology = {"processes": procs, "devices": len(devs), "devices_per_process": len(local),
+                "written_by_process": me}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,
                       _driver_version(),
-                      {"matmul_f32": f32, "matmul_bf16": bf16, "bandwidth_Bps": bandwidth,
-                       "kernel_overhead_s": overhead,
-                       "link": list(link) if link else None,
-                       "power_w": list(power) if power else None},
-                      tuple(notes))
-    _save(cal, path)
+                      {"matmul_f32": f32, "matmul_bf16": bf16,
+                       "bandwidth_Bps": fig["memory_bandwidth"],
+                       "kernel_overhead_s": fig["kernel_overhead_s"],
+                       "conv_efficiency": fig["conv_efficiency"],
+                       "small_input_conv_flops": fig["small_input_conv_flops"], "link": link,
+                       "link_buffer_latency_s": fig["link_buffer_latency_s"],
+                       "power_w": watts, "topology": topology, "per_process": per_process},
+                      tuple(notes_), procs)
+    # in a cluster process 0 writes, and then (a barrier) only a process whose directory
+    # lacks the same profile (another machine's disk): sharers never race on the file
+    if procs == 1 or me == 0:
+        _save(cal, path)
+    if procs > 1 and all_processes(True) and me != 0:
+        there = load_calibration(dev, directory, procs)
+        if there is None or there.spec != cal.spec:
+            _save(cal, path)
     return cal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`jaxwap calibrate [--quick]`: measure, cache and print the profile."""
+    """`jaxwap calibrate [--quick] [--fresh] [--coordinator HOST:PORT --num-processes N
+    --process-id I [--timeout S]]`: measure, cache and print the profile.
+
+    With a coordinator, this process first joins a jax.distributed cluster (run the same
+    command once per process); when the cluster cannot start within the timeout it says
+    why and calibrates its own devices instead (exit status 0)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
@@ -292,17 +283,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     c = sub.add_parser("calibrate", help="measure the device profile and cache it")
     c.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
     c.add_argument("--fresh", action="store_true", help="ignore a cached calibration")
+    c.add_argument("--coordinator", metavar="HOST:PORT", help="a cluster: process 0's address")
+    c.add_argument("--num-processes", type=int, metavar="N", help="processes in the cluster")
+    c.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
+    c.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="give up on the cluster after this long (default 60)")
     args = p.parse_args(argv)
-    cal = calibrate_full(quick=args.quick, use_cache=not args.fresh)
+    cluster = (args.coordinator, args.num_processes, args.process_id)
+    notes: list[str] = []
+    started = False
+    if any(v is not None for v in cluster):
+        if any(v is None for v in cluster):
+            p.error("--coordinator, --num-processes and --process-id go together")
+        try:  # before any other jax use
+            reason = start_distributed(args.coordinator, args.num_processes,
+                                       args.process_id, args.timeout,
+                                       heartbeat_timeout_s=max(10, math.ceil(args.timeout)))
+        except ValueError as e:
+            p.error(str(e))
+        where = (f"process {args.process_id} of {args.num_processes}, coordinator "
+                 f"{args.coordinator}, timeout {args.timeout:g} s")
+        if reason is None:
+            started = True
+        else:
+            print(f"jaxwap calibrate: jax.distributed did not start ({where}): {reason}. "
+                  f"Falling back to this process's own devices.", file=sys.stderr, flush=True)
+            notes.append(f"fell back to one process: jax.distributed did not start "
+                         f"({where}): {reason}")
+    try:
+        cal = calibrate_full(quick=args.quick, use_cache=not args.fresh, notes=notes)
+    except Exception:
+        if not started:
+            raise
+        # a peer died mid-way: at exit jax would wait for it (the shutdown barrier) until
+        # the heartbeat timeout and then abort; say why and leave now instead
+        import traceback
+
+        traceback.print_exc()
+        print("jaxwap calibrate: the cluster failed after it started (did a process die?); "
+              "leaving now rather than waiting for it", file=sys.stderr, flush=True)
+        os._exit(1)
+    prefix = f"process {jax.process_index()}: " if cal.num_processes > 1 else ""
     s = cal.spec
-    print(f"{s.name}: {s.peak_flops / 1e12:.3g} Tflop/s bf16, "
+    print(prefix + f"{s.name}: {s.peak_flops / 1e12:.3g} Tflop/s bf16, "
           f"{(s.peak_flops_f32 or 0) / 1e12:.3g} Tflop/s f32, "
           f"{s.memory_bandwidth / 1e9:.3g} GB/s, kernel {s.kernel_overhead_s * 1e6:.1f} us, "
           f"half-efficiency at {s.efficiency_half_flops or 0:.3g} flop, links "
           f"{s.link_bandwidth / 1e9:.3g} GB/s / {s.link_latency_s * 1e6:.1f} us, "
           f"{s.idle_watts:.0f}-{s.max_watts:.0f} W (measured on {cal.num_devices} x "
-          f"{cal.device_kind})")
+          f"{cal.device_kind} in {cal.num_processes} process(es))")
     for n in cal.notes:
-        print("note:", n)
-    print("saved:", calibration_path(jax.local_devices()[0]))
+        print(prefix + "note:", n)
+    print(prefix + "saved:", calibration_path(jax.local_devices()[0], None, cal.num_processes))
     return 0

@@ -160,7 +160,11 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                 # what XLA does), once per partial gradient
                 t, b = all_reduce(local, d, cluster, False)
                 t, b = t * reps[j], b * reps[j]
-            row_c.append((t, b))
+            # the buffers this parameter's collectives carry, each paying its latency
+            # where the backend reduces them apart (XLA:CPU over gloo)
+            buffers = (2 * passes[j] + reps[j]) if s.data_sharded else \
+                reps[j] * (2 if s.state_spec is not None else 1)
+            row_c.append((t + (buffers * dev.link_buffer_latency_s if d > 1 else 0.0), b))
             row_h.append(float(resident[j]) / s.state_shard(d, m)
                          / dev.host_bandwidth if s.offload else 0.0)
         rows.append(row)
@@ -215,10 +219,14 @@ class StepParts:
     loop_flops_ratio: float = 1.0
 
 
-def exposed_comm(grad_comm: float, tail: float, batched_time: float) -> float:
+def exposed_comm(grad_comm: float, tail: float, batched_time: float,
+                 overlaps: bool = True) -> float:
     """The gradient reduction the step waits for: what the backward pass (its share of
     the batched compute) cannot hide, and never less than the tail, whose gradient is
-    produced last. The one exposure rule, for the model's figures and for XLA's."""
+    produced last; all of it on a backend that runs collectives in line (`overlaps`
+    False). The one exposure rule, for the model's figures and for XLA's."""
+    if not overlaps:
+        return grad_comm
     return max(grad_comm - BACKWARD_SHARE * batched_time, min(tail, grad_comm), 0.0)
 
 
@@ -235,7 +243,8 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts) -> Predicti
     draws idle + (max - idle) x utilization, where launches and collectives count partly.
     The one place a `Prediction` is made."""
     dev = cluster.device
-    comm = exposed_comm(parts.grad_comm, parts.tail_comm, parts.batched_time)
+    comm = exposed_comm(parts.grad_comm, parts.tail_comm, parts.batched_time,
+                        dev.overlaps_collectives)
     host = exposed_host(parts.host_one_way, parts.batched_time)
     step = parts.compute + parts.blocking + comm + host
     side = SIDE_UTILIZATION * (parts.compute - parts.busy + parts.blocking + comm + host)
@@ -265,6 +274,8 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
     # the loss, metrics and batch statistics are partial sums over the batch too
     red_t, red_b = batch_reduce_comm(graph, d, cluster)
+    if d > 1:
+        red_t += graph.reduce_count * cluster.device.link_buffer_latency_s
     parts = StepParts(
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),

@@ -96,6 +96,8 @@ class Graph:
     # bytes of the other partial sums over the batch, all-reduced over the data axis per
     # step: the loss, metrics, batch-norm statistics and their gradients
     reduce_bytes: float = 0.0
+    # how many such partial sums (each is a buffer of its own all-reduce)
+    reduce_count: float = 0.0
 
     @property
     def total_flops(self) -> float:
@@ -112,7 +114,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     costs = _op_costs(prog, kinds, rules)
     splits = _op_splits(prog, kinds, flow)
     mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params))
-    grad_repeat, reduce_bytes = _data_reductions(prog, in_roles, out_roles, params)
+    grad_repeat, reduce_bytes, reduce_count = _data_reductions(prog, in_roles, out_roles,
+                                                               params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = _grad_repeat(prog.ops, splits.owner, mem.op_class, len(params))
     grad_repeat = np.where(grad_repeat > 0, grad_repeat, fallback)
@@ -123,7 +126,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
-        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes,
+        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8))
 
 
@@ -392,9 +395,10 @@ def _memory(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
 
 def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
                      out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
-                     ) -> tuple[np.ndarray, float]:
+                     ) -> tuple[np.ndarray, float, float]:
     """What data parallelism all-reduces per step: per parameter, its partial gradient
-    sums in units of its whole gradient; and the bytes of every other partial sum.
+    sums in units of its whole gradient; and the bytes and the number of every other
+    partial sum.
 
     Each op that sums over the batch (`comm.batch_dims`) is one all-reduce of its result
     (two such ops on one operand are two: XLA's CSE merges the sums, not the all-reduces).
@@ -418,7 +422,7 @@ def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
                 if axis[i] is None and reach[i] < 0 and linear_in(op.eqn, op.prim, n):
                     reach[i] = to
     elems = np.zeros(len(params))
-    other = 0.0
+    other = count = 0.0
     for k in np.flatnonzero(partial):
         op = prog.ops[k]
         j = next((int(reach[o]) for o in op.outs if reach[o] >= 0), -1)
@@ -426,8 +430,9 @@ def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
             elems[j] += float(sum(prog.size[o] for o in op.outs)) * op.repeat
         else:
             other += float(sum(prog.nbytes[o] for o in op.outs)) * op.repeat
+            count += len(op.outs) * op.repeat
     sizes = np.array([max(p.size, 1) for p in params], dtype=np.float64)
-    return elems / sizes, other
+    return elems / sizes, other, count
 
 
 def _grad_repeat(ops: Sequence[FlatOp], op_owner: np.ndarray, op_class: np.ndarray,

@@ -58,6 +58,12 @@ class DeviceSpec:
       small_input_conv_flops: flop/s of a convolution whose window is larger than its
         input (a 3x3 kernel over a 2x2 map), which XLA:CPU computes with a generic loop
         far below its library's rate; None: the backend has no such path.
+      link_buffer_latency_s: latency a combined collective pays for each buffer it
+        carries. NCCL groups the buffers of XLA's combined all-reduce (0); XLA:CPU's gloo
+        collectives reduce each buffer apart, at about a round trip each. Calibrated.
+      overlaps_collectives: whether the backend runs gradient collectives concurrently
+        with the backward pass (XLA:GPU's asynchronous collectives); XLA:CPU runs its
+        collectives in line, so none of their time hides.
     """
 
     name: str
@@ -74,6 +80,8 @@ class DeviceSpec:
     host_bandwidth: float = 25 * GB
     conv_efficiency: float = 1.0
     small_input_conv_flops: float | None = None
+    link_buffer_latency_s: float = 0.0
+    overlaps_collectives: bool = True
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -86,7 +94,8 @@ class DeviceSpec:
                                    ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
                                    ("host_bandwidth", 0.0, True),
                                    ("conv_efficiency", 0.0, True),
-                                   ("small_input_conv_flops", 0.0, True)):
+                                   ("small_input_conv_flops", 0.0, True),
+                                   ("link_buffer_latency_s", 0.0, False)):
             v = getattr(self, field)
             if v is not None and not (v > low if strict else v >= low):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
@@ -146,7 +155,8 @@ _BUILTIN: dict[str, DeviceSpec] = {
         DeviceSpec("cpu", peak_flops=5e10, peak_flops_f32=5e10, memory_bandwidth=1e10,
                    memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
                    kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
-                   link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10),
+                   link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
+                   overlaps_collectives=False),
     )
 }
 

@@ -22,6 +22,11 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     s = cal.spec
     assert s.peak_flops > 0 and s.peak_flops_f32 > 0 and s.memory_bandwidth > 0
     assert s.kernel_overhead_s > 0 and s.efficiency_half_flops > 0
+    # convolutions timed apart: their share of the matmul rate, and (XLA:CPU) the generic
+    # loop a window larger than its input takes, well below it
+    assert 0 < s.conv_efficiency <= 1
+    assert s.small_input_conv_flops is None or 0 < s.small_input_conv_flops < s.peak_flops_f32
+    assert cal.measurements["link_buffer_latency_s"] >= 0
     assert cal.measurements["matmul_f32"]["seconds"] and cal.num_devices == len(jax.devices())
     assert cal.measurements["link"] is not None  # 8 devices: an all-reduce was timed
     assert any("power not measured" in n for n in cal.notes)  # CPU: no NVML, said so
@@ -30,7 +35,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a cached calibration must not be measured again")
 
-    monkeypatch.setattr(importlib.import_module("jaxwap.calibrate"), "_matmul_curve", boom)
+    monkeypatch.setattr(importlib.import_module("jaxwap.probes"), "matmul_curve", boom)
     assert jaxwap.calibrate(progress=False) == s
     # hardware=None plans with the calibrated profile (scaled to the host's devices)
     cluster, note = resolve_cluster(None, jax.devices())

@@ -1,0 +1,227 @@
+"""Timed probes: what each figure of a device profile stands for, measured on a device.
+
+Matmuls of several sizes (peak flop/s and the efficiency curve), a large in-place
+elementwise op (memory bandwidth), a chain of tiny matmuls (per-kernel overhead),
+convolutions with their gradients (their share of the matmul rate) and over maps smaller
+than their window (a backend's generic loop), all-reduces from 4 KiB up (link bandwidth
+and latency), a combined all-reduce of many small buffers (latency per buffer), and NVML
+power. `calibrate.py` runs them and keeps the profile; each probe is a plain function of
+devices to figures. The collective probes must be called by every process (SPMD).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .compile import make_mesh
+from .progress import Progress
+
+
+# --------------------------------------------------------------------------- timing
+def time_it(fn: Callable[[], Any], repeats: int = 5, times: list[float] | None = None) -> float:
+    """Median seconds of fn() after one warm-up call (fn must block until done); `times`,
+    when given, receives every timing."""
+    fn()
+    times = [] if times is None else times
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def fit_line(x: Sequence[float], y: Sequence[float],
+              relative: bool = False) -> tuple[float, float]:
+    """Least-squares slope and intercept (intercept clipped at 0). `relative` weighs each
+    point by 1/y, so a small (latency-bound) point counts as much as a large one."""
+    ys = np.asarray(y, float)
+    w = 1.0 / np.maximum(ys, 1e-12) if relative else None
+    slope, intercept = np.polyfit(np.asarray(x, float), ys, 1, w=w)
+    return float(slope), float(max(intercept, 0.0))
+
+
+# --------------------------------------------------------------------------- measurements
+def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
+                  progress: Progress) -> dict[str, Any]:
+    """Seconds per n x n x n matmul: slope = 1 / peak, intercept = w_half / peak + launch."""
+    works, times = [], []
+    for n in sizes:
+        a = jax.device_put(jnp.ones((n, n), dtype), device)
+        f = jax.jit(lambda x: x @ x)
+        t = time_it(lambda f=f, a=a: f(a).block_until_ready())
+        works.append(2.0 * n ** 3)
+        times.append(t)
+        progress.step(f"matmul {np.dtype(dtype).name} {n}")
+    slope, intercept = fit_line(works, times)
+    best = max(w / t for w, t in zip(works, times, strict=True))
+    return {"sizes": list(sizes), "work_flops": works, "seconds": times,
+            "peak_flops": 1.0 / slope if slope > 0 else best, "intercept_s": intercept}
+
+
+def bandwidth(device: Any, nbytes: int) -> float:
+    """Bytes/s of an elementwise op that reads and writes nbytes each, in place (its input
+    donated), as a training step with donated state updates it: a fresh output each call
+    would time the operating system handing out new pages, not the memory."""
+    f = jax.jit(lambda v: v * 1.0001 + 1.0, donate_argnums=0)
+    box = [f(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))]
+
+    def step() -> None:
+        box[0] = f(box[0])
+        box[0].block_until_ready()
+
+    return 2.0 * nbytes / time_it(step)
+
+
+def cpu_bandwidth_bytes() -> int:
+    """Bytes for the bandwidth test on a CPU: well past the last-level cache (4x it, at
+    least 64 MiB), or the test times the cache rather than the memory a step streams."""
+    try:
+        llc = max(os.sysconf(f"SC_LEVEL{k}_CACHE_SIZE") for k in (2, 3))
+    except (ValueError, OSError, AttributeError):
+        llc = 0
+    return max(64 * 2**20, 4 * int(llc))
+
+
+def _conv(x: Any, w: Any) -> Any:
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+# (batch, spatial, in channels, out channels) of 3x3 convolutions timed with their two
+# gradients: the layers of a small CNN, maps larger than the window
+CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
+# 3x3 convolutions over a 2x2 map (the window larger than the input) at the usual CNN
+# widths: on XLA:CPU's generic loop the rate swings with the channel count (a power of
+# two aliases in cache), so the rate is their total work over their total time
+SMALL_INPUT_CONVS = ((8, 2, 128, 128), (8, 2, 256, 256), (8, 2, 512, 512))
+
+
+def conv_rates(device: Any, f32: dict[str, Any], quick: bool) -> tuple[float, float]:
+    """(conv_efficiency, small_input_conv_flops): convolutions (forward and both
+    gradients, f32) against what the fitted f32 matmul curve gives the same work, and the
+    flop/s of a convolution whose window is larger than its input."""
+    slope, intercept = 1.0 / f32["peak_flops"], f32["intercept_s"]
+    as_matmul = measured = 0.0
+    for b, h, c, k in CONV_SHAPES[:2] if quick else CONV_SHAPES:
+        x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
+        w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
+        f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
+        measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
+        as_matmul += 3 * (2.0 * b * h * h * c * k * 9 * slope + intercept)
+    work = seconds = 0.0
+    g = jax.jit(_conv)
+    for b, h, c, k in SMALL_INPUT_CONVS[:1] if quick else SMALL_INPUT_CONVS:
+        x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
+        w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
+        seconds += time_it(lambda x=x, w=w: g(x, w).block_until_ready(), 3)
+        work += 2.0 * b * h * h * c * k * 9
+    return min(as_matmul / measured, 1.0), work / seconds
+
+
+def kernel_overhead(device: Any, chain: int = 64) -> float:
+    """Seconds per extra kernel: a chain of tiny dependent matmuls that cannot fuse."""
+    x = jax.device_put(jnp.ones((8, 8), jnp.float32), device)
+
+    def chained(k: int) -> Callable[[Any], Any]:
+        def f(v: Any) -> Any:
+            for _ in range(k):
+                v = jnp.tanh(v @ v)
+            return v
+        return jax.jit(f)
+
+    f1, fk = chained(1), chained(chain)
+    t1 = time_it(lambda: f1(x).block_until_ready(), 9)
+    tk = time_it(lambda: fk(x).block_until_ready(), 9)
+    return max((tk - t1) / (chain - 1), 1e-7)
+
+
+def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
+    """All-reduce sizes from latency-bound (4 KiB) to bandwidth-bound, so the fit pins
+    both figures; a GPU link needs far larger messages to reach its peak."""
+    if on_cpu:
+        return [2**12, 2**16, 2**20] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
+    return [2**12, 2**20, 2**25] if quick else [2**12, 2**20, 2**24, 2**27]
+
+
+def buffer_latency(devices: Sequence[Any], buffers: int = 16, repeats: int = 10) -> float:
+    """Seconds a combined all-reduce pays per buffer it carries: one reduction of
+    `buffers` small blocks in a tuple (the form XLA's combiner gives gradient reductions)
+    against one of a single block, per extra buffer. About 0 where the collective library
+    groups them (NCCL); a round trip each where it reduces them apart (gloo on CPU).
+    Every process must call it (SPMD)."""
+    n = len(devices)
+    mesh = make_mesh(n, 1, devices)
+    rows = NamedSharding(mesh, P("data"))
+    mine = sum(1 for d in devices if d.process_index == jax.process_index())
+    per = 64
+    xs = [jax.make_array_from_process_local_data(
+        rows, np.full((mine, per), float(i), np.float32), (n, per)) for i in range(buffers)]
+    out = NamedSharding(mesh, P())
+    one = jax.jit(lambda v: v.sum(0), out_shardings=out)
+    many = jax.jit(lambda *vs: tuple(v.sum(0) for v in vs), out_shardings=(out,) * buffers)
+    t1 = time_it(lambda: jax.block_until_ready(one(xs[0])), repeats)
+    tk = time_it(lambda: jax.block_until_ready(many(*xs)), repeats)
+    return max((tk - t1) / (buffers - 1), 0.0)
+
+
+def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
+                repeats: int = 10) -> dict[str, Any] | None:
+    """Link bandwidth (B/s) and latency (s) from timed all-reduces over `devices`, which may
+    span processes: every process must call it with the same devices and sizes (SPMD)."""
+    n = len(devices)
+    if n < 2:
+        return None
+    mesh = make_mesh(n, 1, devices)
+    rows = NamedSharding(mesh, P("data"))
+    mine = sum(1 for d in devices if d.process_index == jax.process_index())
+    f = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, P()))
+    ts, fastest = [], []
+    for nbytes in sizes:
+        per = max(nbytes // 4, 1)
+        # each process passes its own rows: a host array cannot go to another's devices
+        x = jax.make_array_from_process_local_data(rows, np.ones((mine, per), np.float32),
+                                                   (n, per))
+        ts.append(time_it(lambda x=x: f(x).block_until_ready(), repeats, raw := []))
+        fastest.append(min(raw))
+    # ring all-reduce: t = 2(n-1)/n * B / bw + 2(n-1) * lat
+    xs = [2 * (n - 1) / n * s for s in sizes]
+    slope, intercept = fit_line(xs, ts, relative=True)
+    bw = 1.0 / slope if slope > 0 else xs[-1] / ts[-1]
+    procs = len({d.process_index for d in devices})
+    via = str(getattr(jax.config, "jax_cpu_collectives_implementation", "cpu")) \
+        if procs > 1 and devices[0].platform == "cpu" else devices[0].platform
+    return {"what": f"all-reduce (sum) of one float32 block per device over {n} devices "
+                    f"in {procs} process(es) ({via}); median of {repeats} after a warm-up",
+            "model": "t = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency, fitted by "
+                     "least squares weighted by 1/t",
+            "sizes_bytes": list(sizes), "seconds": ts, "fastest_seconds": fastest,
+            "repeats": repeats,
+            "bandwidth_Bps": bw, "latency_s": intercept / (2 * (n - 1))}
+
+
+def power(devices: Sequence[Any], load: Callable[[], Any]) -> tuple[float, float, str] | None:
+    """(idle W, loaded W) per device from NVML, or None without it."""
+    from .energy import EnergyMeter, measure_energy
+
+    with EnergyMeter(devices) as meter:
+        time.sleep(0.5)
+    idle = meter.reading
+    if idle is None or idle.source == "modeled":
+        return None
+    loaded, _ = measure_energy(load, devices, min_window_s=1.0)
+    n = len(devices)
+    return idle.avg_power_w / n, loaded.avg_power_w / n, loaded.source
+
+
+__all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
+           "conv_rates", "cpu_bandwidth_bytes", "fit_line", "kernel_overhead", "link_sizes",
+           "matmul_curve", "power", "time_it"]

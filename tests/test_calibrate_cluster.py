@@ -1,0 +1,153 @@
+"""Calibration on a real cluster of processes (two, one CPU core and one device each,
+gloo between them), the fall-back when the cluster cannot start, and the rendezvous and
+launcher under them. The cluster runs are real subprocesses; the rest is fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from jaxwap.calibrate import Calibration, load_calibration
+from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
+
+HERE = Path(__file__).parent
+
+
+def _records(results):
+    out = []
+    for r in results:
+        lines = [ln for ln in r.output.splitlines() if ln.startswith("RECORD ")]
+        assert lines, f"process {r.process_id} printed no record:\n{r.tail()}"
+        out.append(Calibration.from_dict(json.loads(lines[-1][len("RECORD "):])))
+    return out
+
+
+def test_two_process_cluster_calibration_measures_the_link(tmp_path):
+    results = launch_local([sys.executable, str(HERE / "calibrate_worker.py"), str(tmp_path)],
+                           num_processes=2, timeout_s=150)
+    assert all(r.ok for r in results), describe(results)
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert results[0].core != results[1].core  # pinned apart: two real devices
+    cals = _records(results)
+    for r, cal in zip(results, cals, strict=True):
+        assert cal.num_processes == 2 and cal.num_devices == 2, describe(results)
+        assert cal.measurements["topology"]["devices_per_process"] == 1
+        link = cal.measurements["link"]
+        assert link is not None and len(link["sizes_bytes"]) >= 3
+        assert min(link["sizes_bytes"]) <= 4096 and max(link["sizes_bytes"]) >= 2**20
+        assert "2 process" in link["what"]
+        assert cal.spec.link_bandwidth > 0 and cal.spec.link_latency_s >= 0
+        assert cal.spec.peak_flops_f32 > 0 and cal.spec.memory_bandwidth > 0
+        assert not any("one device" in n or "fell back" in n for n in cal.notes)
+        assert "REUSED True" in r.output  # the second calibration reused it, on both
+        # each process's own directory holds the record (process 1 wrote its own copy)
+        mine = load_calibration(jax.devices()[0], tmp_path / f"process{r.process_id}", 2)
+        assert mine is not None and mine.spec == cal.spec
+    # the processes agree: one profile, the same link figures, each one's own on record
+    assert cals[0].spec == cals[1].spec
+    per = cals[0].measurements["per_process"]
+    assert len(per["link_bandwidth"]) == 2 and all(v > 0 for v in per["link_bandwidth"])
+    # a one-process load does not pick up the cluster's record
+    assert load_calibration(jax.devices()[0], tmp_path / "process0", 1) is None
+
+
+def test_a_lone_process_falls_back_within_the_timeout(tmp_path):
+    argv = [sys.executable, "-m", "jaxwap", "calibrate", "--quick", "--fresh",
+            "--coordinator", "{coordinator}", "--num-processes", "2", "--process-id", "0",
+            "--timeout", "3"]
+    t0 = time.monotonic()
+    (r,) = launch_local(argv, num_processes=1, timeout_s=90,
+                        env={**os.environ, "JAXWAP_CACHE_DIR": str(tmp_path)})
+    took = time.monotonic() - t0
+    assert r.ok, describe([r])
+    assert "jax.distributed did not start" in r.output
+    assert "process 0 of 2" in r.output and "missing process ids [1]" in r.output
+    assert took < 60
+    cal = load_calibration(jax.devices()[0], tmp_path, 1)
+    assert cal is not None and cal.num_devices == 1 and cal.num_processes == 1
+    assert any(n.startswith("fell back to one process") for n in cal.notes)
+    assert cal.measurements["link"] is None
+
+
+# --------------------------------------------------------------------------- fast parts
+def _meet(coordinator, specs, timeout_s):
+    out = {}
+
+    def one(n, i):
+        out[i] = rendezvous(coordinator, n, i, timeout_s)
+
+    threads = [threading.Thread(target=one, args=s) for s in specs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_rendezvous_meets_everyone_or_says_why():
+    c = f"127.0.0.1:{free_port()}"
+    assert _meet(c, [(3, 0), (3, 1), (3, 2)], 10) == {0: None, 1: None, 2: None}
+    c = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    got = _meet(c, [(3, 0), (3, 1)], 0.5)
+    assert time.monotonic() - t0 < 5
+    assert "missing process ids [2]" in got[0] and got[1].startswith("process 0 refused")
+    got = _meet(f"127.0.0.1:{free_port()}", [(2, 0), (3, 1)], 10)
+    assert "expects 3 processes" in got[0] and "expects 3 processes" in got[1]
+    assert "no coordinator answered" in rendezvous(f"127.0.0.1:{free_port()}", 2, 1, 0.3)
+
+
+def test_rendezvous_on_a_taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        c = f"127.0.0.1:{s.getsockname()[1]}"
+        assert "cannot listen" in rendezvous(c, 2, 0, 1)
+        assert "did not answer" in rendezvous(c, 2, 1, 0.3)
+
+
+def test_bad_cluster_arguments_are_named():
+    with pytest.raises(ValueError, match="coordinator"):
+        start_distributed("localhost", 2, 0)
+    with pytest.raises(ValueError, match="process_id"):
+        start_distributed("localhost:1234", 2, 2)
+    with pytest.raises(ValueError, match="timeout_s"):
+        start_distributed("localhost:1234", 2, 0, timeout_s=0)
+    # this process's backend is running: no attempt, a reason (never a crash)
+    jax.devices()
+    assert "already" in start_distributed(f"127.0.0.1:{free_port()}", 2, 0, 1)
+
+
+def test_launcher_kills_the_rest_when_one_fails():
+    code = "import os, sys, time; sys.exit(3) if os.environ['JAXWAP_PROCESS_ID'] == '1' " \
+           "else time.sleep(60)"
+    t0 = time.monotonic()
+    results = launch_local([sys.executable, "-c", code, "{process_id}"], 2, timeout_s=30)
+    assert time.monotonic() - t0 < 20
+    assert results[1].returncode == 3 and not results[1].killed
+    assert results[0].killed and not results[0].timed_out
+    results = launch_local([sys.executable, "-c", "import time; time.sleep(60)"], 1,
+                           timeout_s=0.5)
+    assert results[0].timed_out and "time ran out" in describe(results)
+
+
+def test_a_format_1_record_still_loads(tmp_path):
+    path = tmp_path / "calibration"
+    path.mkdir()
+    from jaxwap.calibrate import calibration_path
+    from jaxwap.hardware import builtin_for_kind
+
+    d = {"spec": builtin_for_kind("cpu", "cpu").to_dict(), "device_kind": "cpu",
+         "platform": "cpu", "num_devices": 8, "jax_version": jax.__version__,
+         "driver": "none", "measurements": {}, "notes": [], "format": 1}
+    calibration_path(jax.devices()[0], tmp_path, 1).write_text(json.dumps(d))
+    cal = load_calibration(jax.devices()[0], tmp_path, 1)
+    assert cal is not None and cal.num_processes == 1 and cal.num_devices == 8
