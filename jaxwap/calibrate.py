@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import probes
 from .dirs import default_cache_dir
@@ -175,7 +176,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         if hit and cached is not None:
             return dataclasses.replace(cached, notes=cached.notes + tuple(notes))
     on_cpu = dev.platform == "cpu"
-    sizes = [128, 256, 512] if (quick or on_cpu) else [1024, 2048, 4096, 8192]
+    sizes = [64, 128, 256, 512] if (quick or on_cpu) else [1024, 2048, 4096, 8192]
     if quick and not on_cpu:
         sizes = [512, 1024, 2048]
     bw_bytes = probes.cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
@@ -204,8 +205,15 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
     nan = float("nan")  # none: the median over processes is then none too
+    # the efficiency curve of the device's fast matmul (bf16 on a GPU; f32 on a CPU, whose
+    # bf16 is emulated): a matmul of w flops takes (w + w_half) / peak + a launch, so each
+    # size gives w_half = peak * (t - launch) - w; the median over the sizes
+    main = bf16 if bf16["peak_flops"] > 1.2 * f32["peak_flops"] else f32
+    half = float(np.median([main["peak_flops"] * (t - overhead) - w for w, t in
+                            zip(main["work_flops"], main["seconds"], strict=True)]))
+    half = max(half, main["peak_flops"] * 1e-7)
     fig = {"peak_flops": bf16["peak_flops"], "peak_flops_f32": f32["peak_flops"],
-           "bf16_intercept_s": bf16["intercept_s"], "memory_bandwidth": bandwidth,
+           "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
@@ -227,8 +235,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         notes_.append("power not measured (no NVML for these devices): idle and max watts "
                       "are the built-in profile's")
     peak16 = fig["peak_flops"]
-    # intercept = w_half / peak + launch overhead
-    half = max((fig["bf16_intercept_s"] - fig["kernel_overhead_s"]) * peak16, peak16 * 1e-7)
+    half = fig["efficiency_half_flops"]
     linked = not math.isnan(fig["link_bandwidth"] + fig["link_latency_s"])
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,

@@ -82,13 +82,13 @@ def bandwidth(device: Any, nbytes: int) -> float:
 
 
 def cpu_bandwidth_bytes() -> int:
-    """Bytes for the bandwidth test on a CPU: well past the last-level cache (4x it, at
-    least 64 MiB), or the test times the cache rather than the memory a step streams."""
+    """Bytes for the bandwidth test on a CPU: far past the last-level cache (8x it, at
+    least 256 MiB), or the test times the cache rather than the memory a step streams."""
     try:
         llc = max(os.sysconf(f"SC_LEVEL{k}_CACHE_SIZE") for k in (2, 3))
     except (ValueError, OSError, AttributeError):
         llc = 0
-    return max(64 * 2**20, 4 * int(llc))
+    return max(256 * 2**20, 8 * int(llc))
 
 
 def _conv(x: Any, w: Any) -> Any:
