@@ -139,6 +139,17 @@ def enumerate_candidates(w: zoo.Workload, planned: Planned, known: dict[Key, Any
     return records
 
 
+def _same_question(saved: Any, meta: dict[str, Any]) -> bool:
+    """Whether saved records answer this compile question: XLA's figures (memory, flops,
+    the collectives and their bytes) depend on the workload, jax, the device count and the
+    record format, not on the profile's figures, which only price them later."""
+    def key(m: dict[str, Any]) -> dict[str, Any]:
+        hw = m.get("hardware") or {}
+        return {**{k: v for k, v in m.items() if k != "hardware"},
+                "hardware": ((hw.get("device") or {}).get("name"), hw.get("num_devices"))}
+    return isinstance(saved, dict) and key(saved) == key(meta)
+
+
 def load_or_compile(w: zoo.Workload, small: bool, refresh: bool = False,
                     log: Any = print) -> tuple[Planned, list[Record]]:
     """The records for a workload: predictions from the current model, XLA's figures from
@@ -154,7 +165,7 @@ def load_or_compile(w: zoo.Workload, small: bool, refresh: bool = False,
     if path.exists() and not refresh:
         try:
             saved = json.loads(path.read_text())
-            if saved.get("meta") == meta:
+            if _same_question(saved.get("meta"), meta):
                 saved_records = saved["records"]
                 for rec in map(Record.from_dict, saved_records):
                     known[(rec.d, rec.m, rec.strategies)] = (rec.compiled, rec.error)

@@ -206,8 +206,11 @@ def _regret(model: str, objective: str, chosen: tuple[Any, ...],
 
 
 def _layout_name(strategies: tuple[str, ...]) -> str:
-    kinds = sorted(set(strategies))
-    return "+".join(kinds) if len(kinds) <= 2 else f"{len(kinds)} kinds"
+    """The layout's strategy kinds, most common first."""
+    counts: dict[str, int] = {}
+    for name in strategies:
+        counts[name] = counts.get(name, 0) + 1
+    return "/".join(sorted(counts, key=lambda k: (-counts[k], k)))
 
 
 # ---------------------------------------------------------------------------- orchestrator
