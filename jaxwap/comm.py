@@ -101,11 +101,31 @@ def batch_dims(prog: FlatProgram, batch_inputs: Sequence[int]
     return axis, partial
 
 
+def buffer_latency(buffers: float, d: int, cluster: Cluster) -> float:
+    """Seconds `buffers` of XLA's combined collectives over d devices add where the
+    backend reduces each buffer apart (`DeviceSpec.link_buffer_latency_s`: gloo on CPU;
+    0 where the library groups them, as NCCL does)."""
+    return buffers * cluster.device.link_buffer_latency_s if d > 1 else 0.0
+
+
 def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster) -> tuple[float, float]:
     """(seconds, bytes) of the partial sums over the batch that are not gradients (the
     loss, metrics, batch-norm statistics: `Graph.reduce_bytes`), all-reduced over the data
-    axis whatever the parameters' layouts; latency left to the combined reduction."""
-    return all_reduce(graph.reduce_bytes, d, cluster, False)
+    axis whatever the parameters' layouts; the ring latency left to the combined
+    reduction, each sum a buffer of its own."""
+    t, b = all_reduce(graph.reduce_bytes, d, cluster, False)
+    return t + buffer_latency(graph.reduce_count, d, cluster), b
+
+
+def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
+                     zero1: bool = False) -> tuple[float, float]:
+    """(seconds, bytes) of reducing a gradient that is not data-sharded, once per partial
+    gradient (`reductions`). ZeRO-1 reduce-scatters it and all-gathers the new weight:
+    the bytes of the all-reduce it replaces (textbook; verification checks what XLA does),
+    in two buffers instead of one."""
+    t, b = all_reduce(param_bytes, d, cluster, False)
+    buffers = reductions * (2 if zero1 else 1)
+    return t * reductions + buffer_latency(buffers, d, cluster), b * reductions
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
@@ -119,7 +139,8 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     benchmark showed both, so the model takes the textbook cost and leaves the difference
     to verification.)"""
     t, sent = all_gather(param_bytes, d, cluster, False)
-    return (2 * passes + reductions) * t, (2 * passes + reductions) * sent
+    k = 2 * passes + reductions
+    return k * t + buffer_latency(k, d, cluster), k * sent
 
 
 def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import all_reduce, batch_reduce_comm, collective_cost, fsdp_comm, tp_chain_cost
+from .comm import batch_reduce_comm, collective_cost, fsdp_comm, grad_reduce_comm, tp_chain_cost
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
 from .records import DATA, CompiledFigures, Prediction, Strategy
@@ -153,18 +153,10 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             local = pbytes / (m if s.tp != "none" else 1)
             if s.data_sharded:
                 # the weight is gathered once per pass, each partial gradient reduced
-                t, b = fsdp_comm(local, d, cluster, reps[j], passes[j])
+                row_c.append(fsdp_comm(local, d, cluster, reps[j], passes[j]))
             else:
-                # ZeRO-1 reduce-scatters the gradient and all-gathers the new weight:
-                # the bytes of the all-reduce it replaces (textbook; verification checks
-                # what XLA does), once per partial gradient
-                t, b = all_reduce(local, d, cluster, False)
-                t, b = t * reps[j], b * reps[j]
-            # the buffers this parameter's collectives carry, each paying its latency
-            # where the backend reduces them apart (XLA:CPU over gloo)
-            buffers = (2 * passes[j] + reps[j]) if s.data_sharded else \
-                reps[j] * (2 if s.state_spec is not None else 1)
-            row_c.append((t + (buffers * dev.link_buffer_latency_s if d > 1 else 0.0), b))
+                row_c.append(grad_reduce_comm(local, d, cluster, reps[j],
+                                              zero1=s.state_spec is not None))
             row_h.append(float(resident[j]) / s.state_shard(d, m)
                          / dev.host_bandwidth if s.offload else 0.0)
         rows.append(row)
@@ -274,8 +266,6 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
     # the loss, metrics and batch statistics are partial sums over the batch too
     red_t, red_b = batch_reduce_comm(graph, d, cluster)
-    if d > 1:
-        red_t += graph.reduce_count * cluster.device.link_buffer_latency_s
     parts = StepParts(
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),

@@ -124,6 +124,11 @@ class PlanOptions:
             put("strategies", _strategies(self.strategies))
 
     @property
+    def allowed(self) -> frozenset[str] | None:
+        """The strategy families `strategies` allows, as the search takes them, or None."""
+        return None if self.strategies is None else frozenset(self.strategies)
+
+    @property
     def mesh(self) -> tuple[int, int] | None:
         """The (data, model) sizes `mesh_shape` fixes, or None."""
         return None if self.mesh_shape is None else \

@@ -206,9 +206,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
                                      num_devices_exact=options.num_devices,
                                      micro_batches=rung.micro_batches, offload=options.offload,
-                                     mesh=options.mesh,
-                                     allowed=None if options.strategies is None
-                                     else frozenset(options.strategies))
+                                     mesh=options.mesh, allowed=options.allowed)
         try:
             result = searcher(ctx.budget)
         except ValueError as e:
