@@ -54,7 +54,7 @@ def evaluate(w: Any, planned: Any, records: list[candidates.Record], n: int) -> 
     for r in records:
         if r.compiled is None or r.d * r.m > n or r.compiled.memory_bytes > budget:
             continue
-        vp = with_compiled(r.predicted, r.compiled, cluster, B)
+        vp = with_compiled(r.predicted, r.compiled, cluster, B, r.d, r.m)
         oracle.append((score(vp, cluster), r))
     best_score, best = min(oracle, key=lambda x: x[0])
 

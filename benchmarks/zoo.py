@@ -538,6 +538,214 @@ def gpt2(batch_size: int = 8, seq_len: int = 1024, vocab: int = 50257, layers: i
 
 
 # --------------------------------------------------------------------------------------
+# Llama-style decoder (Flax NNX): unrolled blocks, or stacked layers run by lax.scan
+# --------------------------------------------------------------------------------------
+
+#: Llama-3-shaped configurations (builder arguments of `llama`). `kv_heads < heads` is
+#: grouped-query attention.
+LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama_8b": dict(layers=32, d_model=4096, heads=32, kv_heads=8, ffn=14336,
+                     vocab=128256, seq_len=4096),
+    "llama_70b": dict(layers=80, d_model=8192, heads=64, kv_heads=8, ffn=28672,
+                      vocab=128256, seq_len=4096),
+    "llama_tiny": dict(layers=2, d_model=64, heads=4, kv_heads=2, ffn=128, vocab=256,
+                       seq_len=32),
+}
+
+
+def _rotary(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of [B, T, H, D] queries or keys (the two halves of D
+    rotated as pairs, as in Llama), computed in float32."""
+    t, d = x.shape[1], x.shape[-1]
+    freqs = 1.0 / theta ** (jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs[None, :]     # [T, D/2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class LlamaAttention(nnx.Module):
+    """Causal grouped-query attention with rotary positions, in plain jnp (the full
+    [B, H, T, T] scores, no flash kernel); bias-free projections."""
+
+    def __init__(self, d_model: int, heads: int, kv_heads: int, *, dtype: Any,
+                 rope_theta: float, rngs: nnx.Rngs):
+        if d_model % heads or heads % kv_heads:
+            raise ValueError(f"d_model {d_model} must divide by heads {heads}, and heads by "
+                             f"kv_heads {kv_heads}")
+        self.heads, self.kv_heads, self.dtype, self.rope_theta = heads, kv_heads, dtype, rope_theta
+        hd = d_model // heads
+        dense = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                        kernel_init=_normal(0.02), rngs=rngs)
+        self.q = dense(d_model, heads * hd)
+        self.k = dense(d_model, kv_heads * hd)
+        self.v = dense(d_model, kv_heads * hd)
+        self.o = dense(heads * hd, d_model)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, c = x.shape
+        h, kv = self.heads, self.kv_heads
+        hd, g = c // h, h // kv
+        q = _rotary(self.q(x).reshape(b, t, h, hd), self.rope_theta)
+        k = _rotary(self.k(x).reshape(b, t, kv, hd), self.rope_theta)
+        v = self.v(x).reshape(b, t, kv, hd)
+        q = q.reshape(b, t, kv, g, hd)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+        y = jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, t, c)
+        return self.o(y)
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(gate(x)) * up(x)), bias-free."""
+
+    def __init__(self, d_model: int, ffn: int, *, dtype: Any, rngs: nnx.Rngs):
+        dense = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
+                        kernel_init=_normal(0.02), rngs=rngs)
+        self.gate = dense(d_model, ffn)
+        self.up = dense(d_model, ffn)
+        self.down = dense(ffn, d_model)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-RMSNorm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, d_model: int, heads: int, kv_heads: int, ffn: int, *, dtype: Any,
+                 rope_theta: float, rngs: nnx.Rngs):
+        norm = partial(nnx.RMSNorm, d_model, epsilon=1e-5, dtype=dtype,
+                       param_dtype=jnp.float32, rngs=rngs)
+        self.attn_norm = norm()
+        self.attn = LlamaAttention(d_model, heads, kv_heads, dtype=dtype,
+                                   rope_theta=rope_theta, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = SwiGLU(d_model, ffn, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """Llama-style decoder: token embedding, `layers` pre-RMSNorm blocks (GQA with rotary
+    positions, SwiGLU MLP), final RMSNorm, untied LM head.
+
+    `scan=False`: the blocks are a python list, unrolled into the step's program.
+    `scan=True`: one block whose parameters are stacked along a leading layer dim
+    (`nnx.vmap` at creation), run by `jax.lax.scan` over that dim.
+    """
+
+    def __init__(self, *, vocab: int, layers: int, d_model: int, heads: int, kv_heads: int,
+                 ffn: int, scan: bool = False, dtype: Any = jnp.float32,
+                 rope_theta: float = 500000.0, rngs: nnx.Rngs, **_: Any):
+        make = partial(LlamaBlock, d_model, heads, kv_heads, ffn, dtype=dtype,
+                       rope_theta=rope_theta)
+        self.embed = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=jnp.float32,
+                               embedding_init=_normal(0.02), rngs=rngs)
+        self.scan = scan
+        if scan:
+            @nnx.split_rngs(splits=layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(r: nnx.Rngs) -> LlamaBlock:
+                return make(rngs=r)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([make(rngs=rngs) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d_model, epsilon=1e-5, dtype=dtype, param_dtype=jnp.float32,
+                                rngs=rngs)
+        self.lm_head = nnx.Linear(d_model, vocab, use_bias=False, dtype=dtype,
+                                  param_dtype=jnp.float32, kernel_init=_normal(0.02),
+                                  rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int32 [B, T] tokens -> float32 [B, T, vocab] logits."""
+        x = self.embed(tokens)
+        if self.scan:
+            graphdef, state = nnx.split(self.blocks)
+
+            def layer(h: jax.Array, s: Any) -> tuple[jax.Array, None]:
+                return nnx.merge(graphdef, s)(h), None
+
+            x, _ = jax.lax.scan(layer, x, state)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.lm_head(self.norm(x)).astype(jnp.float32)
+
+
+def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | None = None,
+          scan: bool = False, dtype: DTypeLike = jnp.bfloat16, lr: float = 3e-4,
+          weight_decay: float = 0.1, restructurable: bool = True,
+          **overrides: Any) -> Workload:
+    """A Llama-style decoder of `LLAMA_CONFIGS[config]` (`overrides` replace any of its
+    fields: layers, d_model, heads, kv_heads, ffn, vocab, seq_len), built abstractly, so an
+    8B or 70B model allocates nothing. `scan=True` stacks the blocks' parameters along a
+    leading layer dim and runs them with `lax.scan`. The step is
+    `jaxwap.make_train_step(loss_fn, optax.adamw(lr, weight_decay=...))` (returns
+    `(params, opt_state, loss)`); `restructurable=False` gives the same loss and AdamW as a
+    plain step returning `(params, opt_state, {"loss": loss})`. `args = (params, opt_state,
+    batch)`, params the `nnx.State` of `nnx.Param`."""
+    if config not in LLAMA_CONFIGS:
+        raise KeyError(f"unknown llama config {config!r}; choose from {sorted(LLAMA_CONFIGS)}")
+    cfg = {**LLAMA_CONFIGS[config], **overrides}
+    if seq_len is not None:
+        cfg["seq_len"] = seq_len
+    dtype = _dtype(dtype)
+    tx = optax.adamw(lr, weight_decay=weight_decay)
+
+    def build(seed: int) -> Llama:
+        return Llama(**cfg, scan=scan, dtype=dtype, rngs=nnx.Rngs(seed))
+
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: build(0)), nnx.Param)
+    opt_state = jax.eval_shape(tx.init, params)
+    T, vocab = cfg["seq_len"], cfg["vocab"]
+    tokens = jax.ShapeDtypeStruct((batch_size, T), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+
+    def init(seed: int = 0) -> tuple[Any, ...]:
+        _, p = nnx.split(build(seed), nnx.Param)
+        data = jax.random.randint(jax.random.key(seed + 1), (batch_size, T + 1), 0, vocab,
+                                  jnp.int32)
+        return p, tx.init(p), {"inputs": data[:, :-1], "targets": data[:, 1:]}
+
+    loss_fn = gpt_loss(graphdef)
+    if restructurable:
+        step = jaxwap.make_train_step(loss_fn, tx)
+    else:
+        def step(params: Any, opt_state: Any,
+                 batch: dict[str, jax.Array]) -> tuple[Any, Any, dict[str, jax.Array]]:
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    form = f"stacked, lax.scan over {cfg['layers']}" if scan else f"{cfg['layers']} unrolled"
+    return Workload(
+        name=config + ("-scan" if scan else ""), step=step, args=(params, opt_state, batch),
+        params=params, batch_size=batch_size, num_classes=vocab,
+        description=(f"Llama-style decoder (NNX, RMSNorm, rotary GQA {cfg['heads']}/"
+                     f"{cfg['kv_heads']} heads, SwiGLU {cfg['ffn']}, untied head): {form} "
+                     f"layers, d_model {cfg['d_model']}, vocab {vocab}, seq {T}, batch "
+                     f"{batch_size}, compute {dtype.name}, AdamW lr {lr:g}; step(params, "
+                     f"opt_state, batch), params = nnx.State of nnx.Param"),
+        init=init)
+
+
+def llama_8b(**kw: Any) -> Workload:
+    """Llama-3-8B-shaped (8.03 B parameters): 32 layers, d 4096, 32/8 heads, ffn 14336."""
+    return llama("llama_8b", **kw)
+
+
+def llama_70b(**kw: Any) -> Workload:
+    """Llama-3-70B-shaped (70.6 B parameters): 80 layers, d 8192, 64/8 heads, ffn 28672."""
+    return llama("llama_70b", **kw)
+
+
+# --------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------
 
@@ -574,6 +782,7 @@ def small(name: str, **overrides: Any) -> Workload:
 
 __all__ = [
     "GPT",
+    "LLAMA_CONFIGS",
     "SMALL",
     "WORKLOADS",
     "AlexNet",
@@ -582,6 +791,10 @@ __all__ = [
     "Workload",
     "alexnet",
     "gpt2",
+    "Llama",
+    "llama",
+    "llama_70b",
+    "llama_8b",
     "make_gpt_train_step",
     "make_resnet_train_step",
     "resnet50",

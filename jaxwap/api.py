@@ -55,6 +55,9 @@ class AutoShardedStep:
         self._measured: set[Any] = set()
         self._execs: dict[Any, CompiledStep] = {}
         self._current: Planned | None = None
+        # plan for the hardware described even where its devices are not present
+        # (`jaxwap.plan`); a step that runs plans for the devices it runs on
+        self._for_hardware = False
         functools.update_wrapper(self, train_step)
 
     # ------------------------------------------------------------------ planning
@@ -73,7 +76,8 @@ class AutoShardedStep:
         key = self._signature(args, kwargs)
         if key not in self._plans:
             self._plans[key] = make_plan(self.train_step, args, kwargs, params=self.params,
-                                         options=self.options)
+                                         options=self.options,
+                                         for_hardware=self._for_hardware)
         planned = self._plans[key]
         if measure and self.options.measure and key not in self._measured \
                 and _concrete(args, kwargs):
@@ -192,12 +196,16 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
     running it: only the verified finalists are compiled (`verify=0`: nothing is).
 
     Takes every option `auto_shard` takes (a `PlanOptions` and/or its fields as keywords);
-    any other keyword is the step's own. `measure=` runs the finalists, so it needs real
-    arrays."""
+    any other keyword is the step's own. `hardware=Cluster(...)` with more devices than
+    are present plans for that cluster (analytically: verification needs the devices);
+    save the plan with `to_json()` and run it there with `auto_shard(..., plan=path)`.
+    `measure=` runs the finalists, so it needs real arrays."""
     option_kw, step_kwargs = split_options(kwargs)
     opts = PlanOptions.of(options, **option_kw)
     if opts.measure and not _concrete(args, step_kwargs):
         raise ValueError("jaxwap.plan(measure=...) runs the finalists on the devices, so it "
                          "needs arrays, not jax.ShapeDtypeStruct: pass real arguments or "
                          "leave measure= out")
-    return AutoShardedStep(train_step, params, options=opts).plan_for(*args, **step_kwargs)
+    step = AutoShardedStep(train_step, params, options=opts)
+    step._for_hardware = True
+    return step.plan_for(*args, **step_kwargs)

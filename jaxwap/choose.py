@@ -97,18 +97,29 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
                        s.offload)
         for p, s in zip(ctx.params, best.strategies, strict=True))
     notes = list(ctx.notes)
-    if any(s.offload for s in best.strategies) and ctx.devices[0].platform == "cpu":
+    present = best.d * best.m <= len(ctx.devices)
+    if any(s.offload for s in best.strategies) and ctx.devices[0].platform == "cpu" \
+            and present:
         notes.append("optimizer state planned for host memory: XLA:CPU compiles memory kinds "
                      "to nothing, so the saving is modelled, not verified, on this backend")
     return Plan(
         mesh_shape={DATA: best.d, MODEL: best.m},
-        device_ids=tuple(int(d.id) for d in ctx.devices[: best.d * best.m]),
+        device_ids=_device_ids(ctx, best.d * best.m),
         params=placements, objective=ctx.objective, predicted=best.predicted,
         candidates=tuple(cands), compiled=figs.get(chosen), verified=vpreds.get(chosen),
         measured=measured.get(chosen), hardware=ctx.cluster, batch_size=ctx.batch_size,
         memory_budget_bytes=ctx.budget, planning_time_s=dict(ctx.timing),
         notes=tuple(notes), version=__version__, step=ctx.step,
         _treedef=ctx.params_treedef)
+
+
+def _device_ids(ctx: PlanContext, n: int) -> tuple[int, ...]:
+    """The ids of the n devices the plan runs on, node by node; for a plan made for a
+    described cluster larger than the devices present, its own numbering 0..n-1 (the
+    devices of the cluster it will be loaded on, in the same order)."""
+    if n > len(ctx.devices):
+        return tuple(range(n))
+    return tuple(int(d.id) for d in ctx.devices[:n])
 
 
 _BASIS_WORD = {PREDICTED: "analytic", COMPILED: "compiled", MEASURED: "measured"}

@@ -27,48 +27,120 @@ import numpy as np
 from .flatten import FlatProgram
 from .hardware import Cluster
 from .primitives import batch_rule, default_batch
-from .records import Collective
+from .records import DATA, MODEL, Collective
 
 if TYPE_CHECKING:
     from .graph import Graph, Layer
 
 
-def all_reduce(nbytes: float, n: int, cluster: Cluster,
-               latency: bool = True) -> tuple[float, float]:
-    """(seconds, bytes sent per device) of a ring all-reduce over n devices.
+def _step(cluster: Cluster, across: bool) -> tuple[float, float]:
+    """(bandwidth, latency) of one ring step inside a node or between nodes."""
+    if across:
+        return cluster.inter_node_bandwidth, cluster.inter_node_latency
+    return cluster.link_bandwidth, cluster.link_latency
 
-    `latency=False` leaves out the per-step latency, for collectives XLA's combiner
-    merges into one (gradient reductions): their latency is charged once per step.
+
+def _ring(nbytes: float, n: int, cluster: Cluster, factor: int, latency: bool,
+          across: bool) -> float:
+    """Seconds of a ring over n devices moving factor*(n-1)/n of nbytes, on the links
+    inside a node or between nodes (a ring that leaves a node runs at its slowest link)."""
+    bw, lat = _step(cluster, across)
+    if across:
+        bw, lat = min(bw, cluster.link_bandwidth), max(lat, cluster.link_latency)
+    return factor * (n - 1) / n * nbytes / bw + latency * factor * (n - 1) * lat
+
+
+def all_reduce(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
+               inner: int | None = None) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of an all-reduce over n devices, `inner` of which
+    share each node (None: all of them, one node).
+
+    Inside one node, a ring: `2(n-1)/n * bytes / bw + 2(n-1) * latency`. Across nodes, the
+    cheaper of a flat ring (paced by the slowest link it crosses) and the hierarchical
+    reduction (seed 002's hybrid aggregation): reduce-scatter inside each node, all-reduce
+    each 1/inner shard across the nodes (every device over its own network share), then
+    all-gather inside. `latency=False` leaves out the per-step latency, for collectives
+    XLA's combiner merges into one (gradient reductions): their latency is charged once
+    per step.
     """
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
-    sent = 2 * (n - 1) / n * nbytes
-    return sent / cluster.link_bandwidth + latency * 2 * (n - 1) * cluster.link_latency, sent
+    inner = n if inner is None else max(1, min(inner, n))
+    flat_sent = 2 * (n - 1) / n * nbytes
+    if inner >= n:
+        return _ring(nbytes, n, cluster, 2, latency, False), flat_sent
+    outer = n // inner
+    flat = _ring(nbytes, n, cluster, 2, latency, True)
+    inside = 2 * _ring(nbytes, inner, cluster, 1, latency, False) if inner > 1 else 0.0
+    across = _ring(nbytes / inner, outer, cluster, 2, latency, True)
+    if inside + across < flat:
+        sent = 2 * (inner - 1) / inner * nbytes + 2 * (outer - 1) / outer * nbytes / inner
+        return inside + across, sent
+    return flat, flat_sent
 
 
-def all_gather(nbytes: float, n: int, cluster: Cluster,
-               latency: bool = True) -> tuple[float, float]:
-    """(seconds, bytes sent per device) of a ring all-gather (or reduce-scatter) whose
-    full result is `nbytes`."""
+def all_reduce_latency(n: int, cluster: Cluster, inner: int | None = None) -> float:
+    """Seconds of latency alone in an all-reduce over n devices (`inner` per node): what a
+    combined reduction pays once, whatever it carries."""
+    if n <= 1:
+        return 0.0
+    inner = n if inner is None else max(1, min(inner, n))
+    if inner >= n:
+        return 2 * (n - 1) * cluster.link_latency
+    flat = 2 * (n - 1) * max(cluster.inter_node_latency, cluster.link_latency)
+    outer = n // inner
+    return min(flat, 2 * (inner - 1) * cluster.link_latency
+               + 2 * (outer - 1) * max(cluster.inter_node_latency, cluster.link_latency))
+
+
+def all_gather(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
+               inner: int | None = None) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of an all-gather (or reduce-scatter) whose full
+    result is `nbytes`, over n devices `inner` of which share each node. Across nodes the
+    cheaper of a flat ring and the hierarchical one: gather the 1/n pieces of the same
+    rank across the nodes, then the node's pieces inside it."""
     if n <= 1 or nbytes <= 0:
         return 0.0, 0.0
-    sent = (n - 1) / n * nbytes
-    return sent / cluster.link_bandwidth + latency * (n - 1) * cluster.link_latency, sent
+    inner = n if inner is None else max(1, min(inner, n))
+    flat_sent = (n - 1) / n * nbytes
+    if inner >= n:
+        return _ring(nbytes, n, cluster, 1, latency, False), flat_sent
+    outer = n // inner
+    flat = _ring(nbytes, n, cluster, 1, latency, True)
+    across = _ring(nbytes / inner, outer, cluster, 1, latency, True)
+    inside = _ring(nbytes, inner, cluster, 1, latency, False) if inner > 1 else 0.0
+    if across + inside < flat:
+        return across + inside, (outer - 1) / outer * nbytes / inner \
+            + (inner - 1) / inner * nbytes
+    return flat, flat_sent
 
 
-def collective_cost(c: Collective, cluster: Cluster) -> tuple[float, float]:
-    """(seconds, bytes sent per device) of a collective XLA inserted, by the ring formulas
-    the model uses for its own."""
+def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int) -> int:
+    """How many devices of one group over these mesh axes share a node, on a (d, m) mesh
+    laid out node by node with the model axis innermost (`compile.make_mesh`)."""
+    if tuple(axes) == (MODEL,):
+        return cluster.devices_in_node(m, 1)
+    if tuple(axes) == (DATA,):
+        return cluster.devices_in_node(d, m)
+    return cluster.devices_in_node(d * m, 1)
+
+
+def collective_cost(c: Collective, cluster: Cluster, d: int = 1,
+                    m: int = 1) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a collective XLA inserted on a (d, m) mesh, by
+    the formulas the model uses for its own, on the links its group spans."""
     n = c.group_size
+    inner = axis_inner(cluster, c.axes, d, m) if c.axes else None
     if c.kind == "all-reduce":
-        return all_reduce(c.bytes, n, cluster)
+        return all_reduce(c.bytes, n, cluster, inner=inner)
     if c.kind in ("all-gather", "all-to-all"):
-        return all_gather(c.bytes, n, cluster)
+        return all_gather(c.bytes, n, cluster, inner=inner)
     if c.kind == "reduce-scatter":
-        return all_gather(c.bytes * n, n, cluster)
+        return all_gather(c.bytes * n, n, cluster, inner=inner)
     if n <= 1:  # collective-permute
         return 0.0, 0.0
-    return c.bytes / cluster.link_bandwidth + cluster.link_latency, float(c.bytes)
+    bw, lat = _step(cluster, inner is not None and inner < n)
+    return c.bytes / bw + lat, float(c.bytes)
 
 
 def batch_dims(prog: FlatProgram, batch_inputs: Sequence[int]
@@ -108,28 +180,29 @@ def buffer_latency(buffers: float, d: int, cluster: Cluster) -> float:
     return buffers * cluster.device.link_buffer_latency_s if d > 1 else 0.0
 
 
-def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster) -> tuple[float, float]:
+def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster,
+                      inner: int | None = None) -> tuple[float, float]:
     """(seconds, bytes) of the partial sums over the batch that are not gradients (the
     loss, metrics, batch-norm statistics: `Graph.reduce_bytes`), all-reduced over the data
     axis whatever the parameters' layouts; the ring latency left to the combined
     reduction, each sum a buffer of its own."""
-    t, b = all_reduce(graph.reduce_bytes, d, cluster, False)
+    t, b = all_reduce(graph.reduce_bytes, d, cluster, False, inner)
     return t + buffer_latency(graph.reduce_count, d, cluster), b
 
 
 def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
-                     zero1: bool = False) -> tuple[float, float]:
+                     zero1: bool = False, inner: int | None = None) -> tuple[float, float]:
     """(seconds, bytes) of reducing a gradient that is not data-sharded, once per partial
     gradient (`reductions`). ZeRO-1 reduce-scatters it and all-gathers the new weight:
     the bytes of the all-reduce it replaces (textbook; verification checks what XLA does),
     in two buffers instead of one."""
-    t, b = all_reduce(param_bytes, d, cluster, False)
+    t, b = all_reduce(param_bytes, d, cluster, False, inner)
     buffers = reductions * (2 if zero1 else 1)
     return t * reductions + buffer_latency(buffers, d, cluster), b * reductions
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
-              passes: float = 1.0) -> tuple[float, float]:
+              passes: float = 1.0, inner: int | None = None) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight: gather it for the
     forward pass and again for the backward pass (in each of `passes` loop iterations,
     micro-batches), reduce-scatter its gradient once per partial gradient (`reductions`:
@@ -138,7 +211,7 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     are the smaller, but whether it does depends on the neighbouring layouts: the fidelity
     benchmark showed both, so the model takes the textbook cost and leaves the difference
     to verification.)"""
-    t, sent = all_gather(param_bytes, d, cluster, False)
+    t, sent = all_gather(param_bytes, d, cluster, False, inner)
     k = 2 * passes + reductions
     return k * t + buffer_latency(k, d, cluster), k * sent
 
@@ -190,5 +263,6 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
     return t, b
 
 
-__all__ = ["all_gather", "all_reduce", "batch_dims", "batch_reduce_comm", "collective_cost",
-           "fsdp_comm", "tp_chain_cost", "tp_final_cost", "tp_pair_cost"]
+__all__ = ["all_gather", "all_reduce", "all_reduce_latency", "axis_inner", "batch_dims",
+           "batch_reduce_comm", "buffer_latency", "collective_cost", "fsdp_comm",
+           "grad_reduce_comm", "tp_chain_cost", "tp_final_cost", "tp_pair_cost"]

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import batch_reduce_comm, collective_cost, fsdp_comm, grad_reduce_comm, tp_chain_cost
+from .comm import (
+    all_reduce_latency,
+    batch_reduce_comm,
+    collective_cost,
+    fsdp_comm,
+    grad_reduce_comm,
+    tp_chain_cost,
+)
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
 from .records import DATA, CompiledFigures, Prediction, Strategy
@@ -101,6 +108,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     """
     dev = cluster.device
     speed = cluster.speedup_when_using(d * m)
+    inner = cluster.devices_in_node(d, m)   # of the data axis: the model axis is innermost
     per_split: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def at(split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -143,6 +151,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
     rows: list[list[np.ndarray]] = []
     g_comm, host = [], []
+    comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     for j, strats in enumerate(strategies):
         row, row_c, row_h = [], [], []
         pbytes = graph.params[j].nbytes
@@ -151,12 +160,18 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                        + summed("w", s.shard(d, m))[:, j]
                        + summed("s", s.state_shard(d, m))[:, j])
             local = pbytes / (m if s.tp != "none" else 1)
-            if s.data_sharded:
-                # the weight is gathered once per pass, each partial gradient reduced
-                row_c.append(fsdp_comm(local, d, cluster, reps[j], passes[j]))
-            else:
-                row_c.append(grad_reduce_comm(local, d, cluster, reps[j],
-                                              zero1=s.state_spec is not None))
+            # the blocks of a deep model repeat the same few shapes: price each once
+            key = (local, s.data_sharded, s.state_spec is not None, float(reps[j]),
+                   float(passes[j]))
+            if key not in comm_of:
+                if s.data_sharded:
+                    # the weight is gathered once per pass, each partial gradient reduced
+                    comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner)
+                else:
+                    comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
+                                                    zero1=s.state_spec is not None,
+                                                    inner=inner)
+            row_c.append(comm_of[key])
             row_h.append(float(resident[j]) / s.state_shard(d, m)
                          / dev.host_bandwidth if s.offload else 0.0)
         rows.append(row)
@@ -265,12 +280,12 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     first = graph.layers[0].param if graph.layers else None
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
     # the loss, metrics and batch statistics are partial sums over the batch too
-    red_t, red_b = batch_reduce_comm(graph, d, cluster)
+    red_t, red_b = batch_reduce_comm(graph, d, cluster, cluster.devices_in_node(d, m))
     parts = StepParts(
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),
         blocking=tp_t,
-        grad_comm=sum(g[0] for g in grads) + red_t + _combined_latency(strats, d, cluster),
+        grad_comm=sum(g[0] for g in grads) + red_t + _combined_latency(strats, d, m, cluster),
         tail_comm=grads[first][0] if first is not None else 0.0,
         batched_time=mc.batched_time,
         host_one_way=sum(mc.host[j][s] for j, s in picked),
@@ -282,7 +297,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
 
 
 def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
-                  batch_size: int) -> Prediction:
+                  batch_size: int, d: int = 1, m: int = 1) -> Prediction:
     """The same cost model fed XLA's figures: memory is XLA's; compute time scales with
     XLA's flops over the model's; communication is priced from the collectives XLA
     actually inserted (data-axis ones overlap backward compute, the rest block); the
@@ -291,7 +306,7 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
     scale = figs.flops / counted if counted > 0 and figs.flops > 0 else 1.0
     overlappable = blocking = 0.0
     for c in figs.collectives:
-        t = collective_cost(c, cluster)[0]
+        t = collective_cost(c, cluster, d, m)[0]
         if c.axes == (DATA,):
             overlappable += t
         else:
@@ -312,17 +327,15 @@ def loop_flops_ratio(graph: Graph) -> float:
     return float((graph.flops / graph.repeat).sum() / total)
 
 
-def _combined_latency(strats: Sequence[Strategy], d: int, cluster: Cluster) -> float:
+def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Cluster) -> float:
     """Ring latency of the gradient collectives once each: XLA combines the per-parameter
-    all-reduces (and reduce-scatters / all-gathers) of a step into few large ones."""
+    all-reduces (and reduce-scatters / all-gathers) of a step into few large ones. Priced
+    as a zero-byte reduction over the data axis's links (hierarchical across nodes)."""
     if d <= 1:
         return 0.0
-    steps = 0
-    if any(not s.data_sharded for s in strats):
-        steps += 2 * (d - 1)
-    if any(s.data_sharded for s in strats):
-        steps += 2 * (d - 1)
-    return steps * cluster.link_latency
+    kinds = int(any(not s.data_sharded for s in strats)) + int(any(s.data_sharded
+                                                                    for s in strats))
+    return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 
 __all__ = ["BACKWARD_SHARE", "MeshCosts", "StepParts", "assemble", "exposed_comm",

@@ -90,7 +90,11 @@ def _var(aval: Any, repeat: int) -> Var:
     dtype = getattr(aval, "dtype", None)
     size = math.prod(shape)
     space = getattr(aval, "memory_space", None)
-    host = space is not None and getattr(space, "name", str(space)).lower().endswith("host")
+    if space is None:
+        host = False
+    else:
+        name = getattr(space, "name", None)  # (str() of an enum member is slow)
+        host = (str(space) if name is None else name).lower().endswith("host")
     return Var(shape, dtype, size * itemsize_of(dtype), size, repeat, host)
 
 
@@ -112,9 +116,19 @@ class _Flattener:
         self.vars: list[Var] = []
         self.ops: list[FlatOp] = []
         self.repeat = 1
+        # a Var is a function of (aval, repeat) alone: the blocks of a deep model share
+        # their values' avals, so each distinct one is described once
+        self._described: dict[tuple[Any, int], Var] = {}
 
     def new(self, aval: Any, repeat: int | None = None) -> int:
-        self.vars.append(_var(aval, self.repeat if repeat is None else repeat))
+        key = (aval, self.repeat if repeat is None else repeat)
+        try:
+            var = self._described.get(key)
+            if var is None:
+                var = self._described[key] = _var(aval, key[1])
+        except TypeError:  # an aval that cannot be hashed: described afresh
+            var = _var(aval, key[1])
+        self.vars.append(var)
         return len(self.vars) - 1
 
     def op(self, eqn: Any, ins: list[int], outs: list[int]) -> None:

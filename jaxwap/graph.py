@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,14 @@ class Graph:
     reduce_bytes: float = 0.0
     # how many such partial sums (each is a buffer of its own all-reduce)
     reduce_count: float = 0.0
+    # [P] the dim of each parameter a scan iterates over (its layers stacked along it, one
+    # slice per iteration: a mesh axis that split it would split the loop), -1 if none;
+    # left out, every parameter gets -1
+    stacked_dim: np.ndarray | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.stacked_dim is None:
+            object.__setattr__(self, "stacked_dim", np.full(len(self.params), -1, np.int64))
 
     @property
     def total_flops(self) -> float:
@@ -127,7 +135,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=grad_repeat, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
-        conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8))
+        conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
+        stacked_dim=_stacked_dims(prog, flow, params))
 
 
 def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
@@ -167,11 +176,11 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
     then backward from the parameter outputs. The dim map follows transposes and
     same-shape ops, so a layer's weight dims can be named in the parameter's own order.
     """
-    V, size = prog.vars, prog.size
+    V, size = prog.vars, prog.size.tolist()  # (python lists: fast to index one by one)
     nv = len(V)
-    dep = np.zeros(nv, bool)
-    pdep = np.zeros(nv, bool)
-    owner = np.full(nv, -1, np.int64)
+    dep = [False] * nv
+    pdep = [False] * nv
+    owner = [-1] * nv
     perm: list[tuple[int, ...] | None] = [None] * nv
     for i, r in zip(prog.in_ids, in_roles, strict=True):
         if r.kind == BATCH:
@@ -182,16 +191,17 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
             if V[i].shape == params[r.param].shape:
                 perm[i] = tuple(range(len(V[i].shape)))
     for op, kind in zip(prog.ops, kinds, strict=True):
-        d = any(dep[i] for i in op.ins)
-        pd = any(pdep[i] for i in op.ins)
+        ins = op.ins
+        d = any(dep[i] for i in ins)
+        pd = any(pdep[i] for i in ins)
         for o in op.outs:
-            dep[o] |= d
-            pdep[o] |= pd
+            dep[o] = dep[o] or d
+            pdep[o] = pdep[o] or pd
         if kind not in (FREE, ELEMENTWISE):
             continue
         info = prim_info(op.prim)
         for o in op.outs:
-            src = next((i for i in op.ins if owner[i] >= 0 and size[i] == size[o]), None)
+            src = next((i for i in ins if owner[i] >= 0 and size[i] == size[o]), None)
             if src is None:
                 continue
             owner[o] = owner[src]
@@ -213,6 +223,9 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
             for i in op.ins:
                 if owner[i] < 0 and size[i] == size[o]:
                     owner[i] = owner[o]
+    dep = np.array(dep, dtype=bool)
+    owner = np.array(owner, dtype=np.int64)
+    pdep = np.array(pdep, dtype=bool)
     return _Dataflow(dep, pdep, owner, perm, _batched(prog, dep, owner, batch_size))
 
 
@@ -228,6 +241,28 @@ def _batched(prog: FlatProgram, dep: np.ndarray, owner: np.ndarray,
     B = batch_size
     rows = B // np.gcd(B, np.array([v.repeat for v in prog.vars], dtype=np.int64))
     return batched & (prog.size % rows == 0) & (prog.size >= rows)
+
+
+def _stacked_dims(prog: FlatProgram, flow: _Dataflow, params: Sequence[ParamInfo]
+                  ) -> np.ndarray:
+    """Per parameter, the dim a scan slices one iteration out of (`scan_slice` cuts the
+    leading dim of a scanned input), named in the parameter's own dims; -1 if no scan
+    iterates over it. A parameter whose dim map is unknown there but whose shape is the
+    scanned input's is taken as stacked on its leading dim."""
+    stacked = np.full(len(params), -1, np.int64)
+    for op in prog.ops:
+        if op.prim != "scan_slice":
+            continue
+        x = op.ins[0]
+        p = int(flow.owner[x])
+        if p < 0 or stacked[p] >= 0:
+            continue
+        perm = flow.perm[x]
+        if perm is not None:
+            stacked[p] = perm[0]
+        elif prog.vars[x].shape == tuple(params[p].shape):
+            stacked[p] = 0
+    return stacked
 
 
 # --------------------------------------------------------------------------- costs
@@ -248,37 +283,60 @@ def _op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> 
     its inputs from registers; a new fusion (a kernel) starts where no input comes from
     another fusible op. An op without a roofline rule is priced one flop per output element
     and its operands' and results' bytes, and named in `unmodeled`.
+
+    A rule's figures depend only on the equation's primitive, operand and result avals and
+    params, so each distinct equation is priced once (the blocks of a deep model repeat).
     """
     n = len(prog.ops)
-    size, nbytes, V = prog.size, prog.nbytes, prog.vars
+    # (python lists: fast to index one by one; the sums add the same float64 values)
+    size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
     flops, traffic, kernels = np.zeros(n), np.zeros(n), np.zeros(n)
     lowp = np.zeros(n, bool)
-    producer_kind: dict[int, str] = {}
+    fusible = [False] * len(V)  # made by an elementwise or free op
+    priced: dict[Any, tuple[float, float] | None] = {}
     unmodeled: set[str] = set()
     for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
-        cost = rules.cost(op.eqn)
-        out_bytes = float(sum(nbytes[o] for o in op.outs))
-        in_bytes = float(sum(nbytes[i] for i in op.ins))
-        if cost is None:
-            if kind != FREE:
-                unmodeled.add(op.prim)
-            cost = (float(sum(size[o] for o in op.outs)), in_bytes + out_bytes)
-        f, b = cost[0] * op.repeat, cost[1] * op.repeat
-        if kind == FREE:
-            f, b, kern = 0.0, 0.0, 0.0
-        elif kind == ELEMENTWISE:
-            b = out_bytes * op.repeat
-            kern = 0.0 if any(producer_kind.get(i) in (ELEMENTWISE, FREE)
-                              for i in op.ins) else float(op.repeat)
+        if kind == FREE:  # flops[k], traffic[k], kernels[k] stay 0
+            for o in op.outs:
+                fusible[o] = True
+            continue
+        key = _eqn_key(op.eqn)
+        if key is None:
+            cost = rules.cost(op.eqn)
         else:
-            kern = float(op.repeat)
-        flops[k], traffic[k], kernels[k] = f, b, kern
-        for o in op.outs:
-            producer_kind[o] = kind
-        if kind == MATMUL:
-            lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
+            cost = priced.get(key, priced)
+            if cost is priced:
+                cost = priced[key] = rules.cost(op.eqn)
+        out_bytes = float(sum(nbytes[o] for o in op.outs))
+        if cost is None:
+            unmodeled.add(op.prim)
+            cost = (float(sum(size[o] for o in op.outs)),
+                    float(sum(nbytes[i] for i in op.ins)) + out_bytes)
+        flops[k] = cost[0] * op.repeat
+        if kind == ELEMENTWISE:
+            traffic[k] = out_bytes * op.repeat
+            kernels[k] = 0.0 if any(fusible[i] for i in op.ins) else float(op.repeat)
+            for o in op.outs:
+                fusible[o] = True
+        else:
+            traffic[k] = cost[1] * op.repeat
+            kernels[k] = float(op.repeat)
+            if kind == MATMUL:
+                lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
     return _OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)))
+
+
+def _eqn_key(eqn: Any) -> Any:
+    """What a roofline rule's figures depend on (primitive, avals, params), hashable, or
+    None: a synthetic equation, or params that cannot be hashed."""
+    try:
+        key = (eqn.primitive, tuple(a.aval for a in eqn.invars),
+               tuple(v.aval for v in eqn.outvars), tuple(sorted(eqn.params.items())))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
 
 
 def _conv_kind(eqn: Any) -> int:
@@ -317,13 +375,14 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow) -> _OpS
     layer (its dims unknown) is not split by tensor parallelism.
     """
     n = len(prog.ops)
-    batched, owner = flow.batched, flow.owner
-    op_batched = np.zeros(n, bool)
-    op_owner = np.full(n, -1, np.int64)
-    tp_param = np.full(n, -1, np.int64)
+    batched, owner = flow.batched.tolist(), flow.owner.tolist()  # (fast to index)
+    op_batched = [False] * n
+    op_owner = [-1] * n
+    tp = [-1] * n
     layers: dict[int, Layer] = {}
     for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
-        op_batched[k] = any(batched[i] for i in op.ins) or any(batched[o] for o in op.outs)
+        b = op_batched[k] = (any(batched[i] for i in op.ins)
+                             or any(batched[o] for o in op.outs))
         in_owned = [i for i in op.ins if owner[i] >= 0]
         out_owned = [o for o in op.outs if owner[o] >= 0]
         if kind == MATMUL:
@@ -331,17 +390,19 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow) -> _OpS
                 op_owner[k] = owner[in_owned[0]]
             elif out_owned:
                 op_owner[k] = owner[out_owned[0]]
-            if op_owner[k] >= 0 and op_batched[k]:
-                tp_param[k] = op_owner[k]
+            if op_owner[k] >= 0 and b:
+                tp[k] = op_owner[k]
             layer = _layer_of(op, k, flow, prog.nbytes)
             if layer is not None and layer.param not in layers:
                 layers[layer.param] = layer
         elif out_owned:
             op_owner[k] = owner[out_owned[0]]
-        elif in_owned and not op_batched[k]:
+        elif in_owned and not b:
             op_owner[k] = owner[in_owned[0]]
+    tp_param = np.array(tp, dtype=np.int64)
     tp_param[~np.isin(tp_param, list(layers))] = -1
-    return _OpSplits(op_batched, op_owner, tp_param,
+    return _OpSplits(np.array(op_batched, dtype=bool), np.array(op_owner, dtype=np.int64),
+                     tp_param,
                      tuple(sorted(layers.values(), key=lambda L: L.op_index)))
 
 

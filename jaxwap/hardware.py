@@ -64,6 +64,10 @@ class DeviceSpec:
       overlaps_collectives: whether the backend runs gradient collectives concurrently
         with the backward pass (XLA:GPU's asynchronous collectives); XLA:CPU runs its
         collectives in line, so none of their time hides.
+      network_bandwidth: default per-direction bandwidth from one device to another node
+        (its share of the node's network adapters), bytes/s: a `Cluster` of several nodes
+        takes it unless given `inter_node_bandwidth`.
+      network_latency_s: default latency of one step between nodes.
     """
 
     name: str
@@ -82,6 +86,8 @@ class DeviceSpec:
     small_input_conv_flops: float | None = None
     link_buffer_latency_s: float = 0.0
     overlaps_collectives: bool = True
+    network_bandwidth: float = 25 * GB
+    network_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -95,7 +101,9 @@ class DeviceSpec:
                                    ("host_bandwidth", 0.0, True),
                                    ("conv_efficiency", 0.0, True),
                                    ("small_input_conv_flops", 0.0, True),
-                                   ("link_buffer_latency_s", 0.0, False)):
+                                   ("link_buffer_latency_s", 0.0, False),
+                                   ("network_bandwidth", 0.0, True),
+                                   ("network_latency_s", 0.0, False)):
             v = getattr(self, field)
             if v is not None and not (v > low if strict else v >= low):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
@@ -128,12 +136,12 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=70,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB),
         DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
                    memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=75,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=55,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
@@ -148,7 +156,7 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=150 * GB, link_latency_s=5e-6,
-                   host_bandwidth=12 * GB),
+                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB),
         # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
         # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
         # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
@@ -156,7 +164,8 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
                    kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
                    link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
-                   overlaps_collectives=False),
+                   overlaps_collectives=False, network_bandwidth=1.25 * GB,
+                   network_latency_s=50e-6),
     )
 }
 
@@ -189,12 +198,21 @@ def builtin_device_names() -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Cluster:
-    """N identical devices joined by one kind of link.
+    """N identical devices, in nodes, joined by links.
 
-    `link_bandwidth` is bytes/s per device per direction (what one ring step moves);
-    `link_latency` is seconds per ring step. Both default to the device profile's
-    own peer link (NVLink for SXM parts), so `Cluster("h100-sxm", 8)` is an HGX box and
-    `Cluster("h100-sxm", 8, link_bandwidth=25e9)` the same GPUs on PCIe.
+    `link_bandwidth` is bytes/s per device per direction (what one ring step moves) over
+    the links inside a node; `link_latency` is seconds per ring step on them. Both default
+    to the device profile's own peer link (NVLink for SXM parts), so `Cluster("h100-sxm",
+    8)` is an HGX box and `Cluster("h100-sxm", 8, link_bandwidth=25e9)` the same GPUs on
+    PCIe.
+
+    `devices_per_node` groups the devices into nodes of that many (None: one flat domain,
+    every pair joined by the links above). Between nodes a device reaches
+    `inter_node_bandwidth` bytes/s per direction (its share of the node's network
+    adapters: 400 Gb/s InfiniBand per GPU is 50e9) with `inter_node_latency` per step;
+    both default to the profile's `network_bandwidth` / `network_latency_s`. Devices are
+    numbered node by node: devices i*devices_per_node .. (i+1)*devices_per_node-1 share
+    node i, as `jax.devices()` orders them process by process.
 
     `shared_compute=True` says the devices are slices of one pool (simulated CPU devices
     on one host): a mesh of n of them runs at `num_devices / n` times the per-device
@@ -206,37 +224,109 @@ class Cluster:
     link_bandwidth: float
     link_latency: float
     shared_compute: bool
+    devices_per_node: int | None
+    inter_node_bandwidth: float
+    inter_node_latency: float
 
     def __init__(self, device: str | DeviceSpec, num_devices: int,
                  link_bandwidth: float | None = None,
-                 link_latency: float | None = None, shared_compute: bool = False) -> None:
+                 link_latency: float | None = None, shared_compute: bool = False, *,
+                 devices_per_node: int | None = None,
+                 inter_node_bandwidth: float | None = None,
+                 inter_node_latency: float | None = None) -> None:
         spec = device_spec(device)
-        if not isinstance(num_devices, (int, np.integer)) or num_devices < 1:
+        if not _is_int(num_devices) or num_devices < 1:
             raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
-        bw = spec.link_bandwidth if link_bandwidth is None else float(link_bandwidth)
-        lat = spec.link_latency_s if link_latency is None else float(link_latency)
-        if bw <= 0 or lat < 0:
-            raise ValueError(f"Cluster link_bandwidth must be > 0 and link_latency >= 0, "
-                             f"got {bw!r}, {lat!r}")
+        if devices_per_node is not None:
+            if not _is_int(devices_per_node) or devices_per_node < 1:
+                raise ValueError(f"Cluster devices_per_node must be a positive int or None, "
+                                 f"got {devices_per_node!r}")
+            if num_devices % devices_per_node:
+                raise ValueError(f"Cluster devices_per_node={devices_per_node} does not divide "
+                                 f"num_devices={num_devices}: nodes must be whole")
+        figures = (("link_bandwidth", link_bandwidth, spec.link_bandwidth, True),
+                   ("link_latency", link_latency, spec.link_latency_s, False),
+                   ("inter_node_bandwidth", inter_node_bandwidth, spec.network_bandwidth, True),
+                   ("inter_node_latency", inter_node_latency, spec.network_latency_s, False))
+        for name, given, default, strict in figures:
+            v = default if given is None else given
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                    or not (v > 0 if strict else v >= 0) or not np.isfinite(v):
+                raise ValueError(f"Cluster {name} must be a finite number "
+                                 f"{'> 0' if strict else '>= 0'}, got {v!r}")
+            object.__setattr__(self, name, float(v))
         object.__setattr__(self, "device", spec)
         object.__setattr__(self, "num_devices", int(num_devices))
-        object.__setattr__(self, "link_bandwidth", bw)
-        object.__setattr__(self, "link_latency", lat)
         object.__setattr__(self, "shared_compute", bool(shared_compute))
+        object.__setattr__(self, "devices_per_node",
+                           None if devices_per_node is None else int(devices_per_node))
+
+    @property
+    def num_nodes(self) -> int:
+        return 1 if self.devices_per_node is None else self.num_devices // self.devices_per_node
+
+    @property
+    def node_size(self) -> int:
+        """Devices that share one node's links (all of them in a flat cluster)."""
+        return self.num_devices if self.devices_per_node is None else self.devices_per_node
+
+    def devices_in_node(self, size: int, stride: int = 1) -> int:
+        """Of a group of `size` devices `stride` apart in the device numbering (a mesh
+        axis: the last axis has stride 1, the one before it the last axis's size), how
+        many share a node; `size` when the group never leaves one."""
+        node = self.node_size
+        if size * stride <= node:
+            return size
+        return max(1, min(size, node // stride))
 
     def speedup_when_using(self, n: int) -> float:
         """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
         return self.num_devices / n if self.shared_compute else 1.0
 
+    def with_devices(self, n: int) -> Cluster:
+        """The same hardware with n devices (a whole number of nodes, or part of one)."""
+        dpn = self.devices_per_node
+        if dpn is not None and n % dpn:
+            dpn = n if n < dpn else None
+            if dpn is None:
+                raise ValueError(f"{n} devices are not whole nodes of {self.devices_per_node}")
+        return Cluster(self.device, n, self.link_bandwidth, self.link_latency,
+                       self.shared_compute, devices_per_node=dpn,
+                       inter_node_bandwidth=self.inter_node_bandwidth,
+                       inter_node_latency=self.inter_node_latency)
+
+    def describe_links(self) -> str:
+        """The links in words, for `explain()`."""
+        inside = f"links {_si_rate(self.link_bandwidth)} / {self.link_latency * 1e6:.1f} us"
+        if self.num_nodes <= 1:
+            return inside
+        return (f"{self.num_nodes} nodes of {self.devices_per_node}: {inside} inside a node, "
+                f"{_si_rate(self.inter_node_bandwidth)} / "
+                f"{self.inter_node_latency * 1e6:.1f} us per device between nodes")
+
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device.to_dict(), "num_devices": self.num_devices,
                 "link_bandwidth": self.link_bandwidth, "link_latency": self.link_latency,
-                "shared_compute": self.shared_compute}
+                "shared_compute": self.shared_compute,
+                "devices_per_node": self.devices_per_node,
+                "inter_node_bandwidth": self.inter_node_bandwidth,
+                "inter_node_latency": self.inter_node_latency}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
         return cls(DeviceSpec.from_dict(d["device"]), d["num_devices"],
-                   d["link_bandwidth"], d["link_latency"], d.get("shared_compute", False))
+                   d["link_bandwidth"], d["link_latency"], d.get("shared_compute", False),
+                   devices_per_node=d.get("devices_per_node"),
+                   inter_node_bandwidth=d.get("inter_node_bandwidth"),
+                   inter_node_latency=d.get("inter_node_latency"))
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _si_rate(bps: float) -> str:
+    return f"{bps / 1e9:.3g} GB/s"
 
 
 def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:
@@ -281,13 +371,38 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
     memory = device_memory_limit(devices[0])
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))
+    nodes = _process_nodes(devices, spec, cal)
     if platform == "cpu":
         # devices of one process share its host's cores; processes pinned to their own
         # cores (one device each) are separate machines as far as compute goes
         local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-        return Cluster(_host_share(spec, devices, calibrated=cal is not None), len(devices),
-                       shared_compute=local > 1), note
-    return Cluster(spec, len(devices)), note
+        spec = _host_share(spec, devices, calibrated=cal is not None)
+        return Cluster(spec, len(devices), nodes.get("link_bandwidth"),
+                       nodes.get("link_latency"), shared_compute=local > 1,
+                       **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
+    return Cluster(spec, len(devices), nodes.get("link_bandwidth"), nodes.get("link_latency"),
+                   **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
+
+
+def _process_nodes(devices: Sequence[Any], spec: DeviceSpec,
+                   cal: Calibration | None) -> dict[str, Any]:
+    """With several processes, each process's devices are a node: devices_per_node from
+    the process layout (when every process has as many), and the links between processes
+    are the network. A calibration run across processes timed those links, so its link
+    figures are the inter-node ones and the links inside a process are the built-in
+    profile's. One process: nothing to add (one flat domain)."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(counts) <= 1 or len(set(counts.values())) != 1:
+        return {}
+    out: dict[str, Any] = {"devices_per_node": next(iter(counts.values()))}
+    if cal is not None and cal.num_processes > 1:
+        base = builtin_for_kind(cal.device_kind, cal.platform)
+        out.update(inter_node_bandwidth=spec.link_bandwidth,
+                   inter_node_latency=spec.link_latency_s,
+                   link_bandwidth=base.link_bandwidth, link_latency=base.link_latency_s)
+    return out
 
 
 def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = False

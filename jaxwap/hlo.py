@@ -194,7 +194,7 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
         cost = cost[0] if cost else {}
     cost = cost or {}
     colls = tuple(parse_collectives(compiled.as_text(), mesh_shape))
-    comm = sum(collective_cost(c, cluster)[1] for c in colls)
+    comm = sum(collective_cost(c, cluster, *mesh_shape)[1] for c in colls)
     return CompiledFigures(
         memory_bytes=arg + out + tmp - alias - unverified, argument_bytes=arg, output_bytes=out,
         temp_bytes=tmp, alias_bytes=alias, flops=float(cost.get("flops", 0.0)),

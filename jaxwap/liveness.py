@@ -38,15 +38,16 @@ def value_classes(ops: Sequence[FlatOp], in_ids: Sequence[int],
     (casts and transposes of the weight) WEIGHT. Outputs take their role's class, so the
     new weight is WEIGHT and the new moments RESIDENT.
     """
-    cls = np.full(len(owner), WEIGHT, np.int64)
+    cls = [WEIGHT] * len(owner)  # (python lists: fast to index one by one)
+    owned, data = (owner >= 0).tolist(), np.asarray(dep, dtype=bool).tolist()
     for i, r in zip(in_ids, in_roles, strict=True):
         if r.kind == PARAM and r.mirror:
             cls[i] = RESIDENT
     for op in ops:
-        owned_in = [cls[i] for i in op.ins if owner[i] >= 0]
-        if any(c in (OPT, RESIDENT) for c in owned_in):
+        owned_in = [cls[i] for i in op.ins if owned[i]]
+        if OPT in owned_in or RESIDENT in owned_in:
             c = OPT
-        elif GRAD in owned_in or any(dep[i] for i in op.ins):
+        elif GRAD in owned_in or any(data[i] for i in op.ins):
             c = GRAD
         else:
             c = WEIGHT
@@ -55,7 +56,7 @@ def value_classes(ops: Sequence[FlatOp], in_ids: Sequence[int],
     for o, r in zip(out_ids, out_roles, strict=True):
         if r.kind == PARAM:
             cls[o] = RESIDENT if r.mirror else WEIGHT
-    return cls
+    return np.array(cls, dtype=np.int64)
 
 
 def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
@@ -67,18 +68,21 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     is what a value takes in device memory (0 for one in host memory).
     """
     nv, n, P = len(nbytes), len(ops), num_params
-    consumers_heavy = np.zeros(nv, bool)
+    # (python lists: fast to index one by one)
+    consumers_heavy = [False] * nv
     for op, kind in zip(ops, kinds, strict=True):
         if kind in (MATMUL, HEAVY):
-            consumers_heavy[op.ins] = True
-    consumers_heavy[list(out_ids)] = True
-    materialized = np.zeros(nv, bool)
-    materialized[list(in_ids)] = True
+            for i in op.ins:
+                consumers_heavy[i] = True
+    materialized = [False] * nv
+    produced = [False] * nv
+    for i in out_ids:
+        consumers_heavy[i] = True
+    for i in in_ids:
+        materialized[i] = produced[i] = True
     roots: dict[int, frozenset[int]] = {}
-    start = np.full(nv, -1, np.int64)
-    last = np.full(nv, -2, np.int64)
-    produced = np.zeros(nv, bool)
-    produced[list(in_ids)] = True
+    start = [-1] * nv
+    last = [-2] * nv
     for k, (op, kind) in enumerate(zip(ops, kinds, strict=True)):
         used: set[int] = set()
         for i in op.ins:
@@ -87,7 +91,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
                 start[i] = k
             used |= roots.get(i, {i})
         for r in used:
-            last[r] = max(last[r], k)
+            last[r] = k  # (k only grows)
         for o in op.outs:
             produced[o] = True
             if kind == FREE and op.ins:
@@ -104,21 +108,83 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
         for r in roots.get(o, {o}):
             last[r] = n
             materialized[r] = True
+    start = np.array(start, dtype=np.int64)
+    last = np.array(last, dtype=np.int64)
+    materialized = np.array(materialized, dtype=bool)
     cols = np.where(batched, 0, np.where(owner >= 0, 2 + vclass * P + owner, 1))
-    diff = np.zeros((n + 3, 2 + NUM_CLASSES * P))
     mat = np.flatnonzero(materialized)
     s = np.maximum(start[mat], -1) + 1          # shift: point 0 is "before the first op"
     e = np.maximum(last[mat], start[mat]) + 1
-    np.add.at(diff, (s, cols[mat]), nbytes[mat])
-    np.add.at(diff, (e + 1, cols[mat]), -nbytes[mat])
-    return prune(np.cumsum(diff, axis=0)[: n + 2])
+    return _live_rows(n + 2, s, e + 1, cols[mat], nbytes[mat], 2 + NUM_CLASSES * P)
 
 
-def prune(live: np.ndarray) -> np.ndarray:
+def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
+               nbytes: np.ndarray, width: int) -> np.ndarray:
+    """`prune` of the [points, width] matrix whose column `cols[j]` holds `nbytes[j]` from
+    row `begin[j]` to row `end[j] - 1` (`dense_live_rows`), without building it.
+
+    A deep model has about as many rows as ops and a column per parameter, so the whole
+    matrix grows with the square of its depth. But the first pruning pass only asks, of
+    each row, whether it changes from the row before, and whether every change is a
+    growth or every change a shrinkage: the signs of the net change of each (row, column)
+    cell. So that pass runs on those changes (rows where nothing changes make runs of
+    equal rows, of which it keeps at most the last), and only the rows it keeps are
+    summed. Byte counts are integers, so every sum is exact in float64 whatever its order
+    (below 2**53 bytes, else the whole matrix is built), and the result is that of
+    `prune` on the whole matrix, bit for bit.
+    """
+    if len(nbytes) == 0 or not (np.all(nbytes == np.floor(nbytes))
+                                and float(np.sum(np.abs(nbytes))) < 2.0**52):
+        return dense_live_rows(points, begin, end, cols, nbytes, width)
+    ev = np.concatenate([begin, end])
+    inside = ev < points
+    cell = (ev * width + np.concatenate([cols, cols]))[inside]
+    change = np.concatenate([nbytes, -nbytes])[inside]
+    cells, where = np.unique(cell, return_inverse=True)
+    net = np.bincount(where, weights=change, minlength=len(cells))
+    moved = net != 0
+    cells, net = cells[moved], net[moved]
+    row, col = cells // width, cells % width
+    # runs of equal rows start at row 0 and at every row where something changes
+    starts = np.unique(np.concatenate([[0], row]))
+    run = np.searchsorted(starts, row)
+    grows = np.bincount(run, weights=net > 0, minlength=len(starts)) > 0
+    shrinks = np.bincount(run, weights=net < 0, minlength=len(starts)) > 0
+    counts = np.diff(np.append(starts, points))
+
+    def rows_at(runs: np.ndarray) -> np.ndarray:
+        at = starts[runs]
+        dense = np.zeros((len(at) + 1, width))
+        np.add.at(dense, (np.searchsorted(at, row), col), net)
+        return np.cumsum(dense, axis=0)[: len(at)]
+
+    if points < 3:
+        return np.repeat(rows_at(np.arange(len(starts))), counts, axis=0)
+    # the first pass of `prune`: a run's rows but its last are <= the next (equal) row;
+    # its last is dropped where the next row only grows from it or, when the run is one
+    # row, where it only shrinks from the row before
+    keep = np.ones(len(starts), bool)
+    keep[:-1] &= shrinks[1:]
+    keep[1:] &= ~((counts[1:] == 1) & ~grows[1:])
+    if keep.all() and (counts == 1).all():  # the pass drops nothing: prune returns it all
+        return rows_at(np.arange(len(starts)))
+    return prune(rows_at(np.flatnonzero(keep)), passes=7)
+
+
+def dense_live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
+                    nbytes: np.ndarray, width: int) -> np.ndarray:
+    """`prune` of the whole [points, width] matrix `_live_rows` describes, built."""
+    diff = np.zeros((points + 1, width))
+    np.add.at(diff, (begin, cols), nbytes)
+    np.add.at(diff, (end, cols), -nbytes)
+    return prune(np.cumsum(diff, axis=0)[:points])
+
+
+def prune(live: np.ndarray, passes: int = 8) -> np.ndarray:
     """Drop program points another point dominates in every bucket: with non-negative
     per-bucket weights they can never be the peak, and fewer rows make every candidate's
     peak cheaper to evaluate."""
-    for _ in range(8):
+    for _ in range(passes):
         if len(live) < 3:
             return live
         le_next = np.all(live[:-1] <= live[1:], axis=1)

@@ -9,8 +9,10 @@ part of the plan cache's key, so every option that can change a plan changes the
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,7 @@ import numpy as np
 from .cache import PlanCache
 from .hardware import Cluster, DeviceSpec
 from .objective import Objective
+from .plan import Plan
 from .records import DATA, MODEL, STRATEGY_FAMILIES
 
 # Steps measured per finalist by `measure=True`.
@@ -61,6 +64,10 @@ class PlanOptions:
         every family it combines is allowed; a parameter with no qualifying split (a bias
         no axis divides) stays replicated, and without "replicate" a mesh on which no
         parameter gets an allowed split is not a candidate. `("fsdp",)` forces FSDP.
+      plan: run this plan (a `jaxwap.Plan`, or the path of its `to_json()` file) instead of
+        planning: a plan made ahead of time for the cluster, by `jaxwap.plan(...,
+        hardware=Cluster(...))` on another machine. The cluster it was made for must be
+        the devices present (same count), and the step's parameters the plan's.
     """
 
     objective: Objective = field(default_factory=Objective)
@@ -77,6 +84,7 @@ class PlanOptions:
     offload: bool = True
     mesh_shape: Mapping[str, int] | None = None
     strategies: tuple[str, ...] | None = None
+    plan: Plan | str | os.PathLike | None = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -122,6 +130,16 @@ class PlanOptions:
                                  f"{dict(self.mesh_shape)} ({n} devices); give one of them")
         if self.strategies is not None:
             put("strategies", _strategies(self.strategies))
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            if not isinstance(self.plan, (str, os.PathLike)):
+                raise TypeError(f"plan must be a jaxwap.Plan or the path of a plan's JSON, "
+                                f"got {type(self.plan).__name__}")
+            path = Path(self.plan)
+            try:
+                put("plan", Plan.from_json(path.read_text()))
+            except (OSError, ValueError, KeyError) as e:
+                raise ValueError(f"plan={str(path)!r} cannot be read as a jaxwap plan: "
+                                 f"{e}") from e
 
     @property
     def allowed(self) -> frozenset[str] | None:
@@ -151,6 +169,8 @@ class PlanOptions:
     @property
     def store(self) -> PlanCache | None:
         """The plan cache to read and write, or None."""
+        if self.plan is not None:
+            return None  # the plan is given: nothing to look up or keep
         if isinstance(self.cache, PlanCache):
             return self.cache
         return PlanCache() if self.cache else None

@@ -21,7 +21,9 @@ from .hardware import Cluster
 from .objective import Objective
 from .records import (
     COMPILED,
+    DATA,
     MEASURED,
+    MODEL,
     CompiledFigures,
     Judged,
     Measurement,
@@ -170,7 +172,7 @@ class Plan:
     hardware: Cluster
     batch_size: int | None
     memory_budget_bytes: float
-    planning_time_s: dict[str, float]
+    planning_time_s: dict[str, float] = field(compare=False)   # a timing, not the plan
     notes: tuple[str, ...] = ()
     version: str = ""
     compiled: CompiledFigures | None = None   # XLA's per-device figures for this plan
@@ -240,8 +242,17 @@ class Plan:
             "step": self.step.to_dict(),
         }
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+    def to_json(self, indent: int | None = 2, timings: bool = False) -> str:
+        """The plan as JSON: the same step planned for the same hardware gives the same
+        bytes in any process, so the run's own timings (planning phases, compile times)
+        are left out unless `timings` (`to_dict` and the plan cache keep them)."""
+        d = self.to_dict()
+        if not timings:
+            d["planning_time_s"] = {}
+            for c in [d["compiled"]] + [c["compiled"] for c in d["candidates"]]:
+                if c is not None:
+                    c["compile_time_s"] = 0.0
+        return json.dumps(d, indent=indent)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -278,6 +289,22 @@ class Plan:
             parts.append(f"optimizer state of {off} params in host memory")
         return ("   memory: " + "; ".join(parts)) if parts else ""
 
+    def _nodes_summary(self) -> list[str]:
+        """Which mesh axis spans nodes, on a cluster of several."""
+        hw = self.hardware
+        if hw.num_nodes <= 1:
+            return []
+        d, m = self.mesh_shape.get(DATA, 1), self.mesh_shape.get(MODEL, 1)
+        inner = hw.devices_in_node(d, m)
+        nodes = -(-self.num_devices // hw.node_size)
+        if inner >= d:
+            where = f"the whole mesh inside {'one node' if nodes == 1 else f'{nodes} nodes'}"
+        else:
+            where = (f"the {DATA} axis spans {d // inner} nodes ({inner} of its devices per "
+                     f"node; its reductions inside a node first when cheaper)")
+        return [f"nodes: {nodes} of {hw.num_nodes} used; {where}; the {MODEL} axis of {m} "
+                f"stays inside a node"]
+
     def explain(self, max_params: int = 40) -> str:
         """A report a person reads: the decision, the layout, the figures, the losers."""
         pr = self.predicted
@@ -289,11 +316,11 @@ class Plan:
             f"objective {self.objective.describe()}",
             f"hardware: {hw.num_devices} x {hw.device.name} "
             f"({si(dev.peak_flops, 'flop/s')} bf16, {si(dev.memory_bandwidth, 'B/s')}, "
-            f"{si(dev.memory_bytes, 'B')}), links {si(hw.link_bandwidth, 'B/s')} / "
-            f"{hw.link_latency * 1e6:.1f} us",
+            f"{si(dev.memory_bytes, 'B')}), {hw.describe_links()}",
             f"devices: {list(self.device_ids)}   batch: {self.batch_size}   memory budget: "
             f"{si(self.memory_budget_bytes, 'B')} per device",
             f"step: {self.step.describe()}" + self._memory_summary(),
+            *self._nodes_summary(),
             "",
             "predicted (model, not measured):",
             f"  step time       {pr.step_time_s * 1e3:10.3f} ms   "

@@ -80,41 +80,64 @@ def resolve_cluster(hardware: Cluster | DeviceSpec | str | None,
     return Cluster(hardware, len(devices)), None
 
 
-def memory_budget(options: PlanOptions, cluster: Cluster, device: Any) -> float:
+def memory_budget(options: PlanOptions, cluster: Cluster, device: Any | None) -> float:
     """Bytes per device a plan may use: as given, else the profile's memory or the present
     devices' own limit where JAX exposes it (`memory_stats()["bytes_limit"]`) and it is
-    smaller, less the headroom."""
+    smaller (`device` None: planning for devices not present, the profile alone), less the
+    headroom."""
     if options.memory_budget is not None:
         return options.memory_budget
-    limit = device_memory_limit(device)
+    limit = None if device is None else device_memory_limit(device)
     memory = cluster.device.memory_bytes if limit is None else \
         min(cluster.device.memory_bytes, float(limit))
     return memory * (1 - MEMORY_HEADROOM)
 
 
+def node_major(devices: Sequence[Any]) -> tuple[Any, ...]:
+    """Devices numbered node by node (a process's devices are a node), as `Cluster` and
+    `compile.make_mesh` lay meshes out: a mesh's innermost (model) axis then takes
+    devices of one node, the data axis spans the nodes."""
+    return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
+
+
 def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,
-              options: PlanOptions) -> Planned:
+              options: PlanOptions, for_hardware: bool = False) -> Planned:
     """Plan `fn` for these (abstract or concrete) arguments under `options`.
+
+    The devices planned for are those present, unless `for_hardware` and the hardware
+    describes more (`jaxwap.plan(..., hardware=Cluster("h100-sxm", 4096, ...))`): then
+    the plan is for the described cluster, analytic, since verification compiles on the
+    devices themselves. `options.plan` skips planning: the given plan is checked against
+    the devices and step present and used as it is.
 
     A plan made before for the same step, arguments, devices, hardware and options is
     read back from the plan cache instead of searched for (`Planned.search is None`).
     With `options.measure` the plan is cached only once `record_measurements` has the
     measured choice, so a cache hit is always the plan that should run.
     """
-    devs = options.devices or tuple(jax.devices())
+    devs = node_major(options.devices or tuple(jax.devices()))
+    if options.plan is not None:
+        return _given_plan(fn, args, kwargs, params, options, devs)
     cluster, note = resolve_cluster(options.hardware, devs)
     notes = [note] if note else []
-    usable = min(cluster.num_devices, len(devs))
-    if cluster.num_devices > len(devs):
+    described = for_hardware and cluster.num_devices > len(devs)
+    usable = cluster.num_devices if described else min(cluster.num_devices, len(devs))
+    if described:
+        notes.append(f"planned for the {cluster.num_devices} devices the hardware describes, "
+                     f"of which {len(devs)} are present: the plan is analytic (predicted), "
+                     f"since verification compiles on the devices themselves")
+        if options.verify:
+            options = dataclasses.replace(options, verify=0)
+    elif cluster.num_devices > len(devs):
         notes.append(f"the hardware profile has {cluster.num_devices} devices but only "
-                     f"{len(devs)} are present; candidates use at most {len(devs)}")
+                     f"{len(devs)} are present; planned for the {len(devs)} present")
     if options.num_devices is not None and not 1 <= options.num_devices <= usable:
         raise ValueError(f"num_devices={options.num_devices} is outside 1..{usable} "
                          f"(devices usable)")
     if options.mesh is not None and options.mesh[0] * options.mesh[1] > usable:
         raise ValueError(f"mesh_shape={dict(options.mesh_shape)} needs "
                          f"{options.mesh[0] * options.mesh[1]} devices; {usable} are usable")
-    budget = memory_budget(options, cluster, devs[0])
+    budget = memory_budget(options, cluster, None if described else devs[0])
     t0 = time.perf_counter()
     layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
     timing = {"trace": time.perf_counter() - t0}
@@ -133,7 +156,9 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
             return Planned(plan, layout, dataclasses.replace(ctx, step=plan.step), fn=_variant_fn(
                 fn, plan.step), cache_key=key)
-    found = _search_variants(fn, layout, closed, ctx, options, usable, timing, notes)
+    platform = cluster.device.name.split()[0] if described else devs[0].platform
+    found = _search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
+                             "cpu" if platform == "cpu" else "accelerator")
     ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes))
     plan = build_plan(ctx, found.search, found.verification)
     if store is not None and key is not None and not options.measure:
@@ -141,6 +166,35 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     return Planned(plan, layout, ctx, found.graph, found.search, found.verification,
                    found.verification.compiled_best if found.verification else None,
                    None if found.rung.is_plain else found.fn, key)
+
+
+def _given_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], params: Any,
+                options: PlanOptions, devs: tuple[Any, ...]) -> Planned:
+    """`options.plan`, made elsewhere (ahead of time, for this cluster), checked against
+    the devices present and the step's parameters, ready to compile: no search."""
+    plan = options.plan
+    assert plan is not None
+    if plan.hardware.num_devices != len(devs):
+        raise ValueError(
+            f"plan= was made for a cluster of {plan.hardware.num_devices} devices "
+            f"({plan.hardware.describe_links()}), but {len(devs)} devices are present: run "
+            f"it on the cluster it was made for, or plan again for these devices")
+    layout, _ = layout_of(fn, args, kwargs, params, options.batch_size)
+    mine = [(p.path, tuple(p.shape), str(p.dtype)) for p in layout.params]
+    theirs = [(p.path, tuple(p.shape), str(p.dtype)) for p in plan.params]
+    if mine != theirs:
+        diff = next(((a, b) for a, b in zip(mine, theirs, strict=False) if a != b), None)
+        what = (f"parameter {'/'.join(diff[0][0])} is {diff[0][1]} {diff[0][2]} here, "
+                f"{'/'.join(diff[1][0])} {diff[1][1]} {diff[1][2]} in the plan"
+                if diff else f"{len(mine)} parameters here, {len(theirs)} in the plan")
+        raise ValueError(f"plan= does not fit this step's parameters: {what}")
+    if plan.batch_size != layout.inputs.batch_size:
+        raise ValueError(f"plan= was made for batch size {plan.batch_size}, the arguments "
+                         f"have {layout.inputs.batch_size}")
+    ctx = PlanContext(layout.params, layout.params_treedef, plan.objective, plan.hardware,
+                      devs, plan.memory_budget_bytes, layout.inputs.batch_size, step=plan.step)
+    return Planned(dataclasses.replace(plan, _treedef=layout.params_treedef), layout, ctx,
+                   fn=_variant_fn(fn, plan.step))
 
 
 def _arg_key(layout: ArgLayout) -> list[tuple[Any, ...]]:
@@ -186,11 +240,11 @@ class _Found:
 
 def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
                      options: PlanOptions, usable: int, timing: dict[str, float],
-                     notes: list[str]) -> _Found:
+                     notes: list[str], platform: str) -> _Found:
     """The step as written first; a step built by make_train_step may then be
-    restructured (remat, micro-batches), in order of expected cost, until a plan fits."""
+    restructured (remat, micro-batches), in order of expected cost, until a plan fits.
+    `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat)."""
     B = layout.inputs.batch_size
-    platform = ctx.devices[0].platform
     rungs = [StepVariant()]
     if isinstance(fn, TrainStep) and fn.variant.is_plain:
         rungs += ladder(B, platform)
@@ -332,5 +386,5 @@ def _nothing_fits_compiled(ver: Verification, result: SearchResult, budget: floa
             f"(now {batch}), a smaller model, or a larger memory_budget=.")
 
 
-__all__ = ["MEMORY_HEADROOM", "Planned", "make_plan", "memory_budget", "record_measurements",
-           "resolve_cluster"]
+__all__ = ["MEMORY_HEADROOM", "Planned", "make_plan", "memory_budget", "node_major",
+           "record_measurements", "resolve_cluster"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .comm import tp_final_cost, tp_pair_cost
-from .cost import MeshCosts, mesh_costs, peak_memory, predict
+from .cost import MeshCosts, memory_weights, mesh_costs, peak_memory, predict
 from .graph import NUM_CLASSES, Graph
 from .hardware import Cluster
 from .objective import Objective
@@ -79,14 +79,23 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
     optimizer state, each of those with the state kept in host memory. `allowed` keeps
     only the layouts whose families it holds (see `restrict`)."""
-    shape = graph.params[j].shape
+    layer = next((L for L in graph.layers if L.param == j), None)
+    dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
+    return _strategies_for(tuple(graph.params[j].shape), dims,
+                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
+                    has_state: bool, d: int, m: int, offload: bool,
+                    allowed: frozenset[str] | None) -> tuple[Strategy, ...]:
+    """`param_strategies` for a parameter of this shape (the blocks of a deep model share
+    a few shapes, so each is worked out once)."""
     nd = len(shape)
     all_dims = range(nd)
-    has_state = graph.resident_bytes[j] > 0
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
-    layer = next((L for L in graph.layers if L.param == j), None)
-    if m > 1 and layer is not None:
-        for kind, dims in (("col", layer.out_dims), ("row", layer.in_dims)):
+    if m > 1 and layer_dims is not None:
+        for kind, dims in (("col", layer_dims[0]), ("row", layer_dims[1])):
             tdim = _largest_dim(shape, dims, m)
             if tdim is not None:
                 bases.append((f"tp-{kind}", kind, tdim))
@@ -177,12 +186,22 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             kind[j, s] = st.tp
     choice = list(choice)
     idx = np.arange(P)
+    # per-point live bytes per device, kept up to date as parameters move: a move changes
+    # one parameter's classes only, so the update is one [points, classes] product
+    live = graph.live
+    weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m)
+    per_point = live @ weights
+    cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
     for _ in range(NUM_CLASSES * P + 1):
-        strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
-        mem, k = peak_memory(graph, d, m, strats)
-        if mem <= budget:
-            break
-        at_peak = graph.live[k, 2:].reshape(NUM_CLASSES, P).T          # [P, classes]
+        k = int(np.argmax(per_point))
+        if per_point[k] <= budget:
+            # confirm on a fresh sum (the running one carries rounding)
+            strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
+            per_point = live @ memory_weights(graph, d, strats, m)
+            k = int(np.argmax(per_point))
+            if per_point[k] <= budget:
+                break
+        at_peak = live[k, 2:].reshape(NUM_CLASSES, P).T                # [P, classes]
         cur = np.asarray(choice)
         saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
         added = cost - cost[idx, cur][:, None]
@@ -197,9 +216,28 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             rank = np.where(most >= most.max() * (1 - 1e-9), saved, -np.inf)
         else:
             rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
-        j, s = np.unravel_index(int(np.argmax(rank)), rank.shape)
-        choice[int(j)] = int(s)
+        j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
+        per_point += live[:, cols[j]] @ (inv[j, s] - inv[j, choice[j]])
+        choice[j] = s
     return choice
+
+
+def _memory_floor(graph: Graph, mc: MeshCosts) -> tuple[float, list[int]]:
+    """A lower bound on the peak memory any layout on this mesh can reach (every class
+    of every parameter at its smallest share at once, which no single layout may reach),
+    and a layout close to it: per parameter, the one least at that bound's peak."""
+    d, m = mc.d, mc.m
+    P = len(graph.params)
+    invs = [np.array([1.0 / np.asarray(st.divisors(d, m)) for st in strats])
+            for strats in mc.strategies]                                # [S_j, classes]
+    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
+    weights = memory_weights(graph, d, [mc.strategies[j][0] for j in range(P)], m)
+    weights[2:] = floor.T.reshape(-1)
+    per_point = graph.live @ weights
+    k = int(np.argmax(per_point))
+    at_peak = graph.live[k, 2:].reshape(NUM_CLASSES, P).T
+    choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
+    return float(per_point[k]), choice
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
@@ -207,6 +245,11 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     strategies = [param_strategies(graph, j, d, m, offload, allowed)
                   for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, m, strategies)
+    floor, low = _memory_floor(graph, mc)
+    if floor > budget:
+        # no layout fits: skip the search and the repairs, report the least memory
+        return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(low)),
+                          predict(graph, cluster, mc, low), False)
     tried: dict[tuple[int, ...], Prediction] = {}
     for w in _OVERLAP_WEIGHTS:
         choice = _dp(graph, cluster, mc, w)
@@ -222,15 +265,41 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                       tried[key], bool(fitting))
 
 
+# Clusters up to this many devices try every device count; larger ones powers of two
+# (and the whole cluster), which is where the meshes that can win are (see device_counts).
+EXHAUSTIVE_DEVICES = 64
+
+
+def device_counts(num_devices: int, node_size: int | None = None) -> list[int]:
+    """The device counts worth a mesh: every count up to `EXHAUSTIVE_DEVICES`; beyond,
+    powers of two and the whole cluster (a count between two powers of two splits a
+    power-of-two batch and model unevenly, and costs more than either neighbour in energy
+    or time). With nodes (`node_size` devices each), a mesh larger than a node takes whole
+    nodes: part of a node left idle is neither faster nor cheaper than the node's own
+    counts."""
+    n_max = num_devices
+    if n_max <= EXHAUSTIVE_DEVICES:
+        counts = set(range(1, n_max + 1))
+    else:
+        counts = {1 << k for k in range(n_max.bit_length()) if 1 << k <= n_max} | {n_max}
+    if node_size is not None and node_size < n_max:
+        counts = {n for n in counts if n <= node_size or n % node_size == 0}
+        counts |= {node_size * (1 << k) for k in range(n_max.bit_length())
+                   if node_size * (1 << k) <= n_max}
+    return sorted(counts)
+
+
 def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
                 num_devices_exact: int | None = None, micro_batches: int = 1,
-                mesh: tuple[int, int] | None = None
+                mesh: tuple[int, int] | None = None, node_size: int | None = None
                 ) -> tuple[list[tuple[int, int]], list[str]]:
     """Every (data, model) factorisation of n <= num_devices devices worth trying (with
     micro-batches, each micro-batch must split evenly over the data axis); only `mesh`
-    when the caller fixes it."""
+    when the caller fixes it. With nodes of `node_size` devices, the model axis stays
+    inside a node (its size divides the node's), so tensor parallelism never crosses the
+    network; the data axis spans the nodes."""
     shapes, skipped = [], []
-    ns = [num_devices_exact] if num_devices_exact else range(1, num_devices + 1)
+    ns = [num_devices_exact] if num_devices_exact else device_counts(num_devices, node_size)
     if mesh is not None:
         ns = [mesh[0] * mesh[1]]
     for n in ns:
@@ -238,6 +307,10 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
             if n % d or (mesh is not None and d != mesh[0]):
                 continue
             m = n // d
+            if node_size is not None and (m > node_size or node_size % m):
+                skipped.append(f"{d}x{m}: the model axis of {m} would cross nodes of "
+                               f"{node_size} devices")
+                continue
             if batch_size is None and d > 1:
                 skipped.append(f"{d}x{m}: the step has no batch dimension to split")
                 continue
@@ -261,8 +334,9 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
            allowed: frozenset[str] | None = None) -> SearchResult:
     """Every mesh worth trying (or only `mesh`), each with its best layout of the `allowed`
     strategy families, ranked by the objective."""
+    node = cluster.node_size if cluster.num_nodes > 1 else None
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
-                                  micro_batches, mesh)
+                                  micro_batches, mesh, node)
     if not shapes:
         if mesh is not None:
             raise ValueError(f"mesh_shape {mesh[0]}x{mesh[1]} cannot be used: "

@@ -85,7 +85,7 @@ def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
             failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             continue
         figures[i] = figs
-        preds[i] = with_compiled(r.predicted, figs, cluster, batch_size)
+        preds[i] = with_compiled(r.predicted, figs, cluster, batch_size, r.d, r.m)
         if figs.memory_bytes <= budget:
             steps[i] = cs
     ranking = objective.rank(

@@ -53,3 +53,24 @@ got = multihost_utils.process_allgather(p, tiled=True)
 jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                      rtol=2e-5, atol=2e-6), ref_p, got)
 print(f"process {pid}: OK mesh={dict(sharded.plan.mesh_shape)}", flush=True)
+
+# The same step on the two processes as two nodes of 4 (the layout detected), tensor
+# parallelism forced over a model axis of 4 through the public knobs: that axis must stay
+# inside each process, and the numbers must still be the single-device ones.
+detected = jaxwap.auto_shard(step, params, objective="throughput", cache=False,
+                             mesh_shape={"data": 2, "model": 4},
+                             strategies=("replicate", "tp"))
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = detected(p, o, batch)
+plan = detected.plan
+assert plan.hardware.devices_per_node == 4, plan.hardware
+assert plan.hardware.num_nodes == 2, plan.hardware
+assert any(q.strategy.startswith("tp") for q in plan.params), [q.strategy for q in plan.params]
+for row in detected.mesh.devices:   # one data index: the model axis's devices
+    assert len({d.process_index for d in row}) == 1, [(d.id, d.process_index) for d in row]
+assert "data axis spans 2 nodes" in plan.explain(), plan.explain()
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+print(f"process {pid}: OK hierarchical mesh={dict(plan.mesh_shape)}", flush=True)

@@ -1,5 +1,7 @@
 """Nothing assumes a single process: two CPU processes, each with its own slice of the
-batch, run one auto-sharded step over all 8 devices and get the single-device numbers."""
+batch, run one auto-sharded step over all 8 devices and get the single-device numbers;
+then the same as two nodes of 4 devices (the layout detected), with a tensor-parallel
+model axis that stays inside each process."""
 
 from __future__ import annotations
 
@@ -35,3 +37,4 @@ def test_two_processes_match_one_device():
     for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
         assert f"process {i}: OK" in out
+        assert f"process {i}: OK hierarchical" in out

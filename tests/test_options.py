@@ -33,7 +33,8 @@ def test_every_option_is_accepted_by_plan_and_auto_shard():
                  devices=jax.devices(), memory_budget=1e9, num_devices=2, verify=0,
                  donate=False, compiler_options={}, cache=False, batch_size=16,
                  measure=0, offload=False, mesh_shape={"data": 2}, strategies=("replicate",))
-    assert set(every) == {f.name for f in dataclasses.fields(jaxwap.PlanOptions)}
+    # `plan=` replaces planning altogether: tested below and in test_scale.py
+    assert set(every) | {"plan"} == {f.name for f in dataclasses.fields(jaxwap.PlanOptions)}
     plan = jaxwap.plan(step, params, opt, batch, **every)
     assert plan.num_devices == 2 and plan.objective.kind == "throughput"
     wrapped = jaxwap.auto_shard(step, params, **every)
@@ -42,6 +43,21 @@ def test_every_option_is_accepted_by_plan_and_auto_shard():
     rec = jaxwap.PlanOptions(**every)
     assert jaxwap.plan(step, params, opt, batch, options=rec, num_devices=1,
                        mesh_shape=None).num_devices == 1
+
+
+def test_a_given_plan_is_used_as_it_is_by_plan_and_auto_shard(tmp_path):
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    made = jaxwap.plan(step, params, opt, batch, verify=0, cache=False,
+                       hardware=jaxwap.Cluster("cpu", 8), mesh_shape={"data": 4})
+    (tmp_path / "p.json").write_text(made.to_json())
+    for given in (made, str(tmp_path / "p.json"), tmp_path / "p.json"):
+        again = jaxwap.plan(step, params, opt, batch, plan=given)
+        assert again == made and again.mesh_shape == {"data": 4, "model": 1}
+    assert jaxwap.auto_shard(step, params, plan=made).plan_for(params, opt, batch) == made
+    with pytest.raises(TypeError, match="plan must be"):
+        jaxwap.PlanOptions(plan=3)
+    with pytest.raises(ValueError, match="cannot be read as a jaxwap plan"):
+        jaxwap.PlanOptions(plan=str(tmp_path / "missing.json"))
 
 
 def test_options_are_checked_once_by_name():

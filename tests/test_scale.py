@@ -1,0 +1,188 @@
+"""Scale: clusters of nodes, meshes that follow them, plans for clusters not present."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from models import MLP, abstract_setup, copy_tree, setup
+
+import jaxwap
+from jaxwap.comm import all_gather, all_reduce
+from jaxwap.graph import analyze
+from jaxwap.solve import device_counts, mesh_shapes
+
+GB = 1e9
+
+
+# --------------------------------------------------------------------------- Cluster
+def test_cluster_without_nodes_is_one_flat_domain_as_before():
+    c = jaxwap.Cluster("h100-sxm", 8, 25e9, 1e-5)
+    assert c.devices_per_node is None and c.num_nodes == 1
+    assert (c.link_bandwidth, c.link_latency) == (25e9, 1e-5)
+    assert c.devices_in_node(8, 1) == 8
+    assert jaxwap.Cluster.from_dict(c.to_dict()) == c
+
+
+def test_cluster_of_nodes_defaults_and_round_trips():
+    c = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8)
+    assert c.num_nodes == 8 and c.node_size == 8
+    assert c.inter_node_bandwidth == c.device.network_bandwidth == 50 * GB
+    assert jaxwap.Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    # a data axis of 16 with a model axis of 4 inside: 2 of its devices per node
+    assert c.devices_in_node(16, 4) == 2
+    assert c.devices_in_node(4, 1) == 4       # the model axis: inside one node
+    assert c.devices_in_node(2, 4) == 2       # 8 devices: one node
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"devices_per_node": 3}, "devices_per_node"),
+    ({"devices_per_node": 0}, "devices_per_node"),
+    ({"devices_per_node": 8, "inter_node_bandwidth": 0.0}, "inter_node_bandwidth"),
+    ({"devices_per_node": 8, "inter_node_latency": -1.0}, "inter_node_latency"),
+    ({"link_bandwidth": -5.0}, "link_bandwidth"),
+    ({"devices_per_node": 8, "inter_node_bandwidth": float("nan")}, "inter_node_bandwidth"),
+])
+def test_cluster_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        jaxwap.Cluster("h100-sxm", 16, **kwargs)
+
+
+# --------------------------------------------------------------------------- pricing
+def test_all_reduce_inside_a_node_is_the_ring_formula():
+    c = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8)
+    t, sent = all_reduce(1 * GB, 8, c, inner=8)
+    assert sent == pytest.approx(2 * 7 / 8 * GB)
+    assert t == pytest.approx(2 * 7 / 8 * GB / c.link_bandwidth + 2 * 7 * c.link_latency)
+
+
+def test_all_reduce_across_nodes_is_hierarchical_when_that_is_cheaper():
+    """Reduce-scatter inside each node, all-reduce the 1/8 shards across the 8 nodes over
+    each device's own network share, all-gather inside: seed 002's hybrid aggregation."""
+    c = jaxwap.Cluster("h100-sxm", 64, link_latency=0.0, devices_per_node=8,
+                       inter_node_bandwidth=12.5e9, inter_node_latency=0.0)
+    B = 1 * GB
+    t, _ = all_reduce(B, 64, c, inner=8)
+    inside = 2 * (7 / 8) * B / c.link_bandwidth
+    across = 2 * (7 / 8) * (B / 8) / 12.5e9
+    flat = 2 * (63 / 64) * B / 12.5e9
+    assert t == pytest.approx(inside + across)
+    assert t < flat / 5
+    # an all-gather across nodes gathers the same rank's pieces first, then inside
+    g, _ = all_gather(B, 64, c, inner=8)
+    assert g == pytest.approx(7 / 8 * B / 8 / 12.5e9 + 7 / 8 * B / c.link_bandwidth)
+
+
+def test_one_device_per_node_reduces_over_the_network():
+    c = jaxwap.Cluster("cpu", 2, devices_per_node=1, inter_node_bandwidth=1e9,
+                       inter_node_latency=1e-3)
+    t, _ = all_reduce(1e6, 2, c, inner=c.devices_in_node(2, 1))
+    assert t == pytest.approx(1e6 / 1e9 + 2 * 1e-3)
+
+
+# --------------------------------------------------------------------------- meshes
+def test_model_axis_never_crosses_a_node():
+    step, params, opt, data = abstract_setup((512, 512, 512, 16), 256, 512)
+    graph = analyze(*_analysis_inputs(step, params, opt, data))
+    shapes, skipped = mesh_shapes(64, 256, graph, node_size=8)
+    assert shapes and all(8 % m == 0 for _, m in shapes)
+    assert any("would cross nodes" in s for s in skipped)
+    # meshes larger than a node take whole nodes
+    assert all(d * m <= 8 or (d * m) % 8 == 0 for d, m in shapes)
+
+
+def test_large_clusters_enumerate_powers_of_two_and_whole_nodes():
+    counts = device_counts(4096, 8)
+    assert counts[-1] == 4096 and len(counts) <= 14
+    assert all(n & (n - 1) == 0 for n in counts)
+    assert device_counts(48, 8) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32, 40, 48]
+    assert device_counts(8) == list(range(1, 9))
+
+
+def _analysis_inputs(step, params, opt, data):
+    from jaxwap.trace import layout_of
+
+    layout, closed = layout_of(step, (params, opt, data), {}, params, None)
+    return (closed, layout.inputs.roles, layout.outputs.roles, layout.params,
+            layout.inputs.batch_size)
+
+
+# --------------------------------------------------------------------------- plans
+def _cluster(n: int, **kw) -> jaxwap.Cluster:
+    return jaxwap.Cluster("h100-sxm", n, devices_per_node=8, **kw)
+
+
+def test_plan_for_a_described_cluster_larger_than_the_devices_present():
+    step, params, opt, data = abstract_setup((1024, 1024, 1024, 16), 1024, 1024)
+    free = jaxwap.plan(step, params, opt, data, hardware=_cluster(512), cache=False,
+                       objective="throughput")
+    assert len(jax.devices()) == 8 and max(c.num_devices for c in free.candidates) == 512
+    plan = jaxwap.plan(step, params, opt, data, hardware=_cluster(512), cache=False,
+                       objective="throughput", num_devices=64)
+    assert plan.num_devices == 64
+    assert int(np.prod(list(plan.mesh_shape.values()))) == plan.num_devices
+    assert plan.compiled is None and plan.verified is None
+    assert any("analytic" in n and "512 devices" in n for n in plan.notes), plan.notes
+    assert plan.device_ids == tuple(range(plan.num_devices))
+    assert plan.mesh_shape["model"] <= 8
+    text = plan.explain()
+    assert "64 nodes of 8" in text and "nodes:" in text
+
+
+def test_auto_shard_with_fewer_devices_than_described_plans_for_those_present():
+    step, params, opt, data = abstract_setup((64, 64, 16), 64, 32)
+    sharded = jaxwap.auto_shard(step, params, hardware=_cluster(64), cache=False, verify=0)
+    plan = sharded.plan_for(params, opt, data)
+    assert plan.num_devices <= 8
+    assert any("only 8 are present" in n for n in plan.notes), plan.notes
+
+
+def test_a_saved_plan_runs_where_its_devices_are_and_is_refused_elsewhere(tmp_path):
+    model = MLP((32, 32, 10))
+    step, params, opt, batch = setup(model, (16, 12))
+    made = jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("cpu", 8),
+                       cache=False, verify=0, objective="throughput")
+    path = tmp_path / "plan.json"
+    path.write_text(made.to_json())
+    ran = jaxwap.auto_shard(step, params, plan=str(path))
+    p, _, _ = ran(copy_tree(params), copy_tree(opt), batch)
+    assert dict(ran.plan.mesh_shape) == dict(made.mesh_shape)
+    assert ran.plan.params == made.params
+    ref_p, _, _ = jax.jit(step)(params, opt, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6),
+                 ref_p, p)
+    # made for 512 devices: refused on the 8 present, with the reason
+    big = jaxwap.plan(step, params, opt, batch, hardware=_cluster(512), cache=False)
+    with pytest.raises(ValueError, match="512 devices.*8 devices are present"):
+        jaxwap.auto_shard(step, params, plan=big)(params, opt, batch)
+    # another step's parameters: refused, naming the parameter
+    other_step, other_params, other_opt, _ = setup(MLP((32, 48, 10)), (16, 12))
+    with pytest.raises(ValueError, match="does not fit this step's parameters"):
+        jaxwap.auto_shard(other_step, other_params, plan=made)(other_params, other_opt, batch)
+
+
+_DETERMINISM = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import sys
+sys.path.insert(0, {tests!r})
+from models import abstract_setup
+import jaxwap
+step, params, opt, data = abstract_setup((256, 256, 256, 16), 512, 256)
+plan = jaxwap.plan(step, params, opt, data, cache=False,
+                   hardware=jaxwap.Cluster("h100-sxm", 256, devices_per_node=8))
+sys.stdout.write(plan.to_json())
+"""
+
+
+def test_two_processes_planning_the_same_step_write_the_same_bytes():
+    code = _DETERMINISM.format(tests=str(Path(__file__).parent))
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, check=True).stdout for _ in range(2)]
+    assert outs[0] == outs[1] and json.loads(outs[0])["mesh_shape"]
