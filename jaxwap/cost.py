@@ -149,37 +149,50 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     # loop iterations a parameter's own ops run in (micro-batches): FSDP gathers per pass
     passes = np.ones(len(graph.params))
     np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
-    rows: list[list[np.ndarray]] = []
-    g_comm, host = [], []
+    # every (parameter, strategy) pair at once: the splits its three groups of ops take
+    pairs = [(j, st) for j, strats in enumerate(strategies) for st in strats]
+    split_of: dict[int, tuple[int, int, int]] = {}   # by identity: shared objects
+    for _, st in pairs:
+        if id(st) not in split_of:
+            split_of[id(st)] = (d * m if st.tp != "none" else d, st.shard(d, m),
+                                st.state_shard(d, m))
+    J = np.fromiter((j for j, _ in pairs), np.int64, len(pairs))
+    splits = np.array([split_of[id(st)] for _, st in pairs], np.int64).reshape(len(pairs), 3)
+    vals = np.zeros((len(pairs), 3))
+    for g, group in enumerate(("tp", "w", "s")):
+        col = splits[:, g]
+        for split in np.unique(col):
+            sel = col == split
+            vals[sel] += summed(group, int(split))[:, J[sel]].T
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
+    g_comm: list[tuple[tuple[float, float], ...]] = []
+    host: list[tuple[float, ...]] = []
     for j, strats in enumerate(strategies):
-        row, row_c, row_h = [], [], []
+        row_c, row_h = [], []
         pbytes = graph.params[j].nbytes
-        for s in strats:
-            row.append(summed("tp", d * m if s.tp != "none" else d)[:, j]
-                       + summed("w", s.shard(d, m))[:, j]
-                       + summed("s", s.state_shard(d, m))[:, j])
-            local = pbytes / (m if s.tp != "none" else 1)
+        for st in strats:
+            local = pbytes / (m if st.tp != "none" else 1)
             # the blocks of a deep model repeat the same few shapes: price each once
-            key = (local, s.data_sharded, s.state_spec is not None, float(reps[j]),
+            key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
                    float(passes[j]))
             if key not in comm_of:
-                if s.data_sharded:
+                if st.data_sharded:
                     # the weight is gathered once per pass, each partial gradient reduced
                     comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner)
                 else:
                     comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
-                                                    zero1=s.state_spec is not None,
+                                                    zero1=st.state_spec is not None,
                                                     inner=inner)
             row_c.append(comm_of[key])
-            row_h.append(float(resident[j]) / s.state_shard(d, m)
-                         / dev.host_bandwidth if s.offload else 0.0)
-        rows.append(row)
+            row_h.append(float(resident[j]) / split_of[id(st)][2]
+                         / dev.host_bandwidth if st.offload else 0.0)
         g_comm.append(tuple(row_c))
         host.append(tuple(row_h))
+    starts = np.cumsum([0] + [len(st) for st in strategies])
 
     def table(k: int) -> tuple[tuple[float, ...], ...]:
-        return tuple(tuple(float(x[k]) for x in row) for row in rows)
+        col = vals[:, k].tolist()
+        return tuple(tuple(col[starts[j]:starts[j + 1]]) for j in range(len(strategies)))
 
     return MeshCosts(d, m, base, base_busy, base_flops, batched_time,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),

@@ -251,7 +251,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     timing.update(analyze=0.0, search=0.0)
     tried: list[str] = []
     first_error: str | None = None
-    for rung in rungs:
+
+    def attempt(rung: StepVariant) -> _Found | None:
+        """Plan one variant; None (and what was tried, and why not) when nothing fits."""
+        nonlocal first_error
         fn_v = _variant_fn(fn, rung) or fn
         ta = time.perf_counter()
         graph = analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
@@ -267,7 +270,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
             if rung.is_plain:
                 raise
             tried.append(f"{rung.describe()}: {str(e).split('(')[0].strip()}")
-            continue
+            return None
         timing["analyze"] += tb - ta
         timing["search"] += time.perf_counter() - tb
         best = result.results[result.best]
@@ -286,15 +289,40 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
                 if ver.best < 0:
                     error = _nothing_fits_compiled(ver, result, ctx.budget, B)
         if error is None:
-            break
+            return _Found(rung, fn_v, graph, result, ver)
         first_error = first_error or error
         tried.append(f"{rung.describe()}: " + (
             f"needs {si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
             if not best.fits else "no candidate fits by XLA's analysis"))
-    else:
+        return None
+
+    # the step as written, then remat policies, in order; then the fewest micro-batches
+    # that fit, found by bisection (more micro-batches hold fewer activations at once, so
+    # whether k fits is monotone in k): a few traces instead of one per count
+    fixed = [r for r in rungs if r.micro_batches == 1]
+    micro = [r for r in rungs if r.micro_batches > 1]
+    found = next((f for f in map(attempt, fixed) if f is not None), None)
+    lo, hi = 0, len(micro) - 1
+    while found is None and lo <= hi:
+        mid = (lo + hi) // 2
+        got = attempt(micro[mid])
+        if got is None:
+            lo = mid + 1
+            continue
+        found, hi = got, mid - 1
+        while lo <= hi:   # a smaller count may fit too
+            mid = (lo + hi) // 2
+            smaller = attempt(micro[mid])
+            if smaller is None:
+                lo = mid + 1
+            else:
+                found, hi = smaller, mid - 1
+    if found is None:
         more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
                 if len(tried) > 1 else "")
         raise MemoryError(f"{first_error}{more}")
+    rung, fn_v, graph, result, ver = (found.rung, found.fn, found.graph, found.search,
+                                      found.verification)
     if graph.unmodeled:
         notes.append("ops priced by a generic rule (no roofline rule): "
                      + ", ".join(graph.unmodeled))

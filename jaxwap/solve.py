@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -74,29 +75,36 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
 
 
 def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
-                     allowed: frozenset[str] | None = None) -> tuple[Strategy, ...]:
+                     allowed: frozenset[str] | None = None,
+                     layers: Mapping[int, Any] | None = None) -> tuple[Strategy, ...]:
     """Replicate; column / row over model; each also with its optimizer state sharded over
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
     optimizer state, each of those with the state kept in host memory. `allowed` keeps
-    only the layouts whose families it holds (see `restrict`)."""
-    layer = next((L for L in graph.layers if L.param == j), None)
+    only the layouts whose families it holds (see `restrict`). `layers` maps parameter
+    index to its layer, when the caller has it at hand."""
+    layer = layers.get(j) if layers is not None else \
+        next((L for L in graph.layers if L.param == j), None)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
     return _strategies_for(tuple(graph.params[j].shape), dims,
-                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed)
+                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed,
+                           int(graph.stacked_dim[j]))
 
 
 @functools.lru_cache(maxsize=4096)
 def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
                     has_state: bool, d: int, m: int, offload: bool,
-                    allowed: frozenset[str] | None) -> tuple[Strategy, ...]:
+                    allowed: frozenset[str] | None, stacked: int = -1
+                    ) -> tuple[Strategy, ...]:
     """`param_strategies` for a parameter of this shape (the blocks of a deep model share
-    a few shapes, so each is worked out once)."""
+    a few shapes, so each is worked out once). The dim a scan iterates over (`stacked`)
+    is never split: each iteration slices one layer out of it, and a split stack would be
+    gathered whole."""
     nd = len(shape)
-    all_dims = range(nd)
+    all_dims = [i for i in range(nd) if i != stacked]
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
     if m > 1 and layer_dims is not None:
         for kind, dims in (("col", layer_dims[0]), ("row", layer_dims[1])):
-            tdim = _largest_dim(shape, dims, m)
+            tdim = _largest_dim(shape, [i for i in dims if i != stacked], m)
             if tdim is not None:
                 bases.append((f"tp-{kind}", kind, tdim))
     out = []
@@ -126,39 +134,52 @@ def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
 
 
 def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[int]:
-    """Strategy indices minimising compute + weight*grad comm + TP chain communication."""
+    """Strategy indices minimising compute + weight*grad comm + TP chain communication.
+
+    The chain's communication depends on the layers' kinds only (col, row, none), so per
+    layer and kind the cheapest strategy of that kind is taken first, and the dynamic
+    program runs over kinds: a few transitions per layer, however many strategies."""
     P = len(graph.params)
-    choice = [0] * P
     d, m = mc.d, mc.m
-
-    def own(j: int, s: int) -> float:
-        host = 2 * mc.host[j][s]
-        return mc.param_time[j][s] + weight * mc.grad_comm[j][s][0] + host
-
-    layer_params = {L.param for L in graph.layers}
-    for j in range(P):
-        if j not in layer_params:
-            choice[j] = min(range(len(mc.strategies[j])), key=lambda s, j=j: own(j, s))
+    own = [np.asarray(mc.param_time[j]) + weight * np.asarray([g[0] for g in mc.grad_comm[j]])
+           + 2 * np.asarray(mc.host[j]) for j in range(P)]
+    choice = [int(np.argmin(own[j])) for j in range(P)]
     if not graph.layers:
         return choice
-    # states: kind of the previous layer -> (cost, back-pointer list)
-    states: dict[str, tuple[float, list[int]]] = {"none": (0.0, [])}
+    # the pair cost of a layer depends on its activation sizes and the two kinds: the
+    # blocks of a deep model repeat a few of those, so each is priced once
+    pair_of: dict[tuple[float, float, bool, str, str], float] = {}
+
+    def pair(L: Any, prev: str, kind: str) -> float:
+        key = (L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad), prev, kind)
+        if key not in pair_of:
+            pair_of[key] = tp_pair_cost(L, prev, kind, d, m, cluster)[0]
+        return pair_of[key]
+
+    # states: kind of the previous layer -> its cost so far, in the order kinds appear
+    states: dict[str, float] = {"none": 0.0}
+    back: list[dict[str, tuple[str, int]]] = []   # per layer: kind -> (prev kind, strategy)
     for L in graph.layers:
         j = L.param
-        nxt: dict[str, tuple[float, list[int]]] = {}
-        pair: dict[tuple[str, str], float] = {}   # depends on the kinds only
+        cheapest: dict[str, int] = {}             # kind -> its first cheapest strategy
         for s, strat in enumerate(mc.strategies[j]):
-            for prev, (c, picks) in states.items():
-                if (prev, strat.tp) not in pair:
-                    pair[prev, strat.tp] = tp_pair_cost(L, prev, strat.tp, d, m, cluster)[0]
-                cost = c + own(j, s) + pair[prev, strat.tp]
-                if strat.tp not in nxt or cost < nxt[strat.tp][0]:
-                    nxt[strat.tp] = (cost, picks + [s])
+            k = strat.tp
+            if k not in cheapest or own[j][s] < own[j][cheapest[k]]:
+                cheapest[k] = s
+        nxt: dict[str, float] = {}
+        ptr: dict[str, tuple[str, int]] = {}
+        for k, s in cheapest.items():
+            o = float(own[j][s])
+            for prev, c in states.items():
+                cost = c + o + pair(L, prev, k)
+                if k not in nxt or cost < nxt[k]:
+                    nxt[k], ptr[k] = cost, (prev, s)
         states = nxt
+        back.append(ptr)
     last = graph.layers[-1]
-    _, picks = min(((c + tp_final_cost(last, k, d, m, cluster)[0], p)
-                    for k, (c, p) in states.items()), key=lambda t: t[0])
-    for L, s in zip(graph.layers, picks, strict=True):
+    k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster)[0])
+    for L, ptr in zip(reversed(graph.layers), reversed(back), strict=True):
+        k, s = ptr[k]
         choice[L.param] = s
     return choice
 
@@ -228,8 +249,12 @@ def _memory_floor(graph: Graph, mc: MeshCosts) -> tuple[float, list[int]]:
     and a layout close to it: per parameter, the one least at that bound's peak."""
     d, m = mc.d, mc.m
     P = len(graph.params)
-    invs = [np.array([1.0 / np.asarray(st.divisors(d, m)) for st in strats])
-            for strats in mc.strategies]                                # [S_j, classes]
+    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
+    for strats in mc.strategies:
+        for st in strats:
+            if id(st) not in inv_of:
+                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d, m))
+    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in mc.strategies]
     floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
     weights = memory_weights(graph, d, [mc.strategies[j][0] for j in range(P)], m)
     weights[2:] = floor.T.reshape(-1)
@@ -242,7 +267,8 @@ def _memory_floor(graph: Graph, mc: MeshCosts) -> tuple[float, list[int]]:
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                offload: bool = True, allowed: frozenset[str] | None = None) -> MeshResult:
-    strategies = [param_strategies(graph, j, d, m, offload, allowed)
+    layers = {L.param: L for L in graph.layers}
+    strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
                   for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, m, strategies)
     floor, low = _memory_floor(graph, mc)
