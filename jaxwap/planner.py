@@ -29,7 +29,7 @@ from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .options import PlanOptions
 from .plan import Plan, si
 from .records import Measurement, StepVariant
-from .solve import SearchResult, search
+from .solve import SearchResult, micro_batch_floor, search
 from .trace import ArgLayout, layout_of, trace_layout
 from .train_step import TrainStep, ladder
 from .verify import Verification, compile_candidate, run_verification
@@ -251,6 +251,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     timing.update(analyze=0.0, search=0.0)
     tried: list[str] = []
     first_error: str | None = None
+    plain_graph: list[Graph] = []
 
     def attempt(rung: StepVariant) -> _Found | None:
         """Plan one variant; None (and what was tried, and why not) when nothing fits."""
@@ -259,6 +260,8 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         ta = time.perf_counter()
         graph = analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
                         layout.inputs.roles, layout.outputs.roles, layout.params, B)
+        if rung.is_plain:
+            plain_graph.append(graph)
         tb = time.perf_counter()
         searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
                                      num_devices_exact=options.num_devices,
@@ -303,20 +306,31 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     micro = [r for r in rungs if r.micro_batches > 1]
     found = next((f for f in map(attempt, fixed) if f is not None), None)
     lo, hi = 0, len(micro) - 1
+    if found is None and micro and plain_graph:
+        # counts whose activations alone, estimated from the step as written, leave no
+        # layout within the budget are not traced (5% margin for the estimate)
+        floor = functools.partial(micro_batch_floor, plain_graph[0], ctx.cluster, usable,
+                                  offload=options.offload, allowed=options.allowed,
+                                  num_devices_exact=options.num_devices, mesh=options.mesh)
+        while lo < hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
+            tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
+                         f"device (estimated)")
+            lo += 1
+    mid = lo
     while found is None and lo <= hi:
-        mid = (lo + hi) // 2
         got = attempt(micro[mid])
         if got is None:
             lo = mid + 1
-            continue
-        found, hi = got, mid - 1
-        while lo <= hi:   # a smaller count may fit too
-            mid = (lo + hi) // 2
-            smaller = attempt(micro[mid])
-            if smaller is None:
-                lo = mid + 1
-            else:
-                found, hi = smaller, mid - 1
+        else:
+            found, hi = got, mid - 1
+            while lo <= hi:   # a smaller count may fit too
+                mid = (lo + hi) // 2
+                smaller = attempt(micro[mid])
+                if smaller is None:
+                    lo = mid + 1
+                else:
+                    found, hi = smaller, mid - 1
+        mid = (lo + hi) // 2
     if found is None:
         more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
                 if len(tried) > 1 else "")
@@ -329,9 +343,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     if not rung.is_plain:
         notes.append(f"the step as written does not fit ({tried[0]}); restructured: "
                      f"{rung.describe()}")
-    if isinstance(fn, TrainStep) and platform == "cpu" and tried:
-        notes.append("rematerialization not tried: XLA:CPU drops it (it neither recomputes "
-                     "nor saves memory there)")
+    if isinstance(fn, TrainStep) and tried:
+        notes.append("rematerialization not tried: the memory model credits no saving to "
+                     "a whole-step checkpoint (its recomputation replays the forward pass at "
+                     "once); micro-batches were")
     return _Found(rung, fn_v, graph, result, ver)
 
 

@@ -222,7 +222,7 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             k = int(np.argmax(per_point))
             if per_point[k] <= budget:
                 break
-        at_peak = live[k, 2:].reshape(NUM_CLASSES, P).T                # [P, classes]
+        at_peak = live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T  # [P, classes]
         cur = np.asarray(choice)
         saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
         added = cost - cost[idx, cur][:, None]
@@ -243,26 +243,51 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     return choice
 
 
-def _memory_floor(graph: Graph, mc: MeshCosts) -> tuple[float, list[int]]:
+def _memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
+                  m: int, activation_share: float = 1.0) -> tuple[float, list[int]]:
     """A lower bound on the peak memory any layout on this mesh can reach (every class
     of every parameter at its smallest share at once, which no single layout may reach),
-    and a layout close to it: per parameter, the one least at that bound's peak."""
-    d, m = mc.d, mc.m
+    and a layout close to it: per parameter, the one least at that bound's peak.
+    `activation_share` scales the batched values (1/k: k micro-batches, estimated from
+    the step as written)."""
     P = len(graph.params)
     inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
-    for strats in mc.strategies:
+    for strats in strategies:
         for st in strats:
             if id(st) not in inv_of:
                 inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d, m))
-    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in mc.strategies]
+    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in strategies]
     floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
-    weights = memory_weights(graph, d, [mc.strategies[j][0] for j in range(P)], m)
-    weights[2:] = floor.T.reshape(-1)
+    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m)
+    # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
+    weights[0] = activation_share / d
+    weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)
+    weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
     per_point = graph.live @ weights
     k = int(np.argmax(per_point))
-    at_peak = graph.live[k, 2:].reshape(NUM_CLASSES, P).T
+    at_peak = graph.live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T
     choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
     return float(per_point[k]), choice
+
+
+def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_batches: int,
+                      offload: bool = True, allowed: frozenset[str] | None = None,
+                      num_devices_exact: int | None = None,
+                      mesh: tuple[int, int] | None = None) -> float:
+    """An estimate, from the step as written, of the least peak memory per device the
+    step split into `micro_batches` could reach on any mesh: the activations held at once
+    shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
+    fit."""
+    node = cluster.node_size if cluster.num_nodes > 1 else None
+    shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
+                            micro_batches, mesh, node)
+    layers = {L.param: L for L in graph.layers}
+    best = float("inf")
+    for d, m in shapes:
+        strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
+                      for j in range(len(graph.params))]
+        best = min(best, _memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])
+    return best
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
@@ -270,12 +295,15 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     layers = {L.param: L for L in graph.layers}
     strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
                   for j in range(len(graph.params))]
-    mc = mesh_costs(graph, cluster, d, m, strategies)
-    floor, low = _memory_floor(graph, mc)
+    floor, low = _memory_floor(graph, strategies, d, m)
     if floor > budget:
-        # no layout fits: skip the search and the repairs, report the least memory
-        return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(low)),
-                          predict(graph, cluster, mc, low), False)
+        # no layout fits: skip the search and the repairs, report the least memory (and
+        # price only that layout)
+        picked = [(strategies[j][s],) for j, s in enumerate(low)]
+        mc = mesh_costs(graph, cluster, d, m, picked)
+        return MeshResult(d, m, tuple(p[0] for p in picked),
+                          predict(graph, cluster, mc, [0] * len(picked)), False)
+    mc = mesh_costs(graph, cluster, d, m, strategies)
     tried: dict[tuple[int, ...], Prediction] = {}
     for w in _OVERLAP_WEIGHTS:
         choice = _dp(graph, cluster, mc, w)
@@ -443,5 +471,6 @@ def _no_mesh_message(graph: Graph, n: int, exact: int | None, skipped: Sequence[
             f"number of devices.")
 
 
-__all__ = ["MeshResult", "SearchResult", "data_parallel", "param_strategies", "search",
+__all__ = ["MeshResult", "SearchResult", "data_parallel", "micro_batch_floor",
+           "param_strategies", "search",
            "uses_model_axis"]

@@ -119,12 +119,25 @@ def test_bad_inputs_are_named():
         jaxwap.make_train_step(lambda p, b: 0.0, object())
 
 
-def test_ladder_skips_remat_on_cpu_and_needs_divisible_batches():
+def test_ladder_is_micro_batches_that_divide_the_batch():
     cpu = ladder(24, "cpu")
     assert [v.micro_batches for v in cpu] == [2, 4, 8]
-    assert all(v.remat == "none" for v in cpu)
-    gpu = ladder(8, "gpu")
-    assert [v.remat for v in gpu[:2]] == ["dots", "offload_dots"]
+    assert ladder(8, "gpu") == [StepVariant(micro_batches=k) for k in (2, 4, 8)]
+
+
+def test_whole_step_remat_is_not_credited_so_it_is_not_on_the_ladder():
+    """The reason remat left the ladder: the model sees the same peak with or without it
+    (the recomputation replays the forward pass at once), so a remat rung never fits where
+    the step as written does not."""
+    step, params, opt, batch = cnn_problem()
+    layout, closed = layout_of(step, (params, opt, batch), {}, None)
+    peaks = []
+    for v in (StepVariant(), StepVariant(remat="dots"), StepVariant(remat="offload_dots")):
+        c = closed if v.is_plain else trace_layout(step.with_variant(v), layout)
+        g = analyze(c, layout.inputs.roles, layout.outputs.roles, layout.params,
+                    layout.inputs.batch_size)
+        peaks.append(float((g.live[:, 0] + g.live[:, 1] + g.live[:, 2:].sum(1)).max()))
+    assert peaks[1] == peaks[0] and peaks[2] == peaks[0]
 
 
 # ------------------------------------------------------------------ the memory model
