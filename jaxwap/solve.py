@@ -133,17 +133,63 @@ def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
     return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
-def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[int]:
+@dataclass(frozen=True)
+class _Flat:
+    """A mesh's per-(parameter, strategy) costs as flat arrays, built once per mesh for
+    the dynamic program's several weightings: `J` the parameter, `S` the strategy's index
+    within it, `kind` its tensor-parallel kind's rank of first appearance within the
+    parameter's strategies (0, 1, 2: the order the DP visits kinds in), and the parts of
+    its own cost."""
+
+    J: np.ndarray
+    S: np.ndarray
+    kind: np.ndarray
+    kind_name: tuple[str, ...]
+    time: np.ndarray
+    grad: np.ndarray
+    host: np.ndarray
+
+
+def _flat(mc: MeshCosts) -> _Flat:
+    sizes = [len(st) for st in mc.strategies]
+    J = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    names: list[str] = []
+    kind = []
+    for strats in mc.strategies:
+        seen: dict[str, int] = {}
+        for st in strats:
+            seen.setdefault(st.tp, len(seen))
+            kind.append(seen[st.tp])
+        names.append(",".join(seen))
+    return _Flat(J, np.arange(len(J)) - starts[J], np.asarray(kind, np.int64), tuple(names),
+                 np.concatenate([np.asarray(x, np.float64) for x in mc.param_time]),
+                 np.concatenate([np.asarray([g[0] for g in row], np.float64)
+                                 for row in mc.grad_comm]),
+                 np.concatenate([np.asarray(x, np.float64) for x in mc.host]))
+
+
+def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
+        flat: _Flat | None = None) -> list[int]:
     """Strategy indices minimising compute + weight*grad comm + TP chain communication.
 
     The chain's communication depends on the layers' kinds only (col, row, none), so per
-    layer and kind the cheapest strategy of that kind is taken first, and the dynamic
-    program runs over kinds: a few transitions per layer, however many strategies."""
-    P = len(graph.params)
+    layer and kind the cheapest strategy of that kind is taken first (the first of equals),
+    and the dynamic program runs over kinds: a few transitions per layer, however many
+    strategies."""
+    f = flat or _flat(mc)
     d, m = mc.d, mc.m
-    own = [np.asarray(mc.param_time[j]) + weight * np.asarray([g[0] for g in mc.grad_comm[j]])
-           + 2 * np.asarray(mc.host[j]) for j in range(P)]
-    choice = [int(np.argmin(own[j])) for j in range(P)]
+    own = f.time + weight * f.grad + 2 * f.host
+    # per (parameter, kind): its cheapest strategy, the first of equals
+    order = np.lexsort((f.S, own, f.kind, f.J))
+    first = np.ones(len(order), bool)
+    first[1:] = (f.J[order][1:] != f.J[order][:-1]) | (f.kind[order][1:] != f.kind[order][:-1])
+    pick = order[first]
+    per_param: dict[int, list[tuple[int, int, float]]] = {}
+    for i in pick.tolist():
+        per_param.setdefault(int(f.J[i]), []).append((int(f.kind[i]), int(f.S[i]),
+                                                      float(own[i])))
+    choice = [min(v, key=lambda t: (t[2], t[1]))[1] for _, v in sorted(per_param.items())]
     if not graph.layers:
         return choice
     # the pair cost of a layer depends on its activation sizes and the two kinds: the
@@ -160,16 +206,11 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float) -> list[in
     states: dict[str, float] = {"none": 0.0}
     back: list[dict[str, tuple[str, int]]] = []   # per layer: kind -> (prev kind, strategy)
     for L in graph.layers:
-        j = L.param
-        cheapest: dict[str, int] = {}             # kind -> its first cheapest strategy
-        for s, strat in enumerate(mc.strategies[j]):
-            k = strat.tp
-            if k not in cheapest or own[j][s] < own[j][cheapest[k]]:
-                cheapest[k] = s
+        names = f.kind_name[L.param].split(",")
         nxt: dict[str, float] = {}
         ptr: dict[str, tuple[str, int]] = {}
-        for k, s in cheapest.items():
-            o = float(own[j][s])
+        for ki, s, o in sorted(per_param[L.param]):
+            k = names[ki]
             for prev, c in states.items():
                 cost = c + o + pair(L, prev, k)
                 if k not in nxt or cost < nxt[k]:
@@ -305,8 +346,9 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                           predict(graph, cluster, mc, [0] * len(picked)), False)
     mc = mesh_costs(graph, cluster, d, m, strategies)
     tried: dict[tuple[int, ...], Prediction] = {}
+    flat = _flat(mc)
     for w in _OVERLAP_WEIGHTS:
-        choice = _dp(graph, cluster, mc, w)
+        choice = _dp(graph, cluster, mc, w, flat)
         for c in (choice, _repair(graph, cluster, mc, choice, budget)):
             key = tuple(c)
             if key not in tried:
@@ -396,7 +438,8 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
             raise ValueError(f"mesh_shape {mesh[0]}x{mesh[1]} cannot be used: "
                              f"{'; '.join(s.split(': ', 1)[1] for s in skipped)}")
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    results = [solve_mesh(graph, cluster, d, m, budget, offload, allowed) for d, m in shapes]
+    results = _solve_meshes(graph, cluster, objective, shapes, budget, offload, allowed,
+                            skipped, prune=num_devices > EXHAUSTIVE_DEVICES)
     if allowed is not None and "replicate" not in allowed:
         # a forced split must happen: a mesh where it cannot is no candidate
         kept = [r for r in results if any(s.families <= allowed for s in r.strategies)]
@@ -449,9 +492,58 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     return SearchResult(tuple(results), ranking.scores, ranking.best, tuple(skipped), baseline)
 
 
+@dataclass(frozen=True)
+class _Bound:
+    """The best figures a mesh could reach, for the objective's score: all its flops at
+    the device's peak rate, perfectly split, and every device drawing at least idle power
+    for that long."""
+
+    step_time_s: float
+    energy_per_step_j: float
+    num_devices: int
+
+
+def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
+                  shapes: Sequence[tuple[int, int]], budget: float, offload: bool,
+                  allowed: frozenset[str] | None, skipped: list[str], prune: bool
+                  ) -> list[MeshResult]:
+    """`solve_mesh` on every shape, in the shapes' order. With `prune` (a large cluster),
+    branch and bound: meshes are solved from the most promising bound, and one whose best
+    possible score cannot beat a fitting candidate already found is skipped (and said so
+    in `skipped`). Those are meshes that cannot win, so only the candidate list (and the
+    frontier drawn from it) is shorter."""
+    if not prune or objective.kind not in ("throughput", "energy", "balanced"):
+        return [solve_mesh(graph, cluster, d, m, budget, offload, allowed) for d, m in shapes]
+    dev = cluster.device
+    bounds = []
+    for d, m in shapes:
+        n, speed = d * m, cluster.speedup_when_using(d * m)
+        t = graph.total_flops / (n * dev.peak_flops * speed)
+        bounds.append(_Bound(t, n * dev.idle_watts * speed * t, n))
+    kw = {"max_watts": dev.max_watts, "num_devices_available": cluster.num_devices}
+    lower = objective.scores(bounds, **kw)
+    solved: dict[int, MeshResult] = {}
+    best = float("inf")
+    for i in sorted(range(len(shapes)), key=lambda i: lower[i]):
+        d, m = shapes[i]
+        if lower[i] > best:
+            skipped.append(f"{d}x{m}: cannot beat the best found (its flops at peak on "
+                           f"{d * m} devices already score {lower[i] / best:.2f}x)")
+            continue
+        r = solve_mesh(graph, cluster, d, m, budget, offload, allowed)
+        solved[i] = r
+        if r.fits and uses_model_axis(r) and (
+                allowed is None or "replicate" in allowed
+                or any(s.families <= allowed for s in r.strategies)):
+            best = min(best, objective.scores([r.predicted], **kw)[0])
+    return [solved[i] for i in sorted(solved)]
+
+
 def data_parallel(graph: Graph, cluster: Cluster, d: int, budget: float) -> MeshResult:
     """Every parameter replicated over a (d, 1) mesh, the batch split d ways."""
-    strategies = [param_strategies(graph, j, d, 1)[:1] for j in range(len(graph.params))]
+    layers = {L.param: L for L in graph.layers}
+    strategies = [param_strategies(graph, j, d, 1, layers=layers)[:1]
+                  for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, 1, strategies)
     pred = predict(graph, cluster, mc, [0] * len(strategies))
     return MeshResult(d, 1, tuple(s[0] for s in strategies), pred,

@@ -186,3 +186,26 @@ def test_two_processes_planning_the_same_step_write_the_same_bytes():
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=300, check=True).stdout for _ in range(2)]
     assert outs[0] == outs[1] and json.loads(outs[0])["mesh_shape"]
+
+
+@pytest.mark.parametrize("objective", ["throughput", "balanced", "energy"])
+def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective):
+    """Branch and bound skips only meshes that cannot win: the plan equals the best of
+    solving every mesh shape."""
+    from jaxwap.solve import mesh_shapes, search, solve_mesh
+
+    step, params, opt, data = abstract_setup((2048, 2048, 2048, 16), 65536, 2048)
+    graph = analyze(*_analysis_inputs(step, params, opt, data))
+    cluster = _cluster(512)
+    obj = jaxwap.Objective.parse(objective)
+    got = search(graph, cluster, obj, 512, 72e9)
+    if objective == "throughput":   # small meshes cannot be fast enough: not solved
+        assert any("cannot beat" in s for s in got.skipped)
+    best = got.results[got.best]
+    shapes, _ = mesh_shapes(512, graph.batch_size, graph, node_size=8)
+    every = [solve_mesh(graph, cluster, d, m, 72e9) for d, m in shapes]
+    ranked = obj.rank([r.predicted if r.fits else None for r in every],
+                      max_watts=cluster.device.max_watts, num_devices_available=512)
+    want = every[ranked.best]
+    assert (best.d, best.m, best.strategies) == (want.d, want.m, want.strategies)
+    assert len(got.results) <= len(every) + 1   # + the data-parallel baseline
