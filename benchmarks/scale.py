@@ -131,10 +131,20 @@ def plan_row(row: Row, built: dict[str, Any], hw: dict[str, jaxwap.Cluster]) -> 
     plan = None
     for _ in range(2):
         t0 = time.perf_counter()
-        plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster, verify=0,
-                           cache=False, objective=row.objective)
+        try:
+            plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster,
+                               verify=0, cache=False, objective=row.objective)
+        except MemoryError as e:     # an answer too: nothing fits, and why
+            times.append(time.perf_counter() - t0)
+            error = str(e)
+            continue
         times.append(time.perf_counter() - t0)
-    assert plan is not None
+    if plan is None:
+        return {"model": row.model, "cluster": row.cluster, "objective": row.objective,
+                "planning_time_s": {"first": times[0], "repeat": times[1]},
+                "goal_s": row.goal_s,
+                "meets_goal": None if row.goal_s is None else times[1] <= row.goal_s,
+                "error": error}
     pr = plan.predicted
     flops = model_flops(w, layers, d_model)
     mfu = flops / (plan.num_devices * cluster.device.peak_flops * pr.step_time_s)
@@ -172,15 +182,20 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        pt = r["planning_time_s"]
+        goal = "" if r["goal_s"] is None else \
+            f"<= {r['goal_s']:g} s {'met' if r['meets_goal'] else 'MISSED'}"
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['cluster']} | {r['objective']} | "
+                       f"{pt['repeat']:.2f} ({pt['first']:.2f}) | {goal} | no plan fits: "
+                       f"{r['error'].split('. ')[0]} | | | | | | |")
+            continue
         mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_shape"].items())
         strat = ", ".join(f"{k} {v}" for k, v in list(r["strategies"].items())[:4])
         step = r["step"]
         variant = ", ".join(x for x in (
             f"{step['micro_batches']} micro-batches" if step["micro_batches"] > 1 else "",
             f"remat {step['remat']}" if step["remat"] != "none" else "") if x) or "as written"
-        goal = "" if r["goal_s"] is None else \
-            f"<= {r['goal_s']:g} s {'met' if r['meets_goal'] else 'MISSED'}"
-        pt = r["planning_time_s"]
         out.append(
             f"| {r['model']} | {r['cluster']} | {r['objective']} | {pt['repeat']:.2f} "
             f"({pt['first']:.2f}) | {goal} | {mesh} | {r['nodes_used']} of {r['num_nodes']} "
@@ -202,6 +217,10 @@ def main() -> None:
     for row in rows:
         r = plan_row(row, built, hw)
         results.append(r)
+        if "error" in r:
+            print(f"{row.model} | {row.cluster} | {row.objective}: no plan fits "
+                  f"({r['planning_time_s']['repeat']:.2f} s): {r['error'][:300]}", flush=True)
+            continue
         print(f"{row.model} | {row.cluster} | {row.objective}: planned in "
               f"{r['planning_time_s']['repeat']:.2f} s (first {r['planning_time_s']['first']:.2f}"
               f" s), mesh {r['mesh_shape']}, {r['nodes_used']} nodes, step "

@@ -217,10 +217,12 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
 
 
 def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,
-                 cluster: Cluster) -> tuple[float, float]:
+                 cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of model-axis communication a layer adds, given the previous
     layer's kind: Megatron's column-then-row pairing costs one all-reduce forward and
-    one backward; an unpaired layer pays gathers to restore a replicated activation."""
+    one backward; an unpaired layer pays gathers to restore a replicated activation.
+    A layer in a loop (scanned layers, micro-batches) pays it in each of its `repeat`
+    iterations, on one iteration's activations."""
     if m <= 1:
         return 0.0, 0.0
     a_in, a_out = layer.act_in_bytes / d, layer.act_out_bytes / d
@@ -236,15 +238,17 @@ def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,
             parts.append(all_gather(a_in, m, cluster))
     elif prev == "col":
         parts.append(all_gather(a_in, m, cluster))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return repeat * sum(p[0] for p in parts), repeat * sum(p[1] for p in parts)
 
 
 def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
-                  cluster: Cluster) -> tuple[float, float]:
-    """A column-sharded last layer leaves its output sharded: gather it for the loss."""
+                  cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
+    """A column-sharded last layer leaves its output sharded: gather it for the loss (in
+    each of its `repeat` loop iterations)."""
     if m <= 1 or kind != "col":
         return 0.0, 0.0
-    return all_gather(layer.act_out_bytes / d, m, cluster)
+    t, b = all_gather(layer.act_out_bytes / d, m, cluster)
+    return repeat * t, repeat * b
 
 
 def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
@@ -255,10 +259,12 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
     prev = "none"
     for layer in graph.layers:
         kind = kinds.get(layer.param, "none")
-        dt, db = tp_pair_cost(layer, prev, kind, d, m, cluster)
+        dt, db = tp_pair_cost(layer, prev, kind, d, m, cluster,
+                              float(graph.repeat[layer.op_index]))
         t, b, prev = t + dt, b + db, kind
     if graph.layers:
-        dt, db = tp_final_cost(graph.layers[-1], prev, d, m, cluster)
+        last = graph.layers[-1]
+        dt, db = tp_final_cost(last, prev, d, m, cluster, float(graph.repeat[last.op_index]))
         t, b = t + dt, b + db
     return t, b
 

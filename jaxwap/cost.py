@@ -149,6 +149,10 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     # loop iterations a parameter's own ops run in (micro-batches): FSDP gathers per pass
     passes = np.ones(len(graph.params))
     np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
+    # a stacked parameter's ops repeat once per layer of its scan, each gathering one
+    # layer's slice: the whole stack is gathered once per pass of the loops around it
+    for j in np.flatnonzero(graph.stacked_dim >= 0):
+        passes[j] = max(1.0, passes[j] / graph.params[j].shape[graph.stacked_dim[j]])
     # every (parameter, strategy) pair at once: the splits its three groups of ops take
     pairs = [(j, st) for j, strats in enumerate(strategies) for st in strats]
     split_of: dict[int, tuple[int, int, int]] = {}   # by identity: shared objects
@@ -202,14 +206,21 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
 # --------------------------------------------------------------------------- memory
 def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int) -> np.ndarray:
     """Per-bucket share of each live byte on one device: 1/d for batched values, 1 for the
-    rest, and per parameter and class one over how many ways that class is split (0 for
-    state kept in host memory)."""
+    rest, per parameter and class one over how many ways that class is split (0 for
+    state kept in host memory), and for the batched values a tensor-parallel layer's
+    layout splits (`Graph.tp_live_param`) 1/(d*m) where that parameter's layout is of
+    that kind, 1/d where it is not."""
     P = len(graph.params)
+    base = 2 + NUM_CLASSES * P
     w = np.empty(graph.live.shape[1])
     w[0] = 1.0 / d
     w[1] = 1.0
     div = np.array([s.divisors(d, m) for s in strats], dtype=np.float64).reshape(P, -1)
-    w[2:] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
+    w[2:base] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
+    if len(graph.tp_live_param):
+        split = np.array([strats[j].tp == k for j, k in
+                          zip(graph.tp_live_param.tolist(), graph.tp_live_kind, strict=True)])
+        w[base:] = np.where(split, 1.0 / (d * m), 1.0 / d)
     return w
 
 

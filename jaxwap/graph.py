@@ -8,13 +8,17 @@
   its update), with the map from a value's dims to its parameter's. Ownership flows
   forward from the parameter inputs through shape-preserving ops and backward from the
   parameter outputs (new params, new moments), which catches the gradient of a weight
-  (`dW = x^T dy`) without a name for it;
+  (`dW = x^T dy`) without a name for it. One iteration's slice of a stacked parameter (a
+  scan over layers) is that parameter, its dims the parameter's past the stacked one, and
+  so is the stack of the slices' gradients;
 - *costs*: every op's flops and memory traffic (from jax's per-primitive roofline rules
   where they exist, `primitives.py`), with elementwise chains fused as XLA fuses them;
 - *splits*: an op is *batched* (it splits over the data axis) or *owned* (it splits however
   its parameter is sharded); matmuls and convolutions that use a weight against batched
   data are the *layers* tensor parallelism can split, their weight dims contracted ("row")
   or not ("column") given by the primitive table's layer rules;
+- *model splits*: which batched values a layer's tensor-parallel layout also splits over
+  the model axis (Megatron's activations between a column- and a row-parallel layer);
 - *memory*: the live bytes at every point, split into buckets (`liveness.py`) so that a
   candidate's peak memory is one matrix-vector product.
 """
@@ -36,6 +40,8 @@ from .primitives import (
     HEAVY,
     MATMUL,
     RooflineRules,
+    batch_rule,
+    default_batch,
     linear_in,
     prim_info,
     roofline_rules,
@@ -51,8 +57,9 @@ class Layer:
 
     `in_dims` are the weight dims the op contracts (row sharding splits one of them and
     leaves partial sums to all-reduce); `out_dims` are its output-feature dims (column
-    sharding splits one, leaving the activation sharded). Activation sizes are global
-    bytes of the forward op's data operand and result.
+    sharding splits one, leaving the activation sharded), both named in the parameter's
+    own dims (a stacked parameter's past its stacked dim). Activation sizes are global
+    bytes of the forward op's data operand and result (one iteration's, in a scan).
     """
 
     param: int
@@ -79,8 +86,10 @@ class Graph:
     owner: np.ndarray          # [ops] int param index or -1
     tp_param: np.ndarray       # [ops] int: the weight whose TP sharding splits this matmul
     layers: tuple[Layer, ...]
-    live: np.ndarray           # [points, 2 + 4P] live bytes: batched, other, then per
-                               # class (WEIGHT, GRAD, OPT, RESIDENT) a column per param
+    live: np.ndarray           # [points, 2 + 4P + E] live bytes: batched, other, then per
+                               # class (WEIGHT, GRAD, OPT, RESIDENT) a column per param,
+                               # then batched bytes a tensor-parallel layout splits
+                               # (`tp_live_param`, `tp_live_kind`)
     unmodeled: tuple[str, ...]
     op_class: np.ndarray       # [ops] class of the value an op produces (WEIGHT .. RESIDENT)
     repeat: np.ndarray         # [ops] iterations of the enclosing (inlined) scans
@@ -102,10 +111,25 @@ class Graph:
     # slice per iteration: a mesh axis that split it would split the loop), -1 if none;
     # left out, every parameter gets -1
     stacked_dim: np.ndarray | None = field(default=None)
+    # [E] the extra live columns after the per-class ones (`live[:, 2 + 4P + e]`): batched
+    # bytes split over the model axis too when parameter `tp_live_param[e]` is
+    # tensor-parallel of kind `tp_live_kind[e]` ("col" or "row"), over the data axis
+    # alone otherwise (`_model_splits`); left out, there are none
+    tp_live_param: np.ndarray | None = field(default=None)
+    tp_live_kind: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
             object.__setattr__(self, "stacked_dim", np.full(len(self.params), -1, np.int64))
+        if self.tp_live_param is None:
+            object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
+        width = 2 + NUM_CLASSES * len(self.params) + len(self.tp_live_param)
+        if len(self.tp_live_kind) != len(self.tp_live_param) or self.live.shape[1] != width:
+            raise ValueError(f"Graph.live has {self.live.shape[1]} columns and "
+                             f"{len(self.tp_live_param)} tp_live_param, "
+                             f"{len(self.tp_live_kind)} tp_live_kind: expected {width} "
+                             f"columns (2 + {NUM_CLASSES} x {len(self.params)} params + one "
+                             f"per extra column) and as many kinds as parameters")
 
     @property
     def total_flops(self) -> float:
@@ -121,11 +145,13 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     flow = _dataflow(prog, kinds, in_roles, out_roles, params, batch_size)
     costs = _op_costs(prog, kinds, rules)
     splits = _op_splits(prog, kinds, flow)
-    mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params))
+    stacked = _stacked_dims(prog, flow, params)
+    model_split = _model_splits(prog, kinds, flow, splits.layers, params, stacked)
+    mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split)
     grad_repeat, reduce_bytes, reduce_count = _data_reductions(prog, in_roles, out_roles,
                                                                params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
-    fallback = _grad_repeat(prog.ops, splits.owner, mem.op_class, len(params))
+    fallback = _grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     grad_repeat = np.where(grad_repeat > 0, grad_repeat, fallback)
     return Graph(
         params=tuple(params), batch_size=batch_size, flops=costs.flops, bytes=costs.bytes,
@@ -136,7 +162,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=grad_repeat, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
-        stacked_dim=_stacked_dims(prog, flow, params))
+        stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind)
 
 
 def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
@@ -197,6 +223,9 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
         for o in op.outs:
             dep[o] = dep[o] or d
             pdep[o] = pdep[o] or pd
+        if op.prim in _SCAN_OPS:
+            _scan_owner(op, owner, perm, forward=True)
+            continue
         if kind not in (FREE, ELEMENTWISE):
             continue
         info = prim_info(op.prim)
@@ -215,6 +244,9 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
         if r.kind == PARAM and owner[o] < 0 and size[o] == params[r.param].size:
             owner[o] = r.param
     for op, kind in zip(reversed(prog.ops), reversed(kinds), strict=True):
+        if op.prim in _SCAN_OPS:
+            _scan_owner(op, owner, perm, forward=False)
+            continue
         if kind not in (FREE, ELEMENTWISE):
             continue
         for o in op.outs:
@@ -227,6 +259,31 @@ def _dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRo
     owner = np.array(owner, dtype=np.int64)
     pdep = np.array(pdep, dtype=bool)
     return _Dataflow(dep, pdep, owner, perm, _batched(prog, dep, owner, batch_size))
+
+
+_SCAN_OPS = ("scan_slice", "scan_stack")
+
+
+def _scan_owner(op: FlatOp, owner: list[int], perm: list[tuple[int, ...] | None],
+                forward: bool) -> None:
+    """Ownership through a scan's slicing and stacking (`flatten.py`): one iteration's
+    slice of a stacked parameter is that parameter (its layer's weight), and so is the
+    stack of one iteration's gradient, or of a weight's cast saved for the backward pass.
+    The slice's dims are the stack's past its leading dim; a stack's leading dim is the
+    one parameter dim its slice's map leaves out."""
+    src, dst = (op.ins[0], op.outs[0]) if forward else (op.outs[0], op.ins[0])
+    if owner[src] < 0 or owner[dst] >= 0:
+        return
+    owner[dst] = owner[src]
+    if not forward or perm[src] is None:
+        return
+    p = perm[src]
+    if op.prim == "scan_slice":
+        perm[dst] = p[1:]
+    else:
+        left = sorted(set(range(len(p) + 1)) - set(p))
+        if len(left) == 1 and all(0 <= x <= len(p) for x in p):
+            perm[dst] = (left[0], *p)
 
 
 def _batched(prog: FlatProgram, dep: np.ndarray, owner: np.ndarray,
@@ -426,32 +483,139 @@ def _layer_of(op: FlatOp, k: int, flow: _Dataflow, nbytes: np.ndarray) -> Layer 
     return None
 
 
+# --------------------------------------------------------------------------- model splits
+TP_KINDS = ("col", "row")
+
+
+@dataclass(frozen=True)
+class _ModelSplit:
+    """Per value, the (parameter, kind) whose tensor-parallel layout splits it over the
+    model axis, as an index into `pairs` (-1: none)."""
+
+    label: np.ndarray                 # [values] int
+    pairs: tuple[tuple[int, str], ...]
+
+
+def _tp_dims(layers: Sequence[Layer], params: Sequence[ParamInfo], stacked: np.ndarray
+             ) -> dict[tuple[int, str], int]:
+    """Per (parameter, kind), the parameter dim that kind splits: of the layer's output
+    features ("col") or contracted dims ("row"), the largest, the first of equals (the
+    dim `solve` splits when the model axis divides them all); never a stacked dim."""
+    out: dict[tuple[int, str], int] = {}
+    for L in layers:
+        shape = params[L.param].shape
+        for kind, dims in zip(TP_KINDS, (L.out_dims, L.in_dims), strict=True):
+            dims = [x for x in dims if x != stacked[L.param]]
+            if dims:
+                out[L.param, kind] = max(dims, key=lambda x: (shape[x], -x))
+    return out
+
+
+def _model_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
+                  layers: Sequence[Layer], params: Sequence[ParamInfo],
+                  stacked: np.ndarray) -> _ModelSplit:
+    """Which values a tensor-parallel layer's layout splits over the model axis (Megatron:
+    the activations between a column- and the next row-parallel layer, and in the backward
+    pass their cotangents), found by following a split dim forward through the program.
+
+    A matmul that uses a layer's weight (or a cast, transpose or slice of it) seeds one:
+    for each kind, the weight dim that kind splits (`_tp_dims`) lands in the result, where
+    the matmul keeps it (h = x @ W1 when W1 is column-parallel, dh = dy @ W2^T when W2 is
+    row-parallel) or is summed away (a partial sum: all-reduced, whole on every device).
+    Every op then moves the split dim by its batch rule (`primitives.batch_rule`, the
+    rules `comm.batch_dims` follows for the data axis) and drops it where the rule sums
+    over it (a contraction, a reduction). Each value keeps one such split: of the
+    candidates, the operands' in operand order, then the op's own weight's ("col" before
+    "row"), the first the op keeps in a result. So a value two layers' activations meet
+    in (SwiGLU's gate * up, attention's q . k) is credited to the first's layout alone.
+    Only batched values keep a split (the caller credits batched bytes).
+    """
+    tdim = _tp_dims(layers, params, stacked)
+    if not tdim:
+        return _ModelSplit(np.full(len(prog.vars), -1, np.int64), ())
+    pair_id: dict[tuple[int, str], int] = {}
+    owner, perm, batched = flow.owner.tolist(), flow.perm, flow.batched.tolist()
+    label: list[tuple[int, int] | None] = [None] * len(prog.vars)  # (pair, dim)
+    for op, kind in zip(prog.ops, kinds, strict=True):
+        if not any(batched[o] for o in op.outs):
+            continue
+        # candidates: pair -> each operand's split dim for that pair
+        cands: dict[int, list[int | None]] = {}
+        n = len(op.ins)
+        for pos, i in enumerate(op.ins):
+            lab = label[i]
+            if lab is not None:
+                cands.setdefault(lab[0], [None] * n)[pos] = lab[1]
+        if kind == MATMUL:
+            for pos, i in enumerate(op.ins):
+                j, pm = owner[i], perm[i]
+                if j < 0 or pm is None:
+                    continue
+                for k in TP_KINDS:
+                    pd = tdim.get((j, k))
+                    if pd is None or pd not in pm:
+                        continue
+                    e = pair_id.setdefault((j, k), len(pair_id))
+                    cands.setdefault(e, [None] * n)[pos] = pm.index(pd)
+        if not cands:
+            continue
+        rule = batch_rule(op.prim)
+        for e, axes in cands.items():
+            try:
+                outs, _ = rule(op.eqn, axes)
+            except Exception:  # noqa: BLE001 - an equation its rule does not expect
+                outs, _ = default_batch(op.eqn, axes)
+            if any(a is not None for a in outs):
+                for o, a in zip(op.outs, outs, strict=True):
+                    if a is not None and batched[o]:
+                        label[o] = (e, a)
+                break
+    pairs = tuple(sorted(pair_id, key=pair_id.__getitem__))
+    return _ModelSplit(np.array([-1 if lab is None else lab[0] for lab in label],
+                                dtype=np.int64), pairs)
+
+
 # --------------------------------------------------------------------------- memory
 @dataclass(frozen=True)
 class _Memory:
     live: np.ndarray
     op_class: np.ndarray
     resident_bytes: np.ndarray
+    tp_live_param: np.ndarray
+    tp_live_kind: tuple[str, ...]
 
 
 def _memory(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
             in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
-            num_params: int) -> _Memory:
+            num_params: int, split: _ModelSplit) -> _Memory:
     """Live device bytes per program point in buckets, the class of what each op makes,
     and each parameter's resident optimizer state (its mirrors among the inputs), which a
-    memory plan may shard or offload apart from the weight."""
+    memory plan may shard or offload apart from the weight.
+
+    A batched value a tensor-parallel layout splits (`_model_splits`) goes to its
+    (parameter, kind)'s column after the per-class ones instead of the batched column;
+    only the (parameter, kind) pairs that hold some bytes get a column, in the order of
+    parameter, then kind."""
     vclass = value_classes(prog.ops, prog.in_ids, in_roles, prog.out_ids, out_roles,
                            flow.owner, flow.dep)
     device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
+    label = np.where(flow.batched, split.label, -1)
     live = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes, flow.batched,
-                    flow.owner, vclass, num_params)
+                    flow.owner, vclass, num_params, label, len(split.pairs))
+    base = 2 + NUM_CLASSES * num_params
+    extra = live[:, base:]
+    used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])
+            if extra[:, e].any()]
+    live = np.concatenate([live[:, :base], extra[:, used]], axis=1)
+    pairs = [split.pairs[e] for e in used]
     resident = np.zeros(num_params)
     for i, r in zip(prog.in_ids, in_roles, strict=True):
         if r.kind == PARAM and r.mirror:
             resident[r.param] += prog.nbytes[i]
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
                         dtype=np.int64)
-    return _Memory(live, op_class, resident)
+    return _Memory(live, op_class, resident, np.array([j for j, _ in pairs], dtype=np.int64),
+                   tuple(k for _, k in pairs))
 
 
 def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
@@ -497,11 +661,15 @@ def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
 
 
 def _grad_repeat(ops: Sequence[FlatOp], op_owner: np.ndarray, op_class: np.ndarray,
-                 num_params: int) -> np.ndarray:
+                 params: Sequence[ParamInfo], stacked: np.ndarray) -> np.ndarray:
     """How many times each parameter's gradient is produced per step: a gradient made
-    inside a scan over micro-batches is reduced over the data axis in every iteration."""
-    grad_repeat = np.ones(num_params)
+    inside a scan over micro-batches is reduced over the data axis in every iteration.
+    A stacked parameter's gradient is made a slice per iteration of the scan over its
+    layers: those iterations make one whole gradient, not one each."""
+    grad_repeat = np.ones(len(params))
     for k, op in enumerate(ops):
-        if op_owner[k] >= 0 and op_class[k] == GRAD and op.repeat > 1:
-            grad_repeat[op_owner[k]] = max(grad_repeat[op_owner[k]], op.repeat)
+        j = int(op_owner[k])
+        if j >= 0 and op_class[k] == GRAD and op.repeat > 1:
+            layers = params[j].shape[stacked[j]] if stacked[j] >= 0 else 1
+            grad_repeat[j] = max(grad_repeat[j], op.repeat // max(layers, 1))
     return grad_repeat

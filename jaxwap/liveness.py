@@ -61,11 +61,17 @@ def value_classes(ops: Sequence[FlatOp], in_ids: Sequence[int],
 
 def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              out_ids: Sequence[int], nbytes: np.ndarray, batched: np.ndarray,
-             owner: np.ndarray, vclass: np.ndarray, num_params: int) -> np.ndarray:
-    """Live bytes per program point, in buckets [batched, other, then (class, param)].
+             owner: np.ndarray, vclass: np.ndarray, num_params: int,
+             extra: np.ndarray | None = None, num_extra: int = 0) -> np.ndarray:
+    """Live bytes per program point, in buckets [batched, other, then (class, param), then
+    `num_extra` more].
 
     Row 0 is before the first op; inputs are live from it, outputs to the end. `nbytes`
-    is what a value takes in device memory (0 for one in host memory).
+    is what a value takes in device memory (0 for one in host memory). A batched value
+    whose `extra` is e >= 0 goes to the bucket 2 + NUM_CLASSES * num_params + e instead
+    of the batched one (a bucket a memory plan weighs apart: bytes a tensor-parallel
+    layout also splits). Every bucket's weight is non-negative, so pruning the points
+    another dominates in every bucket stays exact.
     """
     nv, n, P = len(nbytes), len(ops), num_params
     # (python lists: fast to index one by one)
@@ -111,11 +117,13 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     start = np.array(start, dtype=np.int64)
     last = np.array(last, dtype=np.int64)
     materialized = np.array(materialized, dtype=bool)
-    cols = np.where(batched, 0, np.where(owner >= 0, 2 + vclass * P + owner, 1))
+    base = 2 + NUM_CLASSES * P
+    first = 0 if extra is None else np.where(extra >= 0, base + extra, 0)
+    cols = np.where(batched, first, np.where(owner >= 0, 2 + vclass * P + owner, 1))
     mat = np.flatnonzero(materialized)
     s = np.maximum(start[mat], -1) + 1          # shift: point 0 is "before the first op"
     e = np.maximum(last[mat], start[mat]) + 1
-    return _live_rows(n + 2, s, e + 1, cols[mat], nbytes[mat], 2 + NUM_CLASSES * P)
+    return _live_rows(n + 2, s, e + 1, cols[mat], nbytes[mat], base + num_extra)
 
 
 def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,

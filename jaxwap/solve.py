@@ -194,12 +194,13 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
         return choice
     # the pair cost of a layer depends on its activation sizes and the two kinds: the
     # blocks of a deep model repeat a few of those, so each is priced once
-    pair_of: dict[tuple[float, float, bool, str, str], float] = {}
+    pair_of: dict[tuple[float, float, bool, str, str, float], float] = {}
 
     def pair(L: Any, prev: str, kind: str) -> float:
-        key = (L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad), prev, kind)
+        rep = float(graph.repeat[L.op_index])
+        key = (L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad), prev, kind, rep)
         if key not in pair_of:
-            pair_of[key] = tp_pair_cost(L, prev, kind, d, m, cluster)[0]
+            pair_of[key] = tp_pair_cost(L, prev, kind, d, m, cluster, rep)[0]
         return pair_of[key]
 
     # states: kind of the previous layer -> its cost so far, in the order kinds appear
@@ -209,7 +210,7 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
         names = f.kind_name[L.param].split(",")
         nxt: dict[str, float] = {}
         ptr: dict[str, tuple[str, int]] = {}
-        for ki, s, o in sorted(per_param[L.param]):
+        for ki, s, o in per_param[L.param]:      # in kind order: `pick` is sorted so
             k = names[ki]
             for prev, c in states.items():
                 cost = c + o + pair(L, prev, k)
@@ -218,7 +219,8 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
         states = nxt
         back.append(ptr)
     last = graph.layers[-1]
-    k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster)[0])
+    rep = float(graph.repeat[last.op_index])
+    k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster, rep)[0])
     for L, ptr in zip(reversed(graph.layers), reversed(back), strict=True):
         k, s = ptr[k]
         choice[L.param] = s
@@ -279,8 +281,13 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
         else:
             rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
         j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
-        per_point += live[:, cols[j]] @ (inv[j, s] - inv[j, choice[j]])
-        choice[j] = s
+        if kind[j, s] == kind[j, choice[j]]:
+            per_point += live[:, cols[j]] @ (inv[j, s] - inv[j, choice[j]])
+            choice[j] = s
+        else:   # a new tensor-parallel kind also splits activations: sum afresh
+            choice[j] = s
+            per_point = live @ memory_weights(
+                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m)
     return choice
 
 

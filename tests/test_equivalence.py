@@ -59,9 +59,10 @@ def test_cnn_matches_single_device():
 def test_slow_links_and_little_memory_plan_tensor_parallel_with_zero1_state():
     """Slow links and 3 MB per device: the planner splits the kernels column / row over the
     model axis and, to fit, shards every parameter's optimizer state over the data axis
-    (ZeRO-1: weights not sharded over data), keeping some of it in host memory. The momentum
-    comes back laid out as the plan says and the numbers match. (FSDP is forced and tested
-    in tests/test_equivalence_layouts.py.)"""
+    (ZeRO-1: weights not sharded over data). The momentum comes back laid out as the plan
+    says and the numbers match. (Since the memory model credits the activations the model
+    axis splits, this fits without host offload; FSDP and offload are forced and tested in
+    tests/test_equivalence_layouts.py.)"""
     model = MLP((512, 512, 512, 16))
     # SGD: Adam's g/sqrt(v) turns rounding noise in near-zero gradients into full steps
     step, params, opt, batch = setup(model, (256, 64), num_classes=16,
@@ -77,7 +78,6 @@ def test_slow_links_and_little_memory_plan_tensor_parallel_with_zero1_state():
     for p in plan.params:
         assert p.state_spec is not None and "data" in p.state_spec, p    # ZeRO-1 state
         assert "data" not in p.spec and "zero1" in p.strategy, p          # not FSDP
-    assert any(p.offload for p in plan.params)
     placed = {p.keystr: p for p in plan.params}
     trace = out[1][0].trace
     for path, leaf in jax.tree_util.tree_flatten_with_path(trace)[0]:

@@ -125,7 +125,7 @@ def test_live_columns_per_block():
     for layers in (2, 8):
         g = _graph(layers)
         P = len(g.params)
-        cols = g.live[:, 2:].max(axis=0).reshape(4, P)  # [class, param]
+        cols = g.live[:, 2:2 + 4 * P].max(axis=0).reshape(4, P)  # [class, param]
         for j, p in enumerate(g.params):
             role = tuple(x for x in p.path if not x.isdigit())
             peaks.setdefault(role, set()).add(tuple(cols[:, j]))
