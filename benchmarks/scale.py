@@ -15,8 +15,11 @@ abstract arguments on 8 simulated CPU devices. So:
   PaLM-paper convention (recomputation not counted).
 
 The models are `benchmarks/zoo.py`'s: GPT-2 small, and Llama-3-shaped 8B and 70B
-decoders built with `jaxwap.make_train_step` (so the planner may restructure them with
-remat or micro-batches), unrolled and (8B) stacked under `lax.scan`. The clusters are
+decoders built with `jaxwap.make_train_step` (so the planner may split the batch into
+micro-batches), unrolled and (8B) stacked under `lax.scan`, with per-block
+rematerialization (`remat=True`: each block's activations recomputed in its backward
+pass, as large-model trainers run them; the attention is plain jnp, with its [T, T]
+scores, no flash kernel), and one 8B row without it. The clusters are
 H100 SXM nodes of 8 (NVLink 450 GB/s per GPU inside a node) with, between nodes, 400 Gb/s
 InfiniBand per GPU (50 GB/s, the DGX H100 configuration), one 400 Gb/s link per node
 (6.25 GB/s per GPU), or one 100 Gb/s Ethernet link per node (1.56 GB/s per GPU): those are
@@ -89,11 +92,14 @@ def workloads() -> dict[str, tuple[Any, int, int]]:
     l8, l70 = zoo.LLAMA_CONFIGS["llama_8b"], zoo.LLAMA_CONFIGS["llama_70b"]
     return {
         "GPT-2 small (bs 8 x 1024)": (lambda: zoo.gpt2(), 12, 768),
-        "Llama 8B (bs 1024 x 4096)": (lambda: zoo.llama_8b(batch_size=1024),
+        "Llama 8B (bs 1024 x 4096)": (lambda: zoo.llama_8b(batch_size=1024, remat=True),
                                       l8["layers"], l8["d_model"]),
-        "Llama 8B scan (bs 1024 x 4096)": (lambda: zoo.llama_8b(batch_size=1024, scan=True),
-                                           l8["layers"], l8["d_model"]),
-        "Llama 70B (bs 2048 x 4096)": (lambda: zoo.llama_70b(batch_size=2048),
+        "Llama 8B scan (bs 1024 x 4096)": (
+            lambda: zoo.llama_8b(batch_size=1024, scan=True, remat=True),
+            l8["layers"], l8["d_model"]),
+        "Llama 8B no remat (bs 1024 x 4096)": (lambda: zoo.llama_8b(batch_size=1024),
+                                               l8["layers"], l8["d_model"]),
+        "Llama 70B (bs 2048 x 4096)": (lambda: zoo.llama_70b(batch_size=2048, remat=True),
                                        l70["layers"], l70["d_model"]),
     }
 
@@ -106,6 +112,8 @@ GOAL_ROWS = [
 ]
 MORE_ROWS = [
     Row("Llama 8B scan (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, IB 400G/GPU)",
+        "balanced"),
+    Row("Llama 8B no remat (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, IB 400G/GPU)",
         "balanced"),
     Row("Llama 8B (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, 400G/node)", "balanced"),
     Row("Llama 8B (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, 100GbE/node)", "balanced"),

@@ -641,12 +641,14 @@ class Llama(nnx.Module):
 
     def __init__(self, *, vocab: int, layers: int, d_model: int, heads: int, kv_heads: int,
                  ffn: int, scan: bool = False, dtype: Any = jnp.float32,
-                 rope_theta: float = 500000.0, rngs: nnx.Rngs, **_: Any):
+                 rope_theta: float = 500000.0, remat: bool = False, rngs: nnx.Rngs,
+                 **_: Any):
         make = partial(LlamaBlock, d_model, heads, kv_heads, ffn, dtype=dtype,
                        rope_theta=rope_theta)
         self.embed = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=jnp.float32,
                                embedding_init=_normal(0.02), rngs=rngs)
         self.scan = scan
+        self.remat = remat
         if scan:
             @nnx.split_rngs(splits=layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -665,27 +667,32 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int32 [B, T] tokens -> float32 [B, T, vocab] logits."""
         x = self.embed(tokens)
+        # remat: each block's activations are recomputed in its backward pass, only the
+        # block inputs kept (per-block rematerialization, as large-model trainers run)
+        wrap = jax.checkpoint if self.remat else (lambda f: f)
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
 
             def layer(h: jax.Array, s: Any) -> tuple[jax.Array, None]:
                 return nnx.merge(graphdef, s)(h), None
 
-            x, _ = jax.lax.scan(layer, x, state)
+            x, _ = jax.lax.scan(wrap(layer), x, state)
         else:
             for block in self.blocks:
-                x = block(x)
+                graphdef, state = nnx.split(block)
+                x = wrap(lambda s, h, g=graphdef: nnx.merge(g, s)(h))(state, x)
         return self.lm_head(self.norm(x)).astype(jnp.float32)
 
 
 def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | None = None,
           scan: bool = False, dtype: DTypeLike = jnp.bfloat16, lr: float = 3e-4,
-          weight_decay: float = 0.1, restructurable: bool = True,
+          weight_decay: float = 0.1, restructurable: bool = True, remat: bool = False,
           **overrides: Any) -> Workload:
     """A Llama-style decoder of `LLAMA_CONFIGS[config]` (`overrides` replace any of its
     fields: layers, d_model, heads, kv_heads, ffn, vocab, seq_len), built abstractly, so an
     8B or 70B model allocates nothing. `scan=True` stacks the blocks' parameters along a
-    leading layer dim and runs them with `lax.scan`. The step is
+    leading layer dim and runs them with `lax.scan`. `remat=True` checkpoints each block
+    (its activations recomputed in the backward pass, only block inputs kept). The step is
     `jaxwap.make_train_step(loss_fn, optax.adamw(lr, weight_decay=...))` (returns
     `(params, opt_state, loss)`); `restructurable=False` gives the same loss and AdamW as a
     plain step returning `(params, opt_state, {"loss": loss})`. `args = (params, opt_state,
@@ -699,7 +706,7 @@ def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | Non
     tx = optax.adamw(lr, weight_decay=weight_decay)
 
     def build(seed: int) -> Llama:
-        return Llama(**cfg, scan=scan, dtype=dtype, rngs=nnx.Rngs(seed))
+        return Llama(**cfg, scan=scan, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: build(0)), nnx.Param)
     opt_state = jax.eval_shape(tx.init, params)
@@ -724,8 +731,10 @@ def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | Non
             return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
     form = f"stacked, lax.scan over {cfg['layers']}" if scan else f"{cfg['layers']} unrolled"
+    form += ", per-block remat" if remat else ""
     return Workload(
-        name=config + ("-scan" if scan else ""), step=step, args=(params, opt_state, batch),
+        name=config + ("-scan" if scan else "") + ("-remat" if remat else ""), step=step,
+        args=(params, opt_state, batch),
         params=params, batch_size=batch_size, num_classes=vocab,
         description=(f"Llama-style decoder (NNX, RMSNorm, rotary GQA {cfg['heads']}/"
                      f"{cfg['kv_heads']} heads, SwiGLU {cfg['ffn']}, untied head): {form} "

@@ -241,21 +241,35 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     S = max(len(st) for st in mc.strategies)
     inv = np.zeros((P, S, NUM_CLASSES))          # 1 / divisor per class (0: not on device)
     cost = np.full((P, S), np.inf)               # time the strategy costs the step
-    kind = np.full((P, S), "", dtype=object)
+    kind = np.full((P, S), -1, dtype=np.int64)   # tensor-parallel kind: 0 none, 1 col, 2 row
+    codes = {"none": 0, "col": 1, "row": 2}
     for j, strats in enumerate(mc.strategies):
         for s, st in enumerate(strats):
             inv[j, s] = 1.0 / np.asarray(st.divisors(d, m))
             host = 2 * mc.host[j][s]
             cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
-            kind[j, s] = st.tp
+            kind[j, s] = codes[st.tp]
     choice = list(choice)
     idx = np.arange(P)
+    finite = np.isfinite(cost)
     # per-point live bytes per device, kept up to date as parameters move: a move changes
     # one parameter's classes only, so the update is one [points, classes] product
     live = graph.live
     weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m)
     per_point = live @ weights
     cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
+    at_k = -1          # the peak point the move tables below were made for
+    saved = added = ok = np.empty(0)
+    moved = -1
+
+    def row(j: int, at_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Parameter j's moves from its current strategy: bytes freed at the peak, time
+        added, and which are allowed (a tensor-parallel kind is kept)."""
+        c = choice[j]
+        sv = (at_peak[j][None, :] * (inv[j, c][None, :] - inv[j])).sum(-1)
+        return sv, cost[j] - cost[j, c], (sv > 0) & finite[j] & (
+            (kind[j, c] == 0) | (kind[j] == kind[j, c]))
+
     for _ in range(NUM_CLASSES * P + 1):
         k = int(np.argmax(per_point))
         if per_point[k] <= budget:
@@ -266,11 +280,17 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             if per_point[k] <= budget:
                 break
         at_peak = live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T  # [P, classes]
-        cur = np.asarray(choice)
-        saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
-        added = cost - cost[idx, cur][:, None]
-        cur_kind = kind[idx, cur][:, None]
-        ok = (saved > 0) & np.isfinite(cost) & ((cur_kind == "none") | (kind == cur_kind))
+        if k != at_k:
+            # a new peak point: every parameter's moves afresh
+            cur = np.asarray(choice)
+            saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
+            added = cost - cost[idx, cur][:, None]
+            cur_kind = kind[idx, cur][:, None]
+            ok = (saved > 0) & finite & ((cur_kind == 0) | (kind == cur_kind))
+            at_k = k
+        elif moved >= 0:
+            # the same peak: only the parameter just moved has new moves
+            saved[moved], added[moved], ok[moved] = row(moved, at_peak)
         if not ok.any():
             break
         free = ok & (added <= 0)
@@ -288,6 +308,7 @@ def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             choice[j] = s
             per_point = live @ memory_weights(
                 graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m)
+        moved = j
     return choice
 
 
@@ -354,9 +375,12 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     mc = mesh_costs(graph, cluster, d, m, strategies)
     tried: dict[tuple[int, ...], Prediction] = {}
     flat = _flat(mc)
+    repaired: dict[tuple[int, ...], list[int]] = {}   # the weightings often agree
     for w in _OVERLAP_WEIGHTS:
         choice = _dp(graph, cluster, mc, w, flat)
-        for c in (choice, _repair(graph, cluster, mc, choice, budget)):
+        if tuple(choice) not in repaired:
+            repaired[tuple(choice)] = _repair(graph, cluster, mc, choice, budget)
+        for c in (choice, repaired[tuple(choice)]):
             key = tuple(c)
             if key not in tried:
                 tried[key] = predict(graph, cluster, mc, c)
