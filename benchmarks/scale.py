@@ -208,14 +208,20 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
             f"| {r['model']} | {r['cluster']} | {r['objective']} | {pt['repeat']:.2f} "
             f"({pt['first']:.2f}) | {goal} | {mesh} | {r['nodes_used']} of {r['num_nodes']} "
             f"| {strat} | {variant} | {r['predicted_step_time_s'] * 1e3:.1f} ms | "
-            f"{r['predicted_mfu']:.0%} | {r['predicted_energy_per_step_j'] / 1e3:.1f} kJ |")
+            f"{r['predicted_mfu']:.0%} | {r['predicted_energy_per_step_j'] / 1e3:.3g} kJ |")
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="the planning-time goal rows only")
+    ap.add_argument("--render", action="store_true",
+                    help="only write scale.md again from scale.json (no planning)")
     args = ap.parse_args()
+    if args.render:
+        doc = json.loads((RESULTS / "scale.json").read_text())
+        (RESULTS / "scale.md").write_text(markdown(doc["rows"], doc["command"]))
+        return
     rows = GOAL_ROWS + ([] if args.quick else MORE_ROWS)
     builders = workloads()
     built = {name: (builders[name][0](), *builders[name][1:])
