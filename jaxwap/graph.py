@@ -32,16 +32,15 @@ from typing import Any
 import numpy as np
 
 from .comm import batch_dims
-from .flatten import FlatOp, FlatProgram, flatten, itemsize_of
+from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
+from .model_split import ModelSplit, model_splits
+from .opcost import conv_kind, op_costs
 from .primitives import (
     ELEMENTWISE,
     FREE,
     HEAVY,
     MATMUL,
-    RooflineRules,
-    batch_rule,
-    default_batch,
     linear_in,
     prim_info,
     roofline_rules,
@@ -114,7 +113,7 @@ class Graph:
     # [E] the extra live columns after the per-class ones (`live[:, 2 + 4P + e]`): batched
     # bytes split over the model axis too when parameter `tp_live_param[e]` is
     # tensor-parallel of kind `tp_live_kind[e]` ("col" or "row"), over the data axis
-    # alone otherwise (`_model_splits`); left out, there are none
+    # alone otherwise (`model_split.model_splits`); left out, there are none
     tp_live_param: np.ndarray | None = field(default=None)
     tp_live_kind: tuple[str, ...] = ()
 
@@ -143,10 +142,11 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     prog = flatten(closed_jaxpr)
     kinds, host_transfer = _op_kinds(prog)
     flow = _dataflow(prog, kinds, in_roles, out_roles, params, batch_size)
-    costs = _op_costs(prog, kinds, rules)
+    costs = op_costs(prog, kinds, rules)
     splits = _op_splits(prog, kinds, flow)
     stacked = _stacked_dims(prog, flow, params)
-    model_split = _model_splits(prog, kinds, flow, splits.layers, params, stacked)
+    model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
+                               splits.layers, params, stacked)
     mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split)
     grad_repeat, reduce_bytes, reduce_count = _data_reductions(prog, in_roles, out_roles,
                                                                params)
@@ -161,7 +161,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=grad_repeat, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
-        conv=np.array([_conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
+        conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind)
 
 
@@ -323,96 +323,6 @@ def _stacked_dims(prog: FlatProgram, flow: _Dataflow, params: Sequence[ParamInfo
 
 
 # --------------------------------------------------------------------------- costs
-@dataclass(frozen=True)
-class _OpCosts:
-    flops: np.ndarray
-    bytes: np.ndarray
-    kernels: np.ndarray
-    is_matmul: np.ndarray
-    low_precision: np.ndarray
-    unmodeled: tuple[str, ...]
-
-
-def _op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> _OpCosts:
-    """Flops, memory traffic and kernel launches of every op, for the whole step.
-
-    Free ops cost nothing. A fused elementwise chain writes each result once and reads
-    its inputs from registers; a new fusion (a kernel) starts where no input comes from
-    another fusible op. An op without a roofline rule is priced one flop per output element
-    and its operands' and results' bytes, and named in `unmodeled`.
-
-    A rule's figures depend only on the equation's primitive, operand and result avals and
-    params, so each distinct equation is priced once (the blocks of a deep model repeat).
-    """
-    n = len(prog.ops)
-    # (python lists: fast to index one by one; the sums add the same float64 values)
-    size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
-    flops, traffic, kernels = np.zeros(n), np.zeros(n), np.zeros(n)
-    lowp = np.zeros(n, bool)
-    fusible = [False] * len(V)  # made by an elementwise or free op
-    priced: dict[Any, tuple[float, float] | None] = {}
-    unmodeled: set[str] = set()
-    for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
-        if kind == FREE:  # flops[k], traffic[k], kernels[k] stay 0
-            for o in op.outs:
-                fusible[o] = True
-            continue
-        key = _eqn_key(op.eqn)
-        if key is None:
-            cost = rules.cost(op.eqn)
-        else:
-            cost = priced.get(key, priced)
-            if cost is priced:
-                cost = priced[key] = rules.cost(op.eqn)
-        out_bytes = float(sum(nbytes[o] for o in op.outs))
-        if cost is None:
-            unmodeled.add(op.prim)
-            cost = (float(sum(size[o] for o in op.outs)),
-                    float(sum(nbytes[i] for i in op.ins)) + out_bytes)
-        flops[k] = cost[0] * op.repeat
-        if kind == ELEMENTWISE:
-            traffic[k] = out_bytes * op.repeat
-            kernels[k] = 0.0 if any(fusible[i] for i in op.ins) else float(op.repeat)
-            for o in op.outs:
-                fusible[o] = True
-        else:
-            traffic[k] = cost[1] * op.repeat
-            kernels[k] = float(op.repeat)
-            if kind == MATMUL:
-                lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
-    is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
-    return _OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)))
-
-
-def _eqn_key(eqn: Any) -> Any:
-    """What a roofline rule's figures depend on (primitive, avals, params), hashable, or
-    None: a synthetic equation, or params that cannot be hashed."""
-    try:
-        key = (eqn.primitive, tuple(a.aval for a in eqn.invars),
-               tuple(v.aval for v in eqn.outvars), tuple(sorted(eqn.params.items())))
-        hash(key)
-    except (AttributeError, TypeError):
-        return None
-    return key
-
-
-def _conv_kind(eqn: Any) -> int:
-    """0: not a convolution; 1: a convolution; 2: one whose (dilated) window is larger
-    than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
-    3x3 convolution over a 1x1 or 2x2 map."""
-    if eqn.primitive.name != "conv_general_dilated":
-        return 0
-    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
-    dn = eqn.params["dimension_numbers"]
-    lhs_sp, rhs_sp = dn.lhs_spec[2:], dn.rhs_spec[2:]
-    lhs_dil = eqn.params.get("lhs_dilation") or (1,) * len(lhs_sp)
-    rhs_dil = eqn.params.get("rhs_dilation") or (1,) * len(rhs_sp)
-    for a, b, dl, dr in zip(lhs_sp, rhs_sp, lhs_dil, rhs_dil, strict=True):
-        if (rhs[b] - 1) * dr + 1 > (lhs[a] - 1) * dl + 1:
-            return 2
-    return 1
-
-
 # --------------------------------------------------------------------------- splits
 @dataclass(frozen=True)
 class _OpSplits:
@@ -483,98 +393,6 @@ def _layer_of(op: FlatOp, k: int, flow: _Dataflow, nbytes: np.ndarray) -> Layer 
     return None
 
 
-# --------------------------------------------------------------------------- model splits
-TP_KINDS = ("col", "row")
-
-
-@dataclass(frozen=True)
-class _ModelSplit:
-    """Per value, the (parameter, kind) whose tensor-parallel layout splits it over the
-    model axis, as an index into `pairs` (-1: none)."""
-
-    label: np.ndarray                 # [values] int
-    pairs: tuple[tuple[int, str], ...]
-
-
-def _tp_dims(layers: Sequence[Layer], params: Sequence[ParamInfo], stacked: np.ndarray
-             ) -> dict[tuple[int, str], int]:
-    """Per (parameter, kind), the parameter dim that kind splits: of the layer's output
-    features ("col") or contracted dims ("row"), the largest, the first of equals (the
-    dim `solve` splits when the model axis divides them all); never a stacked dim."""
-    out: dict[tuple[int, str], int] = {}
-    for L in layers:
-        shape = params[L.param].shape
-        for kind, dims in zip(TP_KINDS, (L.out_dims, L.in_dims), strict=True):
-            dims = [x for x in dims if x != stacked[L.param]]
-            if dims:
-                out[L.param, kind] = max(dims, key=lambda x: (shape[x], -x))
-    return out
-
-
-def _model_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
-                  layers: Sequence[Layer], params: Sequence[ParamInfo],
-                  stacked: np.ndarray) -> _ModelSplit:
-    """Which values a tensor-parallel layer's layout splits over the model axis (Megatron:
-    the activations between a column- and the next row-parallel layer, and in the backward
-    pass their cotangents), found by following a split dim forward through the program.
-
-    A matmul that uses a layer's weight (or a cast, transpose or slice of it) seeds one:
-    for each kind, the weight dim that kind splits (`_tp_dims`) lands in the result, where
-    the matmul keeps it (h = x @ W1 when W1 is column-parallel, dh = dy @ W2^T when W2 is
-    row-parallel) or is summed away (a partial sum: all-reduced, whole on every device).
-    Every op then moves the split dim by its batch rule (`primitives.batch_rule`, the
-    rules `comm.batch_dims` follows for the data axis) and drops it where the rule sums
-    over it (a contraction, a reduction). Each value keeps one such split: of the
-    candidates, the operands' in operand order, then the op's own weight's ("col" before
-    "row"), the first the op keeps in a result. So a value two layers' activations meet
-    in (SwiGLU's gate * up, attention's q . k) is credited to the first's layout alone.
-    Only batched values keep a split (the caller credits batched bytes).
-    """
-    tdim = _tp_dims(layers, params, stacked)
-    if not tdim:
-        return _ModelSplit(np.full(len(prog.vars), -1, np.int64), ())
-    pair_id: dict[tuple[int, str], int] = {}
-    owner, perm, batched = flow.owner.tolist(), flow.perm, flow.batched.tolist()
-    label: list[tuple[int, int] | None] = [None] * len(prog.vars)  # (pair, dim)
-    for op, kind in zip(prog.ops, kinds, strict=True):
-        if not any(batched[o] for o in op.outs):
-            continue
-        # candidates: pair -> each operand's split dim for that pair
-        cands: dict[int, list[int | None]] = {}
-        n = len(op.ins)
-        for pos, i in enumerate(op.ins):
-            lab = label[i]
-            if lab is not None:
-                cands.setdefault(lab[0], [None] * n)[pos] = lab[1]
-        if kind == MATMUL:
-            for pos, i in enumerate(op.ins):
-                j, pm = owner[i], perm[i]
-                if j < 0 or pm is None:
-                    continue
-                for k in TP_KINDS:
-                    pd = tdim.get((j, k))
-                    if pd is None or pd not in pm:
-                        continue
-                    e = pair_id.setdefault((j, k), len(pair_id))
-                    cands.setdefault(e, [None] * n)[pos] = pm.index(pd)
-        if not cands:
-            continue
-        rule = batch_rule(op.prim)
-        for e, axes in cands.items():
-            try:
-                outs, _ = rule(op.eqn, axes)
-            except Exception:  # noqa: BLE001 - an equation its rule does not expect
-                outs, _ = default_batch(op.eqn, axes)
-            if any(a is not None for a in outs):
-                for o, a in zip(op.outs, outs, strict=True):
-                    if a is not None and batched[o]:
-                        label[o] = (e, a)
-                break
-    pairs = tuple(sorted(pair_id, key=pair_id.__getitem__))
-    return _ModelSplit(np.array([-1 if lab is None else lab[0] for lab in label],
-                                dtype=np.int64), pairs)
-
-
 # --------------------------------------------------------------------------- memory
 @dataclass(frozen=True)
 class _Memory:
@@ -587,12 +405,12 @@ class _Memory:
 
 def _memory(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
             in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
-            num_params: int, split: _ModelSplit) -> _Memory:
+            num_params: int, split: ModelSplit) -> _Memory:
     """Live device bytes per program point in buckets, the class of what each op makes,
     and each parameter's resident optimizer state (its mirrors among the inputs), which a
     memory plan may shard or offload apart from the weight.
 
-    A batched value a tensor-parallel layout splits (`_model_splits`) goes to its
+    A batched value a tensor-parallel layout splits (`model_split.model_splits`) goes to its
     (parameter, kind)'s column after the per-class ones instead of the batched column;
     only the (parameter, kind) pairs that hold some bytes get a column, in the order of
     parameter, then kind."""

@@ -24,12 +24,13 @@ from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .calibrate import load_calibration
 from .choose import PlanContext, build_plan
 from .compile import CompiledStep
+from .fitting import micro_batch_floor
 from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .options import PlanOptions
 from .plan import Plan, si
 from .records import Measurement, StepVariant
-from .solve import SearchResult, micro_batch_floor, search
+from .solve import SearchResult, search
 from .trace import ArgLayout, layout_of, trace_layout
 from .train_step import TrainStep, ladder
 from .verify import Verification, compile_candidate, run_verification

@@ -8,30 +8,33 @@ backward compute, which makes its cost non-additive; the DP is run with the redu
 weighted 1, 1/2 and 0 and each result is priced exactly. Non-layer parameters (biases,
 norms, embeddings) choose independently.
 
-A candidate over the memory budget is repaired before it is declared not to fit: one
-parameter at a time, the move that frees the most memory at the peak per second it adds
-(so the cheapest first: optimizer state sharded over the data axis (ZeRO-1) costs almost
-nothing, the weight and gradient too (FSDP) costs gathers, optimizer state in host memory
-costs PCIe transfers). What a step cannot free this way (activations) is left to the
-planner's step variants: rematerialization and micro-batches.
+A candidate over the memory budget is repaired before it is declared not to fit
+(`fitting.repair`: one parameter at a time, the move that frees the most memory at the
+peak per second it adds, so the cheapest first: optimizer state sharded over the data axis
+(ZeRO-1) costs almost nothing, the weight and gradient too (FSDP) costs gathers, optimizer
+state in host memory costs PCIe transfers). What a step cannot free this way
+(activations) is left to the planner's step variants: micro-batches. The meshes tried
+come from `meshes`, each parameter's candidate layouts from `strategies`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .comm import tp_final_cost, tp_pair_cost
-from .cost import MeshCosts, memory_weights, mesh_costs, peak_memory, predict
-from .graph import NUM_CLASSES, Graph
+from .cost import MeshCosts, mesh_costs, predict
+from .fitting import memory_floor, micro_batch_floor, repair
+from .graph import Graph
 from .hardware import Cluster
+from .meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
 from .objective import Objective
 from .records import Prediction, Strategy
+from .strategies import param_strategies, restrict
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
 
@@ -58,79 +61,6 @@ class SearchResult:
     best: int
     skipped: tuple[str, ...]
     baseline: int = -1
-
-
-def _largest_dim(shape: Sequence[int], dims: Sequence[int], k: int,
-                 exclude: int | None = None) -> int | None:
-    ok = [i for i in dims if i != exclude and shape[i] % k == 0 and shape[i] >= k]
-    return max(ok, key=lambda i: (shape[i], -i)) if ok else None
-
-
-def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
-    spec: list[str | None] = [None] * ndim
-    for name, dim in axes.items():
-        if dim is not None:
-            spec[dim] = name
-    return tuple(spec)
-
-
-def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
-                     allowed: frozenset[str] | None = None,
-                     layers: Mapping[int, Any] | None = None) -> tuple[Strategy, ...]:
-    """Replicate; column / row over model; each also with its optimizer state sharded over
-    data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
-    optimizer state, each of those with the state kept in host memory. `allowed` keeps
-    only the layouts whose families it holds (see `restrict`). `layers` maps parameter
-    index to its layer, when the caller has it at hand."""
-    layer = layers.get(j) if layers is not None else \
-        next((L for L in graph.layers if L.param == j), None)
-    dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
-    return _strategies_for(tuple(graph.params[j].shape), dims,
-                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed,
-                           int(graph.stacked_dim[j]))
-
-
-@functools.lru_cache(maxsize=4096)
-def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
-                    has_state: bool, d: int, m: int, offload: bool,
-                    allowed: frozenset[str] | None, stacked: int = -1
-                    ) -> tuple[Strategy, ...]:
-    """`param_strategies` for a parameter of this shape (the blocks of a deep model share
-    a few shapes, so each is worked out once). The dim a scan iterates over (`stacked`)
-    is never split: each iteration slices one layer out of it, and a split stack would be
-    gathered whole."""
-    nd = len(shape)
-    all_dims = [i for i in range(nd) if i != stacked]
-    bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
-    if m > 1 and layer_dims is not None:
-        for kind, dims in (("col", layer_dims[0]), ("row", layer_dims[1])):
-            tdim = _largest_dim(shape, [i for i in dims if i != stacked], m)
-            if tdim is not None:
-                bases.append((f"tp-{kind}", kind, tdim))
-    out = []
-    for name, tp, tdim in bases:
-        spec = _spec(nd, model=tdim)
-        out.append(Strategy(name, spec, tp=tp))
-        f = _largest_dim(shape, all_dims, d, exclude=tdim) if d > 1 else None
-        if f is None:
-            continue
-        sharded = _spec(nd, model=tdim, data=f)
-        prefix = "" if tp == "none" else name + "+"
-        if has_state:
-            out.append(Strategy(prefix + "zero1", spec, tp=tp, state_spec=sharded))
-        out.append(Strategy(prefix + "fsdp", sharded, tp=tp, data_sharded=True))
-    if has_state and offload:
-        out += [dataclasses.replace(s, name=s.name + "+offload", offload=True) for s in out]
-    return restrict(out, allowed)
-
-
-def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
-             ) -> tuple[Strategy, ...]:
-    """The layouts every family of which is allowed; replicated when none is (a parameter
-    no axis divides cannot take the split asked for). `options[0]` is the replicated one."""
-    if allowed is None:
-        return tuple(options)
-    return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
 @dataclass(frozen=True)
@@ -227,144 +157,12 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     return choice
 
 
-def _repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
-            budget: float) -> list[int]:
-    """Move parameters to variants that free memory at the peak until the candidate fits
-    (or no move frees anything): each time the move with the most bytes freed per second
-    of step time added. A tensor-parallel parameter keeps its kind (its neighbours' costs
-    depend on it); a replicated one may become tensor-parallel."""
-    d, m = mc.d, mc.m
-    P = len(choice)
-    if peak_memory(graph, d, m, [mc.strategies[j][s] for j, s in enumerate(choice)])[0] \
-            <= budget:
-        return list(choice)
-    S = max(len(st) for st in mc.strategies)
-    inv = np.zeros((P, S, NUM_CLASSES))          # 1 / divisor per class (0: not on device)
-    cost = np.full((P, S), np.inf)               # time the strategy costs the step
-    kind = np.full((P, S), -1, dtype=np.int64)   # tensor-parallel kind: 0 none, 1 col, 2 row
-    codes = {"none": 0, "col": 1, "row": 2}
-    for j, strats in enumerate(mc.strategies):
-        for s, st in enumerate(strats):
-            inv[j, s] = 1.0 / np.asarray(st.divisors(d, m))
-            host = 2 * mc.host[j][s]
-            cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
-            kind[j, s] = codes[st.tp]
-    choice = list(choice)
-    idx = np.arange(P)
-    finite = np.isfinite(cost)
-    # per-point live bytes per device, kept up to date as parameters move: a move changes
-    # one parameter's classes only, so the update is one [points, classes] product
-    live = graph.live
-    weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m)
-    per_point = live @ weights
-    cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
-    at_k = -1          # the peak point the move tables below were made for
-    saved = added = ok = np.empty(0)
-    moved = -1
-
-    def row(j: int, at_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Parameter j's moves from its current strategy: bytes freed at the peak, time
-        added, and which are allowed (a tensor-parallel kind is kept)."""
-        c = choice[j]
-        sv = (at_peak[j][None, :] * (inv[j, c][None, :] - inv[j])).sum(-1)
-        return sv, cost[j] - cost[j, c], (sv > 0) & finite[j] & (
-            (kind[j, c] == 0) | (kind[j] == kind[j, c]))
-
-    for _ in range(NUM_CLASSES * P + 1):
-        k = int(np.argmax(per_point))
-        if per_point[k] <= budget:
-            # confirm on a fresh sum (the running one carries rounding)
-            strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
-            per_point = live @ memory_weights(graph, d, strats, m)
-            k = int(np.argmax(per_point))
-            if per_point[k] <= budget:
-                break
-        at_peak = live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T  # [P, classes]
-        if k != at_k:
-            # a new peak point: every parameter's moves afresh
-            cur = np.asarray(choice)
-            saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
-            added = cost - cost[idx, cur][:, None]
-            cur_kind = kind[idx, cur][:, None]
-            ok = (saved > 0) & finite & ((cur_kind == 0) | (kind == cur_kind))
-            at_k = k
-        elif moved >= 0:
-            # the same peak: only the parameter just moved has new moves
-            saved[moved], added[moved], ok[moved] = row(moved, at_peak)
-        if not ok.any():
-            break
-        free = ok & (added <= 0)
-        if free.any():
-            # moves that cost nothing: the one that saves the most time, then memory
-            most = np.where(free, -added, -np.inf)
-            rank = np.where(most >= most.max() * (1 - 1e-9), saved, -np.inf)
-        else:
-            rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
-        j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
-        if kind[j, s] == kind[j, choice[j]]:
-            per_point += live[:, cols[j]] @ (inv[j, s] - inv[j, choice[j]])
-            choice[j] = s
-        else:   # a new tensor-parallel kind also splits activations: sum afresh
-            choice[j] = s
-            per_point = live @ memory_weights(
-                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m)
-        moved = j
-    return choice
-
-
-def _memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
-                  m: int, activation_share: float = 1.0) -> tuple[float, list[int]]:
-    """A lower bound on the peak memory any layout on this mesh can reach (every class
-    of every parameter at its smallest share at once, which no single layout may reach),
-    and a layout close to it: per parameter, the one least at that bound's peak.
-    `activation_share` scales the batched values (1/k: k micro-batches, estimated from
-    the step as written)."""
-    P = len(graph.params)
-    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
-    for strats in strategies:
-        for st in strats:
-            if id(st) not in inv_of:
-                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d, m))
-    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in strategies]
-    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
-    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m)
-    # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
-    weights[0] = activation_share / d
-    weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)
-    weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
-    per_point = graph.live @ weights
-    k = int(np.argmax(per_point))
-    at_peak = graph.live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T
-    choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
-    return float(per_point[k]), choice
-
-
-def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_batches: int,
-                      offload: bool = True, allowed: frozenset[str] | None = None,
-                      num_devices_exact: int | None = None,
-                      mesh: tuple[int, int] | None = None) -> float:
-    """An estimate, from the step as written, of the least peak memory per device the
-    step split into `micro_batches` could reach on any mesh: the activations held at once
-    shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
-    fit."""
-    node = cluster.node_size if cluster.num_nodes > 1 else None
-    shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
-                            micro_batches, mesh, node)
-    layers = {L.param: L for L in graph.layers}
-    best = float("inf")
-    for d, m in shapes:
-        strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
-                      for j in range(len(graph.params))]
-        best = min(best, _memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])
-    return best
-
-
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                offload: bool = True, allowed: frozenset[str] | None = None) -> MeshResult:
     layers = {L.param: L for L in graph.layers}
     strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
                   for j in range(len(graph.params))]
-    floor, low = _memory_floor(graph, strategies, d, m)
+    floor, low = memory_floor(graph, strategies, d, m)
     if floor > budget:
         # no layout fits: skip the search and the repairs, report the least memory (and
         # price only that layout)
@@ -379,7 +177,7 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     for w in _OVERLAP_WEIGHTS:
         choice = _dp(graph, cluster, mc, w, flat)
         if tuple(choice) not in repaired:
-            repaired[tuple(choice)] = _repair(graph, cluster, mc, choice, budget)
+            repaired[tuple(choice)] = repair(graph, cluster, mc, choice, budget)
         for c in (choice, repaired[tuple(choice)]):
             key = tuple(c)
             if key not in tried:
@@ -390,69 +188,6 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                                    else pool[k].peak_memory_bytes))
     return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(key)),
                       tried[key], bool(fitting))
-
-
-# Clusters up to this many devices try every device count; larger ones powers of two
-# (and the whole cluster), which is where the meshes that can win are (see device_counts).
-EXHAUSTIVE_DEVICES = 64
-
-
-def device_counts(num_devices: int, node_size: int | None = None) -> list[int]:
-    """The device counts worth a mesh: every count up to `EXHAUSTIVE_DEVICES`; beyond,
-    powers of two and the whole cluster (a count between two powers of two splits a
-    power-of-two batch and model unevenly, and costs more than either neighbour in energy
-    or time). With nodes (`node_size` devices each), a mesh larger than a node takes whole
-    nodes: part of a node left idle is neither faster nor cheaper than the node's own
-    counts."""
-    n_max = num_devices
-    if n_max <= EXHAUSTIVE_DEVICES:
-        counts = set(range(1, n_max + 1))
-    else:
-        counts = {1 << k for k in range(n_max.bit_length()) if 1 << k <= n_max} | {n_max}
-    if node_size is not None and node_size < n_max:
-        counts = {n for n in counts if n <= node_size or n % node_size == 0}
-        counts |= {node_size * (1 << k) for k in range(n_max.bit_length())
-                   if node_size * (1 << k) <= n_max}
-    return sorted(counts)
-
-
-def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
-                num_devices_exact: int | None = None, micro_batches: int = 1,
-                mesh: tuple[int, int] | None = None, node_size: int | None = None
-                ) -> tuple[list[tuple[int, int]], list[str]]:
-    """Every (data, model) factorisation of n <= num_devices devices worth trying (with
-    micro-batches, each micro-batch must split evenly over the data axis); only `mesh`
-    when the caller fixes it. With nodes of `node_size` devices, the model axis stays
-    inside a node (its size divides the node's), so tensor parallelism never crosses the
-    network; the data axis spans the nodes."""
-    shapes, skipped = [], []
-    ns = [num_devices_exact] if num_devices_exact else device_counts(num_devices, node_size)
-    if mesh is not None:
-        ns = [mesh[0] * mesh[1]]
-    for n in ns:
-        for d in range(1, n + 1):
-            if n % d or (mesh is not None and d != mesh[0]):
-                continue
-            m = n // d
-            if node_size is not None and (m > node_size or node_size % m):
-                skipped.append(f"{d}x{m}: the model axis of {m} would cross nodes of "
-                               f"{node_size} devices")
-                continue
-            if batch_size is None and d > 1:
-                skipped.append(f"{d}x{m}: the step has no batch dimension to split")
-                continue
-            if batch_size is not None and batch_size % (d * micro_batches):
-                what = f"batch {batch_size}" if micro_batches == 1 else \
-                    f"micro-batch {batch_size // micro_batches}"
-                skipped.append(f"{d}x{m}: {what} is not divisible by data={d}")
-                continue
-            if m > 1 and not any(
-                    any(graph.params[L.param].shape[i] % m == 0 for i in L.in_dims + L.out_dims)
-                    for L in graph.layers):
-                skipped.append(f"{d}x{m}: no layer weight has a dim divisible by model={m}")
-                continue
-            shapes.append((d, m))
-    return shapes, skipped
 
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
@@ -594,6 +329,7 @@ def _no_mesh_message(graph: Graph, n: int, exact: int | None, skipped: Sequence[
             f"number of devices.")
 
 
-__all__ = ["MeshResult", "SearchResult", "data_parallel", "micro_batch_floor",
-           "param_strategies", "search",
-           "uses_model_axis"]
+# the search's own names, and those of its parts that callers reach through it
+__all__ = ["EXHAUSTIVE_DEVICES", "MeshResult", "SearchResult", "data_parallel",
+           "device_counts", "mesh_shapes", "micro_batch_floor", "param_strategies",
+           "restrict", "search", "solve_mesh", "uses_model_axis"]

@@ -258,7 +258,8 @@ def test_repair_shards_optimizer_state_first():
     # all-replicated on 4 devices, a little over budget: the cheapest move that frees
     # enough is ZeRO-1 (state over the data axis), not FSDP, not host offload
     from jaxwap.cost import mesh_costs, peak_memory
-    from jaxwap.solve import _repair, param_strategies
+    from jaxwap.fitting import repair as _repair
+    from jaxwap.strategies import param_strategies
 
     step, params, opt, batch = mlp_problem((1024, 1024, 10), 1024, 64)
     layout, closed = layout_of(step, (params, opt, batch), {}, None)

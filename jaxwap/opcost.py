@@ -1,0 +1,108 @@
+"""What each operation of the flat program costs: flops, bytes and kernel launches by
+jax's own roofline rules (each equation costed once per primitive, shapes and params, so
+the identical blocks of a deep model pay once), and which convolutions take the backend's
+slow generic loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .flatten import FlatProgram, itemsize_of
+from .primitives import ELEMENTWISE, FREE, MATMUL, RooflineRules
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    flops: np.ndarray
+    bytes: np.ndarray
+    kernels: np.ndarray
+    is_matmul: np.ndarray
+    low_precision: np.ndarray
+    unmodeled: tuple[str, ...]
+
+
+def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
+    """Flops, memory traffic and kernel launches of every op, for the whole step.
+
+    Free ops cost nothing. A fused elementwise chain writes each result once and reads
+    its inputs from registers; a new fusion (a kernel) starts where no input comes from
+    another fusible op. An op without a roofline rule is priced one flop per output element
+    and its operands' and results' bytes, and named in `unmodeled`.
+
+    A rule's figures depend only on the equation's primitive, operand and result avals and
+    params, so each distinct equation is priced once (the blocks of a deep model repeat).
+    """
+    n = len(prog.ops)
+    # (python lists: fast to index one by one; the sums add the same float64 values)
+    size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
+    flops, traffic, kernels = np.zeros(n), np.zeros(n), np.zeros(n)
+    lowp = np.zeros(n, bool)
+    fusible = [False] * len(V)  # made by an elementwise or free op
+    priced: dict[Any, tuple[float, float] | None] = {}
+    unmodeled: set[str] = set()
+    for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
+        if kind == FREE:  # flops[k], traffic[k], kernels[k] stay 0
+            for o in op.outs:
+                fusible[o] = True
+            continue
+        key = eqn_key(op.eqn)
+        if key is None:
+            cost = rules.cost(op.eqn)
+        else:
+            cost = priced.get(key, priced)
+            if cost is priced:
+                cost = priced[key] = rules.cost(op.eqn)
+        out_bytes = float(sum(nbytes[o] for o in op.outs))
+        if cost is None:
+            unmodeled.add(op.prim)
+            cost = (float(sum(size[o] for o in op.outs)),
+                    float(sum(nbytes[i] for i in op.ins)) + out_bytes)
+        flops[k] = cost[0] * op.repeat
+        if kind == ELEMENTWISE:
+            traffic[k] = out_bytes * op.repeat
+            kernels[k] = 0.0 if any(fusible[i] for i in op.ins) else float(op.repeat)
+            for o in op.outs:
+                fusible[o] = True
+        else:
+            traffic[k] = cost[1] * op.repeat
+            kernels[k] = float(op.repeat)
+            if kind == MATMUL:
+                lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
+    is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
+    return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)))
+
+
+def eqn_key(eqn: Any) -> Any:
+    """What a roofline rule's figures depend on (primitive, avals, params), hashable, or
+    None: a synthetic equation, or params that cannot be hashed."""
+    try:
+        key = (eqn.primitive, tuple(a.aval for a in eqn.invars),
+               tuple(v.aval for v in eqn.outvars), tuple(sorted(eqn.params.items())))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def conv_kind(eqn: Any) -> int:
+    """0: not a convolution; 1: a convolution; 2: one whose (dilated) window is larger
+    than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
+    3x3 convolution over a 1x1 or 2x2 map."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0
+    lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+    dn = eqn.params["dimension_numbers"]
+    lhs_sp, rhs_sp = dn.lhs_spec[2:], dn.rhs_spec[2:]
+    lhs_dil = eqn.params.get("lhs_dilation") or (1,) * len(lhs_sp)
+    rhs_dil = eqn.params.get("rhs_dilation") or (1,) * len(rhs_sp)
+    for a, b, dl, dr in zip(lhs_sp, rhs_sp, lhs_dil, rhs_dil, strict=True):
+        if (rhs[b] - 1) * dr + 1 > (lhs[a] - 1) * dl + 1:
+            return 2
+    return 1
+
+
+__all__ = ["OpCosts", "conv_kind", "eqn_key", "op_costs"]

@@ -1,0 +1,89 @@
+"""A parameter's candidate layouts on a (data, model) mesh: replicated, tensor parallel
+(column or row over the model axis), ZeRO-1, FSDP, and the optimizer state in host memory,
+restricted to the families a caller allows. The search picks among them."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .graph import Graph
+from .records import Strategy
+
+
+def _largest_dim(shape: Sequence[int], dims: Sequence[int], k: int,
+                 exclude: int | None = None) -> int | None:
+    ok = [i for i in dims if i != exclude and shape[i] % k == 0 and shape[i] >= k]
+    return max(ok, key=lambda i: (shape[i], -i)) if ok else None
+
+
+def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
+    spec: list[str | None] = [None] * ndim
+    for name, dim in axes.items():
+        if dim is not None:
+            spec[dim] = name
+    return tuple(spec)
+
+
+def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
+                     allowed: frozenset[str] | None = None,
+                     layers: Mapping[int, Any] | None = None) -> tuple[Strategy, ...]:
+    """Replicate; column / row over model; each also with its optimizer state sharded over
+    data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
+    optimizer state, each of those with the state kept in host memory. `allowed` keeps
+    only the layouts whose families it holds (see `restrict`). `layers` maps parameter
+    index to its layer, when the caller has it at hand."""
+    layer = layers.get(j) if layers is not None else \
+        next((L for L in graph.layers if L.param == j), None)
+    dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
+    return _strategies_for(tuple(graph.params[j].shape), dims,
+                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed,
+                           int(graph.stacked_dim[j]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
+                    has_state: bool, d: int, m: int, offload: bool,
+                    allowed: frozenset[str] | None, stacked: int = -1
+                    ) -> tuple[Strategy, ...]:
+    """`param_strategies` for a parameter of this shape (the blocks of a deep model share
+    a few shapes, so each is worked out once). The dim a scan iterates over (`stacked`)
+    is never split: each iteration slices one layer out of it, and a split stack would be
+    gathered whole."""
+    nd = len(shape)
+    all_dims = [i for i in range(nd) if i != stacked]
+    bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
+    if m > 1 and layer_dims is not None:
+        for kind, dims in (("col", layer_dims[0]), ("row", layer_dims[1])):
+            tdim = _largest_dim(shape, [i for i in dims if i != stacked], m)
+            if tdim is not None:
+                bases.append((f"tp-{kind}", kind, tdim))
+    out = []
+    for name, tp, tdim in bases:
+        spec = _spec(nd, model=tdim)
+        out.append(Strategy(name, spec, tp=tp))
+        f = _largest_dim(shape, all_dims, d, exclude=tdim) if d > 1 else None
+        if f is None:
+            continue
+        sharded = _spec(nd, model=tdim, data=f)
+        prefix = "" if tp == "none" else name + "+"
+        if has_state:
+            out.append(Strategy(prefix + "zero1", spec, tp=tp, state_spec=sharded))
+        out.append(Strategy(prefix + "fsdp", sharded, tp=tp, data_sharded=True))
+    if has_state and offload:
+        out += [dataclasses.replace(s, name=s.name + "+offload", offload=True) for s in out]
+    return restrict(out, allowed)
+
+
+def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
+             ) -> tuple[Strategy, ...]:
+    """The layouts every family of which is allowed; replicated when none is (a parameter
+    no axis divides cannot take the split asked for). `options[0]` is the replicated one."""
+    if allowed is None:
+        return tuple(options)
+    return tuple(s for s in options if s.families <= allowed) or (options[0],)
+
+
+__all__ = ["param_strategies", "restrict"]
