@@ -390,6 +390,19 @@ def _normal(std: float) -> Any:
     return nnx.initializers.normal(stddev=std)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scores_spec: str,
+                     out_spec: str, dtype: Any) -> jax.Array:
+    """softmax(q k^T / sqrt(d), causal) v in plain jnp, the full [T, T] scores in float32
+    (no flash kernel): `scores_spec` contracts q with k (queries the second-to-last and
+    keys the last dim of the scores), `out_spec` the weights with v."""
+    t, d = q.shape[1], q.shape[-1]
+    scores = jnp.einsum(scores_spec, q, k).astype(jnp.float32) / math.sqrt(d)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum(out_spec, weights, v)
+
+
 class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention in plain jnp (einsum, mask, softmax): no fused or
     flash kernel, so XLA sees (and the planner costs) the full [B, H, T, T] scores."""
@@ -409,11 +422,8 @@ class CausalSelfAttention(nnx.Module):
         b, t, c = x.shape
         h, d = self.heads, c // self.heads
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * h, d), 3, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(d)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, c)
+        y = causal_attention(q, k, v, "bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd",
+                             self.dtype).reshape(b, t, c)
         return self.proj(y)
 
 
@@ -590,11 +600,8 @@ class LlamaAttention(nnx.Module):
         k = _rotary(self.k(x).reshape(b, t, kv, hd), self.rope_theta)
         v = self.v(x).reshape(b, t, kv, hd)
         q = q.reshape(b, t, kv, g, hd)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / math.sqrt(hd)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        y = jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, t, c)
+        y = causal_attention(q, k, v, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd",
+                             self.dtype).reshape(b, t, c)
         return self.o(y)
 
 

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from .comm import batch_dims
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
 from .model_split import ModelSplit, model_splits
@@ -41,10 +40,10 @@ from .primitives import (
     FREE,
     HEAVY,
     MATMUL,
-    linear_in,
     prim_info,
     roofline_rules,
 )
+from .reductions import data_reductions, grad_repeat
 from .state import BATCH, PARAM, LeafRole, ParamInfo
 
 __all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "Graph", "Layer", "analyze"]
@@ -148,11 +147,10 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
     mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split)
-    grad_repeat, reduce_bytes, reduce_count = _data_reductions(prog, in_roles, out_roles,
-                                                               params)
+    repeats, reduce_bytes, reduce_count = data_reductions(prog, in_roles, out_roles, params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
-    fallback = _grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
-    grad_repeat = np.where(grad_repeat > 0, grad_repeat, fallback)
+    fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
+    repeats = np.where(repeats > 0, repeats, fallback)
     return Graph(
         params=tuple(params), batch_size=batch_size, flops=costs.flops, bytes=costs.bytes,
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
@@ -160,7 +158,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
-        grad_repeat=grad_repeat, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
+        grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind)
 
@@ -322,7 +320,6 @@ def _stacked_dims(prog: FlatProgram, flow: _Dataflow, params: Sequence[ParamInfo
     return stacked
 
 
-# --------------------------------------------------------------------------- costs
 # --------------------------------------------------------------------------- splits
 @dataclass(frozen=True)
 class _OpSplits:
@@ -434,60 +431,3 @@ def _memory(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow,
                         dtype=np.int64)
     return _Memory(live, op_class, resident, np.array([j for j, _ in pairs], dtype=np.int64),
                    tuple(k for _, k in pairs))
-
-
-def _data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
-                     out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
-                     ) -> tuple[np.ndarray, float, float]:
-    """What data parallelism all-reduces per step: per parameter, its partial gradient
-    sums in units of its whole gradient; and the bytes and the number of every other
-    partial sum.
-
-    Each op that sums over the batch (`comm.batch_dims`) is one all-reduce of its result
-    (two such ops on one operand are two: XLA's CSE merges the sums, not the all-reduces).
-    It is a parameter's when its result flows linearly (a summand, not through a square
-    root or the like), through values not split by the batch, into that parameter's new
-    value or optimizer state; else it is a loss, metric or statistic (a batch-norm mean
-    reaches the scale's gradient only through a reciprocal square root). A gradient is
-    priced in its parameter's dtype (XLA:CPU promotes a bf16 all-reduce to f32). A
-    parameter with no partial sum found gets 0 (the caller falls back to once a step).
-    """
-    batch_in = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
-    axis, partial = batch_dims(prog, batch_in)
-    reach = np.full(len(prog.vars), -1, np.int64)  # the parameter a value flows into
-    for o, r in zip(prog.out_ids, out_roles, strict=True):
-        if r.kind == PARAM:
-            reach[o] = r.param
-    for op in reversed(prog.ops):
-        to = next((int(reach[o]) for o in op.outs if axis[o] is None and reach[o] >= 0), -1)
-        if to >= 0:
-            for n, i in enumerate(op.ins):
-                if axis[i] is None and reach[i] < 0 and linear_in(op.eqn, op.prim, n):
-                    reach[i] = to
-    elems = np.zeros(len(params))
-    other = count = 0.0
-    for k in np.flatnonzero(partial):
-        op = prog.ops[k]
-        j = next((int(reach[o]) for o in op.outs if reach[o] >= 0), -1)
-        if j >= 0:
-            elems[j] += float(sum(prog.size[o] for o in op.outs)) * op.repeat
-        else:
-            other += float(sum(prog.nbytes[o] for o in op.outs)) * op.repeat
-            count += len(op.outs) * op.repeat
-    sizes = np.array([max(p.size, 1) for p in params], dtype=np.float64)
-    return elems / sizes, other, count
-
-
-def _grad_repeat(ops: Sequence[FlatOp], op_owner: np.ndarray, op_class: np.ndarray,
-                 params: Sequence[ParamInfo], stacked: np.ndarray) -> np.ndarray:
-    """How many times each parameter's gradient is produced per step: a gradient made
-    inside a scan over micro-batches is reduced over the data axis in every iteration.
-    A stacked parameter's gradient is made a slice per iteration of the scan over its
-    layers: those iterations make one whole gradient, not one each."""
-    grad_repeat = np.ones(len(params))
-    for k, op in enumerate(ops):
-        j = int(op_owner[k])
-        if j >= 0 and op_class[k] == GRAD and op.repeat > 1:
-            layers = params[j].shape[stacked[j]] if stacked[j] >= 0 else 1
-            grad_repeat[j] = max(grad_repeat[j], op.repeat // max(layers, 1))
-    return grad_repeat

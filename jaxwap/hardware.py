@@ -283,18 +283,6 @@ class Cluster:
         """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
         return self.num_devices / n if self.shared_compute else 1.0
 
-    def with_devices(self, n: int) -> Cluster:
-        """The same hardware with n devices (a whole number of nodes, or part of one)."""
-        dpn = self.devices_per_node
-        if dpn is not None and n % dpn:
-            dpn = n if n < dpn else None
-            if dpn is None:
-                raise ValueError(f"{n} devices are not whole nodes of {self.devices_per_node}")
-        return Cluster(self.device, n, self.link_bandwidth, self.link_latency,
-                       self.shared_compute, devices_per_node=dpn,
-                       inter_node_bandwidth=self.inter_node_bandwidth,
-                       inter_node_latency=self.inter_node_latency)
-
     def describe_links(self) -> str:
         """The links in words, for `explain()`."""
         inside = f"links {_si_rate(self.link_bandwidth)} / {self.link_latency * 1e6:.1f} us"

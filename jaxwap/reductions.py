@@ -1,0 +1,75 @@
+"""What data parallelism reduces per step: each parameter's partial gradient sums (and
+how many times a loop makes them), and every other partial sum over the batch (the loss,
+metrics, batch-norm statistics), as XLA's SPMD partitioner all-reduces them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .comm import batch_dims
+from .flatten import FlatOp, FlatProgram
+from .liveness import GRAD
+from .primitives import linear_in
+from .state import BATCH, PARAM, LeafRole, ParamInfo
+
+
+def data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
+                     out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
+                     ) -> tuple[np.ndarray, float, float]:
+    """What data parallelism all-reduces per step: per parameter, its partial gradient
+    sums in units of its whole gradient; and the bytes and the number of every other
+    partial sum.
+
+    Each op that sums over the batch (`comm.batch_dims`) is one all-reduce of its result
+    (two such ops on one operand are two: XLA's CSE merges the sums, not the all-reduces).
+    It is a parameter's when its result flows linearly (a summand, not through a square
+    root or the like), through values not split by the batch, into that parameter's new
+    value or optimizer state; else it is a loss, metric or statistic (a batch-norm mean
+    reaches the scale's gradient only through a reciprocal square root). A gradient is
+    priced in its parameter's dtype (XLA:CPU promotes a bf16 all-reduce to f32). A
+    parameter with no partial sum found gets 0 (the caller falls back to once a step).
+    """
+    batch_in = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
+    axis, partial = batch_dims(prog, batch_in)
+    reach = np.full(len(prog.vars), -1, np.int64)  # the parameter a value flows into
+    for o, r in zip(prog.out_ids, out_roles, strict=True):
+        if r.kind == PARAM:
+            reach[o] = r.param
+    for op in reversed(prog.ops):
+        to = next((int(reach[o]) for o in op.outs if axis[o] is None and reach[o] >= 0), -1)
+        if to >= 0:
+            for n, i in enumerate(op.ins):
+                if axis[i] is None and reach[i] < 0 and linear_in(op.eqn, op.prim, n):
+                    reach[i] = to
+    elems = np.zeros(len(params))
+    other = count = 0.0
+    for k in np.flatnonzero(partial):
+        op = prog.ops[k]
+        j = next((int(reach[o]) for o in op.outs if reach[o] >= 0), -1)
+        if j >= 0:
+            elems[j] += float(sum(prog.size[o] for o in op.outs)) * op.repeat
+        else:
+            other += float(sum(prog.nbytes[o] for o in op.outs)) * op.repeat
+            count += len(op.outs) * op.repeat
+    sizes = np.array([max(p.size, 1) for p in params], dtype=np.float64)
+    return elems / sizes, other, count
+
+
+def grad_repeat(ops: Sequence[FlatOp], op_owner: np.ndarray, op_class: np.ndarray,
+                 params: Sequence[ParamInfo], stacked: np.ndarray) -> np.ndarray:
+    """How many times each parameter's gradient is produced per step: a gradient made
+    inside a scan over micro-batches is reduced over the data axis in every iteration.
+    A stacked parameter's gradient is made a slice per iteration of the scan over its
+    layers: those iterations make one whole gradient, not one each."""
+    out = np.ones(len(params))
+    for k, op in enumerate(ops):
+        j = int(op_owner[k])
+        if j >= 0 and op_class[k] == GRAD and op.repeat > 1:
+            layers = params[j].shape[stacked[j]] if stacked[j] >= 0 else 1
+            out[j] = max(out[j], op.repeat // max(layers, 1))
+    return out
+
+
+__all__ = ["data_reductions", "grad_repeat"]
