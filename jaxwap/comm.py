@@ -216,29 +216,37 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     return k * t + buffer_latency(k, d, cluster), k * sent
 
 
-def tp_pair_cost(layer: Layer, prev: str, kind: str, d: int, m: int,
-                 cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
-    """(seconds, bytes) of model-axis communication a layer adds, given the previous
-    layer's kind: Megatron's column-then-row pairing costs one all-reduce forward and
-    one backward; an unpaired layer pays gathers to restore a replicated activation.
-    A layer in a loop (scanned layers, micro-batches) pays it in each of its `repeat`
+def tp_group_cost(group: Sequence[Layer], prev: str, kinds: Sequence[str], d: int, m: int,
+                  cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
+    """(seconds, bytes) of model-axis communication a group of sibling layers (one input,
+    `Graph.layer_groups`) of the given kinds adds after a layer of kind `prev`:
+    Megatron's column-then-row pairing costs one all-reduce forward and one backward; an
+    unpaired layer pays gathers to restore a replicated activation. The siblings' shared
+    input is gathered once; each column-parallel sibling's input gradient is a partial sum
+    of its own, all-reduced (XLA:CPU combines them into one collective, bytes unchanged).
+    A group in a loop (scanned layers, micro-batches) pays it in each of its `repeat`
     iterations, on one iteration's activations."""
     if m <= 1:
         return 0.0, 0.0
-    a_in, a_out = layer.act_in_bytes / d, layer.act_out_bytes / d
+    a_in = group[0].act_in_bytes / d
     parts: list[tuple[float, float]] = []
-    if kind == "col":
-        if prev == "col":
-            parts.append(all_gather(a_in, m, cluster))
-        if layer.needs_input_grad:
-            parts.append(all_reduce(a_in, m, cluster))
-    elif kind == "row":
-        parts.append(all_reduce(a_out, m, cluster))
-        if prev != "col" and layer.needs_input_grad:
-            parts.append(all_gather(a_in, m, cluster))
-    elif prev == "col":
+    if prev == "col" and any(k != "row" for k in kinds):
         parts.append(all_gather(a_in, m, cluster))
+    for layer, kind in zip(group, kinds, strict=True):
+        if kind == "col" and layer.needs_input_grad:
+            parts.append(all_reduce(a_in, m, cluster))
+        elif kind == "row":
+            parts.append(all_reduce(layer.act_out_bytes / d, m, cluster))
+            if prev != "col" and layer.needs_input_grad:
+                parts.append(all_gather(a_in, m, cluster))
     return repeat * sum(p[0] for p in parts), repeat * sum(p[1] for p in parts)
+
+
+def group_kind(kinds: Sequence[str]) -> str:
+    """What a group of siblings leaves for the next layer: split over the model axis
+    ("col") if any sibling is column-parallel (what they feed together, attention or a
+    gated product, is then split with it), else whole ("row" all-reduces its output)."""
+    return "col" if "col" in kinds else ("row" if "row" in kinds else "none")
 
 
 def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
@@ -257,11 +265,11 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
     parameters are tensor-parallel of the given kinds (absent: not split)."""
     t = b = 0.0
     prev = "none"
-    for layer in graph.layers:
-        kind = kinds.get(layer.param, "none")
-        dt, db = tp_pair_cost(layer, prev, kind, d, m, cluster,
-                              float(graph.repeat[layer.op_index]))
-        t, b, prev = t + dt, b + db, kind
+    for group in graph.layer_groups:
+        ks = [kinds.get(L.param, "none") for L in group]
+        dt, db = tp_group_cost(group, prev, ks, d, m, cluster,
+                               float(graph.repeat[group[0].op_index]))
+        t, b, prev = t + dt, b + db, group_kind(ks)
     if graph.layers:
         last = graph.layers[-1]
         dt, db = tp_final_cost(last, prev, d, m, cluster, float(graph.repeat[last.op_index]))
@@ -271,4 +279,5 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_latency", "axis_inner", "batch_dims",
            "batch_reduce_comm", "buffer_latency", "collective_cost", "fsdp_comm",
-           "grad_reduce_comm", "tp_chain_cost", "tp_final_cost", "tp_pair_cost"]
+           "grad_reduce_comm", "group_kind", "tp_chain_cost", "tp_final_cost",
+           "tp_group_cost"]

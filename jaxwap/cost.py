@@ -36,6 +36,7 @@ from .comm import (
 )
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
+from .model_split import TP_KINDS
 from .records import DATA, CompiledFigures, Prediction, Strategy
 
 # Share of the backward pass in a step's batched compute (backward ~ 2x forward).
@@ -75,7 +76,8 @@ class MeshCosts:
 
     `base` is the time of ops no parameter's strategy changes; `param_time[j][s]` the
     time of param j's ops under its strategy s (`*_busy`: their roofline part, `*_flops`:
-    their flops per device, split exactly as their time is); `grad_comm[j][s]` the
+    their flops per device, split exactly as their time is; `*_batched`: the part of the
+    time spent in batched ops, which hides gradient reduction); `grad_comm[j][s]` the
     (seconds, bytes) of its gradient reduction over the data axis; `host[j][s]` the
     seconds to move its offloaded optimizer state one way between host and device (0 when
     not offloaded).
@@ -86,11 +88,12 @@ class MeshCosts:
     base: float
     base_busy: float
     base_flops: float
-    batched_time: float
+    base_batched: float
     strategies: tuple[tuple[Strategy, ...], ...]
     param_time: tuple[tuple[float, ...], ...]
     param_busy: tuple[tuple[float, ...], ...]
     param_flops: tuple[tuple[float, ...], ...]
+    param_batched: tuple[tuple[float, ...], ...]
     grad_comm: tuple[tuple[tuple[float, float], ...], ...]
     host: tuple[tuple[float, ...], ...]
 
@@ -100,7 +103,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     """Decompose the step's compute and gradient communication on a (d, m) mesh.
 
     Each op's work is divided by one split: a batched op over the data axis (a
-    tensor-parallel weight's matmuls also over the model axis); a parameter's own op over
+    tensor-parallel weight's matmuls also over the model axis, and so are the ops between
+    a column- and a row-parallel layer when the parameter that splits them
+    (`Graph.tp_op_param`) takes that kind of layout); a parameter's own op over
     however the parameter is sharded, its optimizer work (and the gradient
     post-processing feeding it, such as Adam's g*g) over however its optimizer state is
     sharded; anything else not at all. Time, busy time and flops per device all follow
@@ -120,12 +125,13 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         return per_split[split]
 
     batched, owner, tp = graph.batched, graph.owner, graph.tp_param
-    fixed_b = batched & (tp < 0)
+    tp_op, tp_kind = graph.tp_op_param, graph.tp_op_kind
+    fixed_b = batched & (tp < 0) & (tp_op < 0)
     fixed_o = ~batched & (owner < 0)
     at_d, at_1 = at(d), at(1)
     base, base_busy, base_flops = (float(x_d[fixed_b].sum() + x_1[fixed_o].sum())
                                    for x_d, x_1 in zip(at_d, at_1, strict=True))
-    batched_time = float(at_d[0][batched].sum())
+    base_batched = float(at_d[0][fixed_b].sum())
 
     P = len(graph.params)
     opt_op = np.isin(graph.op_class, (GRAD, OPT))
@@ -135,6 +141,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     # this loop runs for every mesh of every planning)
     groups = {"tp": (batched & (tp >= 0), tp), "w": (~batched & (owner >= 0) & ~opt_op, owner),
               "s": (~batched & (owner >= 0) & opt_op, owner)}
+    for k, name in enumerate(TP_KINDS):
+        groups[name] = (batched & (tp < 0) & (tp_kind == k), tp_op)
     sums: dict[tuple[str, int], np.ndarray] = {}
 
     def summed(group: str, split: int) -> np.ndarray:
@@ -162,12 +170,19 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                                 st.state_shard(d, m))
     J = np.fromiter((j for j, _ in pairs), np.int64, len(pairs))
     splits = np.array([split_of[id(st)] for _, st in pairs], np.int64).reshape(len(pairs), 3)
-    vals = np.zeros((len(pairs), 3))
-    for g, group in enumerate(("tp", "w", "s")):
+    # the ops a layout of one kind splits: over d*m under that kind, over d under another
+    splits = np.concatenate([splits, np.array(
+        [[d * m if st.tp == name else d for name in TP_KINDS] for _, st in pairs],
+        np.int64).reshape(len(pairs), len(TP_KINDS))], axis=1)
+    vals = np.zeros((len(pairs), 4))   # seconds, busy, flops, batched seconds
+    for g, group in enumerate(("tp", "w", "s", *TP_KINDS)):
         col = splits[:, g]
         for split in np.unique(col):
             sel = col == split
-            vals[sel] += summed(group, int(split))[:, J[sel]].T
+            got = summed(group, int(split))[:, J[sel]].T
+            vals[sel, :3] += got
+            if group not in ("w", "s"):
+                vals[sel, 3] += got[:, 0]
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
@@ -198,9 +213,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         col = vals[:, k].tolist()
         return tuple(tuple(col[starts[j]:starts[j + 1]]) for j in range(len(strategies)))
 
-    return MeshCosts(d, m, base, base_busy, base_flops, batched_time,
+    return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
-                     tuple(g_comm), tuple(host))
+                     table(3), tuple(g_comm), tuple(host))
 
 
 # --------------------------------------------------------------------------- memory
@@ -311,7 +326,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         blocking=tp_t,
         grad_comm=sum(g[0] for g in grads) + red_t + _combined_latency(strats, d, m, cluster),
         tail_comm=grads[first][0] if first is not None else 0.0,
-        batched_time=mc.batched_time,
+        batched_time=mc.base_batched + sum(mc.param_batched[j][s] for j, s in picked),
         host_one_way=sum(mc.host[j][s] for j, s in picked),
         comm_bytes=sum(g[1] for g in grads) + red_b + tp_b,
         memory=peak_memory(graph, d, m, strats)[0],

@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
-from .model_split import ModelSplit, model_splits
+from .model_split import TP_KINDS, ModelSplit, model_splits
 from .opcost import conv_kind, op_costs
 from .primitives import (
     ELEMENTWISE,
@@ -58,6 +59,10 @@ class Layer:
     sharding splits one, leaving the activation sharded), both named in the parameter's
     own dims (a stacked parameter's past its stacked dim). Activation sizes are global
     bytes of the forward op's data operand and result (one iteration's, in a scan).
+    `input_id` names the value the data operand is (past casts and reshapes): layers
+    reading the same one are siblings (attention's q, k and v projections, a gated MLP's
+    gate and up), whose input a tensor-parallel layout gathers or reduces once, not per
+    layer (`Graph.layer_groups`); -1 when unknown.
     """
 
     param: int
@@ -67,6 +72,7 @@ class Layer:
     act_in_bytes: float
     act_out_bytes: float
     needs_input_grad: bool
+    input_id: int = -1
 
 
 @dataclass(frozen=True)
@@ -115,12 +121,21 @@ class Graph:
     # alone otherwise (`model_split.model_splits`); left out, there are none
     tp_live_param: np.ndarray | None = field(default=None)
     tp_live_kind: tuple[str, ...] = ()
+    # [ops] for a batched op that is no layer's matmul, the parameter whose
+    # tensor-parallel layout splits what it computes over the model axis too (the
+    # attention between q/k/v and o, the gated product between gate/up and down), when
+    # that layout is of kind `TP_KINDS[tp_op_kind]`; -1 if none. Left out, none
+    tp_op_param: np.ndarray | None = field(default=None)
+    tp_op_kind: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
             object.__setattr__(self, "stacked_dim", np.full(len(self.params), -1, np.int64))
         if self.tp_live_param is None:
             object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
+        if self.tp_op_param is None:
+            object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
+            object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
         width = 2 + NUM_CLASSES * len(self.params) + len(self.tp_live_param)
         if len(self.tp_live_kind) != len(self.tp_live_param) or self.live.shape[1] != width:
             raise ValueError(f"Graph.live has {self.live.shape[1]} columns and "
@@ -132,6 +147,18 @@ class Graph:
     @property
     def total_flops(self) -> float:
         return float(self.flops.sum())
+
+    @functools.cached_property
+    def layer_groups(self) -> tuple[tuple[Layer, ...], ...]:
+        """The layers in forward order, consecutive siblings (the same `input_id`)
+        together: the unit the tensor-parallel chain is priced in (`comm.tp_group_cost`)."""
+        groups: list[list[Layer]] = []
+        for L in self.layers:
+            if groups and L.input_id >= 0 and groups[-1][-1].input_id == L.input_id:
+                groups[-1].append(L)
+            else:
+                groups.append([L])
+        return tuple(tuple(g) for g in groups)
 
 
 def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
@@ -151,6 +178,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     repeats = np.where(repeats > 0, repeats, fallback)
+    tp_op_param, tp_op_kind = _op_model_splits(prog, model_split, splits)
     return Graph(
         params=tuple(params), batch_size=batch_size, flops=costs.flops, bytes=costs.bytes,
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
@@ -160,7 +188,26 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
-        stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind)
+        stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
+        tp_op_param=tp_op_param, tp_op_kind=tp_op_kind)
+
+
+def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Per op, the (parameter, kind index) whose tensor-parallel layout splits its
+    result over the model axis (`Graph.tp_op_param`): the label of the value it makes,
+    for a batched op that no layer's matmul already splits; (-1, -1) else."""
+    n = len(prog.ops)
+    param = np.full(n, -1, np.int64)
+    kind = np.full(n, -1, np.int64)
+    for k, op in enumerate(prog.ops):
+        if not op.outs or not splits.batched[k] or splits.tp_param[k] >= 0:
+            continue
+        e = int(split.label[op.outs[0]])
+        if e >= 0:
+            j, name = split.pairs[e]
+            param[k], kind[k] = j, TP_KINDS.index(name)
+    return param, kind
 
 
 def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
@@ -344,6 +391,7 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow) -> _OpS
     op_owner = [-1] * n
     tp = [-1] * n
     layers: dict[int, Layer] = {}
+    source = _sources(prog)
     for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
         b = op_batched[k] = (any(batched[i] for i in op.ins)
                              or any(batched[o] for o in op.outs))
@@ -356,7 +404,7 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow) -> _OpS
                 op_owner[k] = owner[out_owned[0]]
             if op_owner[k] >= 0 and b:
                 tp[k] = op_owner[k]
-            layer = _layer_of(op, k, flow, prog.nbytes)
+            layer = _layer_of(op, k, flow, prog.nbytes, source)
             if layer is not None and layer.param not in layers:
                 layers[layer.param] = layer
         elif out_owned:
@@ -370,7 +418,20 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: _Dataflow) -> _OpS
                      tuple(sorted(layers.values(), key=lambda L: L.op_index)))
 
 
-def _layer_of(op: FlatOp, k: int, flow: _Dataflow, nbytes: np.ndarray) -> Layer | None:
+def _sources(prog: FlatProgram) -> list[int]:
+    """Per value, the value it is an alias of past casts, copies and reshapes (itself if
+    none): siblings' inputs are one value, though each layer may cast its own copy."""
+    source = list(range(len(prog.vars)))
+    for op in prog.ops:
+        info = prim_info(op.prim)
+        if (len(op.ins) == 1 and len(op.outs) == 1 and info.kind == FREE
+                and info.permutation is None and op.prim != "broadcast_in_dim"):
+            source[op.outs[0]] = source[op.ins[0]]
+    return source
+
+
+def _layer_of(op: FlatOp, k: int, flow: _Dataflow, nbytes: np.ndarray,
+              source: Sequence[int]) -> Layer | None:
     """The weight this matmul uses against batched data, its dims named by the table's
     layer rule and mapped to the parameter's own dims. The rhs is tried first."""
     rule = prim_info(op.prim).layer
@@ -386,7 +447,7 @@ def _layer_of(op: FlatOp, k: int, flow: _Dataflow, nbytes: np.ndarray) -> Layer 
             continue
         return Layer(int(flow.owner[wid]), k, tuple(sorted(pw[d] for d in dims.in_dims)),
                      tuple(sorted(pw[d] for d in dims.out_dims)), float(nbytes[xid]),
-                     float(nbytes[op.outs[0]]), bool(flow.pdep[xid]))
+                     float(nbytes[op.outs[0]]), bool(flow.pdep[xid]), source[xid])
     return None
 
 

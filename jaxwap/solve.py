@@ -1,11 +1,13 @@
 """The search: every mesh, the best strategy per parameter on each, then the objective.
 
-Per mesh the layer weights form a chain (forward order), and the communication a
-tensor-parallel layer costs depends only on its neighbour's choice (column-then-row
-pairs need no gather in between), so a dynamic program along the chain finds the
-per-parameter strategies that minimise modelled step time. Gradient reduction overlaps
-backward compute, which makes its cost non-additive; the DP is run with the reduction
-weighted 1, 1/2 and 0 and each result is priced exactly. Non-layer parameters (biases,
+Per mesh the layer weights form a chain (forward order) of groups of siblings (layers
+reading one input: attention's q, k and v, a gated MLP's gate and up, which take one kind
+together), and the communication a group costs depends only on what the group before it
+leaves (column-then-row pairs need no gather in between), so a dynamic program along the
+chain finds the per-parameter strategies that minimise modelled step time (over the
+sequences `_pairs` allows). Gradient reduction overlaps backward compute, which makes its
+cost non-additive; the DP is run with the reduction weighted 1, 1/2 and 0 and each result
+is priced exactly. Non-layer parameters (biases,
 norms, embeddings) choose independently.
 
 A candidate over the memory budget is repaired before it is declared not to fit
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import tp_final_cost, tp_pair_cost
+from .comm import group_kind, tp_final_cost, tp_group_cost
 from .cost import MeshCosts, mesh_costs, predict
 from .fitting import memory_floor, micro_batch_floor, repair
 from .graph import Graph
@@ -122,39 +124,84 @@ def _dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     choice = [min(v, key=lambda t: (t[2], t[1]))[1] for _, v in sorted(per_param.items())]
     if not graph.layers:
         return choice
-    # the pair cost of a layer depends on its activation sizes and the two kinds: the
-    # blocks of a deep model repeat a few of those, so each is priced once
-    pair_of: dict[tuple[float, float, bool, str, str, float], float] = {}
+    # the communication of a group of siblings depends on their activation sizes and
+    # kinds: the blocks of a deep model repeat a few of those, so each is priced once
+    priced: dict[tuple[Any, ...], float] = {}
 
-    def pair(L: Any, prev: str, kind: str) -> float:
-        rep = float(graph.repeat[L.op_index])
-        key = (L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad), prev, kind, rep)
-        if key not in pair_of:
-            pair_of[key] = tp_pair_cost(L, prev, kind, d, m, cluster, rep)[0]
-        return pair_of[key]
+    def comm(group: tuple[Any, ...], prev: str, ks: tuple[str, ...]) -> float:
+        rep = float(graph.repeat[group[0].op_index])
+        key = (tuple((L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad))
+                     for L in group), prev, ks, rep)
+        if key not in priced:
+            priced[key] = tp_group_cost(group, prev, ks, d, m, cluster, rep)[0]
+        return priced[key]
 
-    # states: kind of the previous layer -> its cost so far, in the order kinds appear
+    # states: kind the previous group leaves -> its cost so far
     states: dict[str, float] = {"none": 0.0}
-    back: list[dict[str, tuple[str, int]]] = []   # per layer: kind -> (prev kind, strategy)
-    for L in graph.layers:
-        names = f.kind_name[L.param].split(",")
+    # per group: kind left -> (previous kind, each sibling's strategy)
+    back: list[dict[str, tuple[str, tuple[int, ...]]]] = []
+    for group in graph.layer_groups:
+        options = [[(f.kind_name[L.param].split(",")[ki], s, o)
+                    for ki, s, o in per_param[L.param]] for L in group]
         nxt: dict[str, float] = {}
-        ptr: dict[str, tuple[str, int]] = {}
-        for ki, s, o in per_param[L.param]:      # in kind order: `pick` is sorted so
-            k = names[ki]
+        ptr: dict[str, tuple[str, tuple[int, ...]]] = {}
+        kinds_of = {k for o in options for k, _, _ in o}
+        for combo in _combos(options):
+            ks = tuple(k for k, _, _ in combo)
+            own_sum = sum(o for _, _, o in combo)
+            left = group_kind(ks)
             for prev, c in states.items():
-                cost = c + o + pair(L, prev, k)
-                if k not in nxt or cost < nxt[k]:
-                    nxt[k], ptr[k] = cost, (prev, s)
+                if not _pairs(prev, ks, states, kinds_of):
+                    continue
+                cost = c + own_sum + comm(group, prev, ks)
+                if left not in nxt or cost < nxt[left]:
+                    nxt[left], ptr[left] = cost, (prev, tuple(s for _, s, _ in combo))
         states = nxt
         back.append(ptr)
     last = graph.layers[-1]
     rep = float(graph.repeat[last.op_index])
     k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster, rep)[0])
-    for L, ptr in zip(reversed(graph.layers), reversed(back), strict=True):
-        k, s = ptr[k]
-        choice[L.param] = s
+    for group, ptr in zip(reversed(graph.layer_groups), reversed(back), strict=True):
+        k, picked = ptr[k]
+        for L, s in zip(group, picked, strict=True):
+            choice[L.param] = s
     return choice
+
+
+def _pairs(prev: str, ks: Sequence[str], states: Any, kinds: set[str]) -> bool:
+    """Whether the chain may go from a group that left `prev` to one of kinds `ks`.
+    Megatron pairs (column-parallel, then row-parallel) compile as the chain prices them
+    (a compiled Llama block's model-axis bytes within 3%); other sequences are left to
+    XLA's sharding propagation, which reshards them in ways the chain underprices: an
+    unpaired row-parallel layer (its input whole) has the producers upstream split and
+    gathered in every block before it (16 extra activation gathers in a 2-block Llama),
+    a column-parallel layer after another (GPT-2's attention projection after its fused
+    q/k/v) cost 3x the bytes priced. So neither is proposed where a pair can form
+    instead: a row-parallel group only after a column-parallel one (when the chain can
+    be column-parallel there), a column-parallel group after one only when it cannot be
+    row-parallel."""
+    if "row" in ks and prev != "col" and "col" in states:
+        return False
+    return not ("col" in ks and prev == "col" and "row" in kinds)
+
+
+def _combos(options: Sequence[Sequence[tuple[str, int, float]]]
+            ) -> list[tuple[tuple[str, int, float], ...]]:
+    """The (kind, strategy, own cost) choices a group of siblings' dynamic-program step
+    weighs, each layer's options given per kind. Siblings take one kind: mixing column-
+    and row-parallel siblings makes XLA reshard the products they feed together (a
+    compiled Llama block moved 1.5x the bytes the chain prices), so only uniform choices
+    are weighed, a sibling that cannot take the kind not split ("none") instead, or at
+    its cheapest where it has no unsplit option either."""
+    out = []
+    for kind in dict.fromkeys(k for o in options for k, _, _ in o):
+        pick = []
+        for o in options:
+            same = [t for t in o if t[0] == kind] or [t for t in o if t[0] == "none"] or \
+                [min(o, key=lambda t: t[2])]
+            pick.append(same[0])
+        out.append(tuple(pick))
+    return out
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
