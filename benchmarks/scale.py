@@ -99,6 +99,8 @@ def workloads() -> dict[str, tuple[Any, int, int]]:
             l8["layers"], l8["d_model"]),
         "Llama 8B no remat (bs 1024 x 4096)": (lambda: zoo.llama_8b(batch_size=1024),
                                                l8["layers"], l8["d_model"]),
+        "Llama 8B (bs 256 x 4096)": (lambda: zoo.llama_8b(batch_size=256, remat=True),
+                                     l8["layers"], l8["d_model"]),
         "Llama 70B (bs 2048 x 4096)": (lambda: zoo.llama_70b(batch_size=2048, remat=True),
                                        l70["layers"], l70["d_model"]),
     }
@@ -115,6 +117,8 @@ MORE_ROWS = [
         "balanced"),
     Row("Llama 8B no remat (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, IB 400G/GPU)",
         "balanced"),
+    # fewer sequences than devices: the model axis is the only way to use them all
+    Row("Llama 8B (bs 256 x 4096)", "512 x H100 (64 nodes of 8, IB 400G/GPU)", "throughput"),
     Row("Llama 8B (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, 400G/node)", "balanced"),
     Row("Llama 8B (bs 1024 x 4096)", "512 x H100 (64 nodes of 8, 100GbE/node)", "balanced"),
     # WAP at scale: how many nodes each objective would use
