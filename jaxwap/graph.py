@@ -26,7 +26,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +127,9 @@ class Graph:
     # that layout is of kind `TP_KINDS[tp_op_kind]`; -1 if none. Left out, none
     tp_op_param: np.ndarray | None = field(default=None)
     tp_op_kind: np.ndarray | None = field(default=None)
+    # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
+    # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
+    tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -189,7 +192,9 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
-        tp_op_param=tp_op_param, tp_op_kind=tp_op_kind)
+        tp_op_param=tp_op_param, tp_op_kind=tp_op_kind,
+        tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
+                                               strict=True) if g > 0})
 
 
 def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits

@@ -8,6 +8,7 @@ layout that splits them is chosen, so the analysis labels each batched value wit
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,10 @@ class ModelSplit:
 
     label: np.ndarray                 # [values] int
     pairs: tuple[tuple[int, str], ...]
+    # per pair, the gcd of the sizes of the dims its split lands on (attention's heads,
+    # a GQA model's kv heads, an MLP's hidden): a model axis that does not divide it
+    # would split inside a head, which XLA reshuffles with all-to-alls
+    granule: tuple[int, ...] = ()
 
 
 def tp_dims(layers: Sequence[Layer], params: Sequence[ParamInfo], stacked: np.ndarray
@@ -66,11 +71,13 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     candidates, the operands' in operand order, then the op's own weight's ("col" before
     "row"), the first the op keeps in a result. So a value two layers' activations meet
     in (SwiGLU's gate * up, attention's q . k) is credited to the first's layout alone.
-    Only batched values keep a split (the caller credits batched bytes).
+    Only batched values keep a split (the caller credits batched bytes). Each pair's
+    `granule` is the gcd of the sizes of the dims its split lands on (0: none).
     """
     tdim = tp_dims(layers, params, stacked)
     if not tdim:
         return ModelSplit(np.full(len(prog.vars), -1, np.int64), ())
+    granule: dict[int, int] = {}
     pair_id: dict[tuple[int, str], int] = {}
     owner, batched = owner.tolist(), batched.tolist()
     label: list[tuple[int, int] | None] = [None] * len(prog.vars)  # (pair, dim)
@@ -107,10 +114,14 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
                 for o, a in zip(op.outs, outs, strict=True):
                     if a is not None and batched[o]:
                         label[o] = (e, a)
+                        size = prog.vars[o].shape[a]
+                        if size > 1:
+                            granule[e] = math.gcd(granule.get(e, 0), size)
                 break
     pairs = tuple(sorted(pair_id, key=pair_id.__getitem__))
     return ModelSplit(np.array([-1 if lab is None else lab[0] for lab in label],
-                                dtype=np.int64), pairs)
+                                dtype=np.int64), pairs,
+                      tuple(granule.get(e, 0) for e in range(len(pairs))))
 
 
 __all__ = ["TP_KINDS", "ModelSplit", "model_splits", "tp_dims"]

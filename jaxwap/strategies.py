@@ -38,25 +38,32 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
     layer = layers.get(j) if layers is not None else \
         next((L for L in graph.layers if L.param == j), None)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
+    granules = (graph.tp_granule.get((j, "col"), 0), graph.tp_granule.get((j, "row"), 0))
     return _strategies_for(tuple(graph.params[j].shape), dims,
                            bool(graph.resident_bytes[j] > 0), d, m, offload, allowed,
-                           int(graph.stacked_dim[j]))
+                           int(graph.stacked_dim[j]), granules)
 
 
 @functools.lru_cache(maxsize=4096)
 def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
                     has_state: bool, d: int, m: int, offload: bool,
-                    allowed: frozenset[str] | None, stacked: int = -1
-                    ) -> tuple[Strategy, ...]:
+                    allowed: frozenset[str] | None, stacked: int = -1,
+                    granules: tuple[int, int] = (0, 0)) -> tuple[Strategy, ...]:
     """`param_strategies` for a parameter of this shape (the blocks of a deep model share
     a few shapes, so each is worked out once). The dim a scan iterates over (`stacked`)
     is never split: each iteration slices one layer out of it, and a split stack would be
-    gathered whole."""
+    gathered whole. A tensor-parallel kind whose activations' split dims (`granules`,
+    col then row: heads, kv heads, hidden) the model axis does not divide is not offered:
+    it would split inside a head (4 kv heads on a model axis of 8 compiled to all-to-alls
+    and collective-permutes the chain does not price)."""
     nd = len(shape)
     all_dims = [i for i in range(nd) if i != stacked]
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
     if m > 1 and layer_dims is not None:
-        for kind, dims in (("col", layer_dims[0]), ("row", layer_dims[1])):
+        for kind, dims, g in (("col", layer_dims[0], granules[0]),
+                              ("row", layer_dims[1], granules[1])):
+            if g and g % m:
+                continue
             tdim = _largest_dim(shape, [i for i in dims if i != stacked], m)
             if tdim is not None:
                 bases.append((f"tp-{kind}", kind, tdim))

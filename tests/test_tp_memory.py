@@ -46,7 +46,9 @@ def _traced(name: str, scan: bool = False):
         step, params, opt, batch = abstract_setup((512, 16), batch=64, in_dim=64)
         args = (params, opt, batch)
     else:
-        w = zoo.llama("llama_tiny", layers=2, scan=scan, dtype=jnp.float32, batch_size=8)
+        # as many kv heads as query heads (4): the model axis of 4 splits whole heads
+        w = zoo.llama("llama_tiny", layers=2, scan=scan, dtype=jnp.float32, batch_size=8,
+                      kv_heads=4)
         step, args, params = w.step, w.args, w.params
     layout, closed = layout_of(step, args, {}, params, None)
     graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,

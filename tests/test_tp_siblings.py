@@ -152,3 +152,16 @@ def test_llama_8b_on_512_gpus_with_a_small_batch_plans_fsdp_or_zero1_by_tensor()
               and "kernel" in [str(k) for k in p.path]]
     assert blocks and all(p.strategy.startswith(("tp-col+", "tp-row+")) for p in blocks)
     assert all(("fsdp" in p.strategy) or ("zero1" in p.strategy) for p in blocks)
+
+
+def test_a_model_axis_that_would_split_inside_a_kv_head_is_not_offered():
+    """k and v have 4 heads (q 8): their column split lands on the kv-head dim, so a model
+    axis of 4 may split them and one of 8 may not (it would cut heads in half, which XLA
+    reshuffles with all-to-alls the chain does not price); the MLP's 512 hidden may."""
+    _, _, g = _llama()
+    by = {_name(g, L.param): L.param for L in g.layers[:7]}
+    assert g.tp_granule[by["k"], "col"] == 4 and g.tp_granule[by["v"], "col"] == 4
+    for m, k_ok in ((4, True), (8, False)):
+        kinds = {s.tp for s in param_strategies(g, by["k"], 1, m)}
+        assert ("col" in kinds) is k_ok
+        assert "col" in {s.tp for s in param_strategies(g, by["gate"], 1, m)}
