@@ -22,7 +22,7 @@ from .measure import measure_finalists
 from .options import PlanOptions, split_options
 from .plan import Plan
 from .planner import Planned, make_plan, record_measurements
-from .records import DATA, MODEL
+from .records import mesh_dims
 from .state import abstract_entries, classify_leaves
 from .trace import flat_leaves, globalize, is_process_local, leaf_entries
 
@@ -106,8 +106,8 @@ class AutoShardedStep:
 
     @property
     def mesh(self) -> Mesh:
-        plan = self.plan
-        return make_mesh(plan.mesh_shape[DATA], plan.mesh_shape[MODEL], self._require().devices)
+        d, m, r = mesh_dims(self.plan.mesh_shape)
+        return make_mesh(d, m, self._require().devices, r)
 
     def _require(self) -> Planned:
         if self._current is None:
@@ -118,10 +118,11 @@ class AutoShardedStep:
     def _compile(self, key: Any, planned: Planned) -> CompiledStep:
         if key not in self._execs:
             plan = planned.plan
+            d, m, r = mesh_dims(plan.mesh_shape)
             self._execs[key] = planned.compiled or compile_layout(
-                planned.fn or self.train_step, planned.layout, plan.mesh_shape[DATA],
-                plan.mesh_shape[MODEL], plan.params, planned.devices,
-                donate=self.options.donate, compiler_options=self.options.compiler_options)
+                planned.fn or self.train_step, planned.layout, d, m, plan.params,
+                planned.devices, donate=self.options.donate,
+                compiler_options=self.options.compiler_options, r=r)
         return self._execs[key]
 
     def lower_and_compile(self, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +153,8 @@ class AutoShardedStep:
         table = globalize(
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
                             batch_size=local_batch, infer_batch=False, by_path=True), leaves)
-        layouts = leaf_specs(table, planned.plan.params, planned.plan.mesh_shape[DATA])
+        d, _, r = mesh_dims(planned.plan.mesh_shape)
+        layouts = leaf_specs(table, planned.plan.params, d, r)
         placed = [place(leaf, sh, aval) for leaf, sh, aval
                   in zip(leaves, shardings(mesh, layouts), table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)

@@ -21,9 +21,7 @@ from .objective import Objective, Ranking
 from .plan import Candidate, ParamPlacement, Plan
 from .records import (
     COMPILED,
-    DATA,
     MEASURED,
-    MODEL,
     PREDICTED,
     Judged,
     Measurement,
@@ -88,7 +86,7 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
         fits = r.fits and (i not in figs or figs[i].memory_bytes <= ctx.budget)
         counts = Counter(s.name for s in r.strategies)
         cands.append(Candidate(
-            ((DATA, r.d), (MODEL, r.m)), r.predicted, float(score), fits, i == chosen,
+            r.mesh, r.predicted, float(score), fits, i == chosen,
             decision.verdict(i, j, score), tuple(sorted(counts.items())),
             compiled=figs.get(i), verified=vpreds.get(i), variant=r.variant,
             measured=measured.get(i)))
@@ -103,7 +101,7 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
         notes.append("optimizer state planned for host memory: XLA:CPU compiles memory kinds "
                      "to nothing, so the saving is modelled, not verified, on this backend")
     return Plan(
-        mesh_shape={DATA: best.d, MODEL: best.m},
+        mesh_shape=dict(best.mesh),
         device_ids=_device_ids(ctx, best.d * best.m),
         params=placements, objective=ctx.objective, predicted=best.predicted,
         candidates=tuple(cands), compiled=figs.get(chosen), verified=vpreds.get(chosen),

@@ -27,7 +27,7 @@ import numpy as np
 from .flatten import FlatProgram
 from .hardware import Cluster
 from .primitives import batch_rule, default_batch
-from .records import DATA, MODEL, Collective
+from .records import DATA, MODEL, REPLICA, Collective
 
 if TYPE_CHECKING:
     from .graph import Graph, Layer
@@ -115,22 +115,28 @@ def all_gather(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
     return flat, flat_sent
 
 
-def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int) -> int:
+def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int, r: int = 1) -> int:
     """How many devices of one group over these mesh axes share a node, on a (d, m) mesh
-    laid out node by node with the model axis innermost (`compile.make_mesh`)."""
-    if tuple(axes) == (MODEL,):
+    (of r replicas: the data axis as (replica, data/r)) laid out node by node with the
+    model axis innermost (`compile.make_mesh`)."""
+    axes = tuple(axes)
+    if axes == (MODEL,):
         return cluster.devices_in_node(m, 1)
-    if tuple(axes) == (DATA,):
+    if axes == (REPLICA,):
+        return cluster.devices_in_node(r, d // r * m)
+    if axes == (DATA,) and r > 1:
+        return cluster.devices_in_node(d // r, m)
+    if axes in ((DATA,), (REPLICA, DATA)):
         return cluster.devices_in_node(d, m)
     return cluster.devices_in_node(d * m, 1)
 
 
 def collective_cost(c: Collective, cluster: Cluster, d: int = 1,
-                    m: int = 1) -> tuple[float, float]:
-    """(seconds, bytes sent per device) of a collective XLA inserted on a (d, m) mesh, by
-    the formulas the model uses for its own, on the links its group spans."""
+                    m: int = 1, r: int = 1) -> tuple[float, float]:
+    """(seconds, bytes sent per device) of a collective XLA inserted on a (d, m) mesh of r
+    replicas, by the formulas the model uses for its own, on the links its group spans."""
     n = c.group_size
-    inner = axis_inner(cluster, c.axes, d, m) if c.axes else None
+    inner = axis_inner(cluster, c.axes, d, m, r) if c.axes else None
     if c.kind == "all-reduce":
         return all_reduce(c.bytes, n, cluster, inner=inner)
     if c.kind in ("all-gather", "all-to-all"):
@@ -216,6 +222,19 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     return k * t + buffer_latency(k, d, cluster), k * sent
 
 
+def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,
+              reductions: float = 1.0, passes: float = 1.0) -> tuple[float, float]:
+    """(seconds, bytes) of a weight sharded over the data axis inside each node and
+    replicated across the r nodes' replicas (HSDP, PyTorch's HYBRID_SHARD): FSDP's gathers
+    and gradient reduce-scatters over the d/r devices of a node, then the gradient shard
+    all-reduced across the replicas (one device per node, over the network)."""
+    di = d // r
+    t_in, b_in = fsdp_comm(param_bytes, di, cluster, reductions, passes, inner=di)
+    t_x, b_x = all_reduce(param_bytes / di, r, cluster, False, 1)
+    return t_in + reductions * t_x + buffer_latency(reductions, r, cluster), \
+        b_in + reductions * b_x
+
+
 def tp_group_cost(group: Sequence[Layer], prev: str, kinds: Sequence[str], d: int, m: int,
                   cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of model-axis communication a group of sibling layers (one input,
@@ -279,5 +298,5 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_latency", "axis_inner", "batch_dims",
            "batch_reduce_comm", "buffer_latency", "collective_cost", "fsdp_comm",
-           "grad_reduce_comm", "group_kind", "tp_chain_cost", "tp_final_cost",
+           "grad_reduce_comm", "group_kind", "hsdp_comm", "tp_chain_cost", "tp_final_cost",
            "tp_group_cost"]

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .records import DATA, MODEL
+from .records import DATA, MODEL, REPLICA
 from .state import BATCH, PARAM, LeafTable
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
@@ -23,12 +23,24 @@ from .state import BATCH, PARAM, LeafTable
 GPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
-def make_mesh(d: int, m: int, devices: Sequence[Any]) -> Mesh:
-    """A (data, model) mesh over the first d*m devices, with Auto axes (XLA propagates)."""
+def make_mesh(d: int, m: int, devices: Sequence[Any], r: int = 1) -> Mesh:
+    """A (data, model) mesh over the first d*m devices, with Auto axes (XLA propagates);
+    with r > 1 replicas, (replica, data, model) of sizes (r, d/r, m): the data axis split
+    into its outer part (across nodes, devices being in node order) and its inner one."""
     if d * m > len(devices):
         raise ValueError(f"a {d}x{m} mesh needs {d * m} devices, only {len(devices)} given")
+    if r > 1:
+        if d % r:
+            raise ValueError(f"{r} replicas do not divide the data axis of {d}")
+        grid = np.array(list(devices[: d * m]), dtype=object).reshape(r, d // r, m)
+        return Mesh(grid, (REPLICA, DATA, MODEL), axis_types=(AxisType.Auto,) * 3)
     grid = np.array(list(devices[: d * m]), dtype=object).reshape(d, m)
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def batch_spec(r: int = 1) -> P:
+    """How batch leaves are split: over the data axis, and over the replicas too."""
+    return P((REPLICA, DATA)) if r > 1 else P(DATA)
 
 
 HOST = "pinned_host"
@@ -54,10 +66,11 @@ def placement_of(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], bool]:
     return tuple(p.spec), tuple(p.layout_of_state), bool(p.offload)
 
 
-def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int) -> list[LeafLayout]:
+def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int,
+               r: int = 1) -> list[LeafLayout]:
     """The layout of every leaf: a param's spec for it, its optimizer-state spec (and
-    memory kind) for its mirrors, the data axis for batch leaves (when the mesh splits
-    data), replicated otherwise."""
+    memory kind) for its mirrors, the data axis (and the replicas) for batch leaves (when
+    the mesh splits data), replicated otherwise."""
     placed = [placement_of(p) for p in placements]
     out = []
     for role in table.roles:
@@ -68,22 +81,22 @@ def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int) -> list[Leaf
             else:
                 out.append(LeafLayout(P(*spec)))
         elif role.kind == BATCH and d > 1:
-            out.append(LeafLayout(P(DATA)))
+            out.append(LeafLayout(batch_spec(r)))
         else:
             out.append(LeafLayout(P()))
     return out
 
 
 def host_resident_bytes(layout: Any, placements: Sequence[Any], d: int, m: int,
-                        donate: bool) -> float:
+                        donate: bool, r: int = 1) -> float:
     """Per-device bytes of the state a layout keeps in host memory, as a backend whose
     memory analysis ignores memory kinds (XLA:CPU) counts them: inputs plus outputs,
     less the inputs donated to (aliased with) those outputs."""
-    sizes = {DATA: d, MODEL: m}
+    sizes = {DATA: d // r, MODEL: m, REPLICA: r}
 
     def total(table: LeafTable) -> float:
         n = 0.0
-        for lay, aval in zip(leaf_specs(table, placements, d), table.avals, strict=True):
+        for lay, aval in zip(leaf_specs(table, placements, d, r), table.avals, strict=True):
             if lay.memory_kind == HOST:
                 split = int(np.prod([sizes[a] for a in lay.spec if a is not None]))
                 n += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize \
@@ -111,7 +124,8 @@ class CompiledStep:
 def compile_layout(fn: Callable, layout: Any, d: int, m: int,
                    placements: Sequence[Any], devices: Sequence[Any], *,
                    donate: bool = True,
-                   compiler_options: dict[str, Any] | None = None) -> CompiledStep:
+                   compiler_options: dict[str, Any] | None = None,
+                   r: int = 1) -> CompiledStep:
     """Lower and compile `fn` (flattened per `layout`) for this mesh and parameter layout,
     from abstract arguments only: nothing is allocated and no user array is touched.
 
@@ -120,9 +134,9 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
     it to device memory where the user's code reads it and back where it returns it, so
     XLA schedules (and on GPU overlaps) the transfers.
     """
-    mesh = make_mesh(d, m, devices)
-    in_lay = leaf_specs(layout.inputs, placements, d)
-    out_lay = leaf_specs(layout.outputs, placements, d)
+    mesh = make_mesh(d, m, devices, r)
+    in_lay = leaf_specs(layout.inputs, placements, d, r)
+    out_lay = leaf_specs(layout.outputs, placements, d, r)
     in_sh, out_sh = shardings(mesh, in_lay), shardings(mesh, out_lay)
     donated = tuple(i for i, r in enumerate(layout.inputs.roles)
                     if r.kind == PARAM) if donate else ()

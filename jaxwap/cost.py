@@ -32,12 +32,13 @@ from .comm import (
     collective_cost,
     fsdp_comm,
     grad_reduce_comm,
+    hsdp_comm,
     tp_chain_cost,
 )
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
 from .model_split import TP_KINDS
-from .records import DATA, CompiledFigures, Prediction, Strategy
+from .records import MODEL, CompiledFigures, Prediction, Strategy
 
 # Share of the backward pass in a step's batched compute (backward ~ 2x forward).
 BACKWARD_SHARE = 2.0 / 3.0
@@ -96,10 +97,11 @@ class MeshCosts:
     param_batched: tuple[tuple[float, ...], ...]
     grad_comm: tuple[tuple[tuple[float, float], ...], ...]
     host: tuple[tuple[float, ...], ...]
+    r: int = 1   # replicas: the data axis's part across nodes (HSDP), 1 for none
 
 
 def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
-               strategies: Sequence[Sequence[Strategy]]) -> MeshCosts:
+               strategies: Sequence[Sequence[Strategy]], r: int = 1) -> MeshCosts:
     """Decompose the step's compute and gradient communication on a (d, m) mesh.
 
     Each op's work is divided by one split: a batched op over the data axis (a
@@ -109,9 +111,11 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     however the parameter is sharded, its optimizer work (and the gradient
     post-processing feeding it, such as Adam's g*g) over however its optimizer state is
     sharded; anything else not at all. Time, busy time and flops per device all follow
-    these same splits.
+    these same splits. With r replicas (HSDP) what is sharded over data is sharded over
+    the d/r devices of the data axis inside a node, and reduced across the replicas.
     """
     dev = cluster.device
+    ds = d // r   # how many ways the data axis shards parameters
     speed = cluster.speedup_when_using(d * m)
     inner = cluster.devices_in_node(d, m)   # of the data axis: the model axis is innermost
     per_split: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -166,8 +170,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     split_of: dict[int, tuple[int, int, int]] = {}   # by identity: shared objects
     for _, st in pairs:
         if id(st) not in split_of:
-            split_of[id(st)] = (d * m if st.tp != "none" else d, st.shard(d, m),
-                                st.state_shard(d, m))
+            split_of[id(st)] = (d * m if st.tp != "none" else d, st.shard(ds, m),
+                                st.state_shard(ds, m))
     J = np.fromiter((j for j, _ in pairs), np.int64, len(pairs))
     splits = np.array([split_of[id(st)] for _, st in pairs], np.int64).reshape(len(pairs), 3)
     # the ops a layout of one kind splits: over d*m under that kind, over d under another
@@ -195,7 +199,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
                    float(passes[j]))
             if key not in comm_of:
-                if st.data_sharded:
+                if st.data_sharded and r > 1:
+                    comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
+                elif st.data_sharded:
                     # the weight is gathered once per pass, each partial gradient reduced
                     comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner)
                 else:
@@ -215,22 +221,25 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
 
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
-                     table(3), tuple(g_comm), tuple(host))
+                     table(3), tuple(g_comm), tuple(host), r)
 
 
 # --------------------------------------------------------------------------- memory
-def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int) -> np.ndarray:
+def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
+                   r: int = 1) -> np.ndarray:
     """Per-bucket share of each live byte on one device: 1/d for batched values, 1 for the
     rest, per parameter and class one over how many ways that class is split (0 for
     state kept in host memory), and for the batched values a tensor-parallel layer's
     layout splits (`Graph.tp_live_param`) 1/(d*m) where that parameter's layout is of
-    that kind, 1/d where it is not."""
+    that kind, 1/d where it is not. With r replicas (HSDP) the data axis shards
+    parameters d/r ways."""
     P = len(graph.params)
     base = 2 + NUM_CLASSES * P
     w = np.empty(graph.live.shape[1])
     w[0] = 1.0 / d
     w[1] = 1.0
-    div = np.array([s.divisors(d, m) for s in strats], dtype=np.float64).reshape(P, -1)
+    div = np.array([s.divisors(d // r, m) for s in strats],
+                   dtype=np.float64).reshape(P, -1)
     w[2:base] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
     if len(graph.tp_live_param):
         split = np.array([strats[j].tp == k for j, k in
@@ -239,9 +248,10 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int) -> 
     return w
 
 
-def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy]) -> tuple[float, int]:
+def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
+                r: int = 1) -> tuple[float, int]:
     """(peak live bytes per device, index of the peak point)."""
-    per_point = graph.live @ memory_weights(graph, d, strats, m)
+    per_point = graph.live @ memory_weights(graph, d, strats, m, r)
     k = int(np.argmax(per_point))
     return float(per_point[k]), k
 
@@ -324,19 +334,20 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),
         blocking=tp_t,
-        grad_comm=sum(g[0] for g in grads) + red_t + _combined_latency(strats, d, m, cluster),
+        grad_comm=sum(g[0] for g in grads) + red_t
+        + _combined_latency(strats, d, m, cluster, mc.r),
         tail_comm=grads[first][0] if first is not None else 0.0,
         batched_time=mc.base_batched + sum(mc.param_batched[j][s] for j, s in picked),
         host_one_way=sum(mc.host[j][s] for j, s in picked),
         comm_bytes=sum(g[1] for g in grads) + red_b + tp_b,
-        memory=peak_memory(graph, d, m, strats)[0],
+        memory=peak_memory(graph, d, m, strats, mc.r)[0],
         flops=mc.base_flops + sum(mc.param_flops[j][s] for j, s in picked),
         loop_flops_ratio=loop_flops_ratio(graph))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
 
 
 def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
-                  batch_size: int, d: int = 1, m: int = 1) -> Prediction:
+                  batch_size: int, d: int = 1, m: int = 1, r: int = 1) -> Prediction:
     """The same cost model fed XLA's figures: memory is XLA's; compute time scales with
     XLA's flops over the model's; communication is priced from the collectives XLA
     actually inserted (data-axis ones overlap backward compute, the rest block); the
@@ -345,8 +356,8 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
     scale = figs.flops / counted if counted > 0 and figs.flops > 0 else 1.0
     overlappable = blocking = 0.0
     for c in figs.collectives:
-        t = collective_cost(c, cluster, d, m)[0]
-        if c.axes == (DATA,):
+        t = collective_cost(c, cluster, d, m, r)[0]
+        if c.axes and MODEL not in c.axes:
             overlappable += t
         else:
             blocking += t
@@ -366,7 +377,8 @@ def loop_flops_ratio(graph: Graph) -> float:
     return float((graph.flops / graph.repeat).sum() / total)
 
 
-def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Cluster) -> float:
+def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Cluster,
+                      r: int = 1) -> float:
     """Ring latency of the gradient collectives once each: XLA combines the per-parameter
     all-reduces (and reduce-scatters / all-gathers) of a step into few large ones. Priced
     as a zero-byte reduction over the data axis's links (hierarchical across nodes)."""
@@ -374,6 +386,8 @@ def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Clust
         return 0.0
     kinds = int(any(not s.data_sharded for s in strats)) + int(any(s.data_sharded
                                                                     for s in strats))
+    # HSDP's sharded gradients add the replicas' all-reduce of their shards
+    kinds += int(r > 1 and any(s.data_sharded for s in strats))
     return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 

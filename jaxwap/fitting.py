@@ -23,9 +23,9 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     (or no move frees anything): each time the move with the most bytes freed per second
     of step time added. A tensor-parallel parameter keeps its kind (its neighbours' costs
     depend on it); a replicated one may become tensor-parallel."""
-    d, m = mc.d, mc.m
+    d, m, r = mc.d, mc.m, mc.r
     P = len(choice)
-    if peak_memory(graph, d, m, [mc.strategies[j][s] for j, s in enumerate(choice)])[0] \
+    if peak_memory(graph, d, m, [mc.strategies[j][s] for j, s in enumerate(choice)], r)[0] \
             <= budget:
         return list(choice)
     S = max(len(st) for st in mc.strategies)
@@ -35,7 +35,7 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     codes = {"none": 0, "col": 1, "row": 2}
     for j, strats in enumerate(mc.strategies):
         for s, st in enumerate(strats):
-            inv[j, s] = 1.0 / np.asarray(st.divisors(d, m))
+            inv[j, s] = 1.0 / np.asarray(st.divisors(d // r, m))
             host = 2 * mc.host[j][s]
             cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
             kind[j, s] = codes[st.tp]
@@ -45,7 +45,8 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     # per-point live bytes per device, kept up to date as parameters move: a move changes
     # one parameter's classes only, so the update is one [points, classes] product
     live = graph.live
-    weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m)
+    weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m,
+                             r)
     per_point = live @ weights
     cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
     at_k = -1          # the peak point the move tables below were made for
@@ -65,7 +66,7 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
         if per_point[k] <= budget:
             # confirm on a fresh sum (the running one carries rounding)
             strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
-            per_point = live @ memory_weights(graph, d, strats, m)
+            per_point = live @ memory_weights(graph, d, strats, m, r)
             k = int(np.argmax(per_point))
             if per_point[k] <= budget:
                 break
@@ -97,27 +98,28 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
         else:   # a new tensor-parallel kind also splits activations: sum afresh
             choice[j] = s
             per_point = live @ memory_weights(
-                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m)
+                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m, r)
         moved = j
     return choice
 
 
 def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
-                  m: int, activation_share: float = 1.0) -> tuple[float, list[int]]:
+                  m: int, activation_share: float = 1.0, r: int = 1
+                  ) -> tuple[float, list[int]]:
     """A lower bound on the peak memory any layout on this mesh can reach (every class
     of every parameter at its smallest share at once, which no single layout may reach),
     and a layout close to it: per parameter, the one least at that bound's peak.
     `activation_share` scales the batched values (1/k: k micro-batches, estimated from
-    the step as written)."""
+    the step as written). With r replicas (HSDP) parameters shard d/r ways."""
     P = len(graph.params)
     inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
     for strats in strategies:
         for st in strats:
             if id(st) not in inv_of:
-                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d, m))
+                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d // r, m))
     invs = [np.array([inv_of[id(st)] for st in strats]) for strats in strategies]
     floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
-    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m)
+    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
     # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
     weights[0] = activation_share / d
     weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)

@@ -60,7 +60,7 @@ def measure_finalists(fn: Callable, planned: Any, flat_args: Sequence[Any], step
         r = planned.search.results[i]
         cs = compile_layout(planned.fn or fn, planned.layout, r.d, r.m, r.strategies,
                             planned.all_devices, donate=False,
-                            compiler_options=compiler_options)
+                            compiler_options=compiler_options, r=r.r)
         placed = [place(leaf, sh, aval) for leaf, sh, aval in
                   zip(flat_args, cs.in_shardings, planned.layout.inputs.avals, strict=True)]
         run = lambda cs=cs, placed=placed: jax.block_until_ready(cs.compiled(*placed))

@@ -9,6 +9,7 @@ part of the plan cache's key, so every option that can change a plan changes the
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from .cache import PlanCache
 from .hardware import Cluster, DeviceSpec
 from .objective import Objective
 from .plan import Plan
-from .records import DATA, MODEL, STRATEGY_FAMILIES
+from .records import DATA, MODEL, REPLICA, STRATEGY_FAMILIES, mesh_dims
 
 # Steps measured per finalist by `measure=True`.
 DEFAULT_MEASURE_STEPS = 5
@@ -54,7 +55,8 @@ class PlanOptions:
       offload: allow plans that keep optimizer state in pinned host memory when nothing
         else fits (on a backend that ignores memory kinds, such as XLA:CPU, the saving is
         modelled, not verified, and the plan's notes say so).
-      mesh_shape: use exactly this mesh, e.g. `{"data": 2, "model": 4}` (an axis left out
+      mesh_shape: use exactly this mesh, e.g. `{"data": 2, "model": 4}`, or hybrid-sharded
+        (HSDP) `{"replica": 2, "data": 4}`: 2 replicas of 4 devices each (an axis left out
         has size 1) instead of searching over meshes; the per-parameter layouts are still
         chosen.
       strategies: restrict every parameter's layout to these families of
@@ -124,7 +126,7 @@ class PlanOptions:
         put("offload", bool(self.offload))
         if self.mesh_shape is not None:
             put("mesh_shape", _mesh_shape(self.mesh_shape))
-            n = self.mesh_shape[0][1] * self.mesh_shape[1][1]
+            n = math.prod(s for _, s in self.mesh_shape)
             if self.num_devices is not None and self.num_devices != n:
                 raise ValueError(f"num_devices={self.num_devices} contradicts mesh_shape="
                                  f"{dict(self.mesh_shape)} ({n} devices); give one of them")
@@ -148,9 +150,17 @@ class PlanOptions:
 
     @property
     def mesh(self) -> tuple[int, int] | None:
-        """The (data, model) sizes `mesh_shape` fixes, or None."""
-        return None if self.mesh_shape is None else \
-            (self.mesh_shape[0][1], self.mesh_shape[1][1])
+        """The (data, model) sizes `mesh_shape` fixes (data counting the replicas'), or
+        None."""
+        if self.mesh_shape is None:
+            return None
+        d, m, _ = mesh_dims(self.mesh_shape)
+        return d, m
+
+    @property
+    def replicas(self) -> int:
+        """The replicas `mesh_shape` fixes (HSDP), 1 when it names none."""
+        return 1 if self.mesh_shape is None else mesh_dims(self.mesh_shape)[2]
 
     @classmethod
     def of(cls, options: PlanOptions | None = None, **kwargs: Any) -> PlanOptions:
@@ -202,20 +212,22 @@ def _measure_steps(measure: Any) -> int:
 
 def _mesh_shape(shape: Any) -> tuple[tuple[str, int], ...]:
     """{"data": d, "model": m} (either may be left out) as ((DATA, d), (MODEL, m)), the
-    form the record keeps (and reads again when `dataclasses.replace` remakes it)."""
+    form the record keeps (and reads again when `dataclasses.replace` remakes it); with
+    "replica": r > 1 (HSDP: the data axis's part across nodes), ((REPLICA, r), ...)."""
     if isinstance(shape, tuple) and all(isinstance(x, tuple) and len(x) == 2
                                         and isinstance(x[0], str) for x in shape):
         shape = dict(shape)
     if not isinstance(shape, Mapping):
         raise TypeError(f"mesh_shape must be a dict of axis name -> size such as "
                         f"{{'{DATA}': 2, '{MODEL}': 4}}, got {shape!r}")
-    unknown = sorted(set(shape) - {DATA, MODEL})
+    unknown = sorted(set(shape) - {DATA, MODEL, REPLICA})
     if unknown:
         raise ValueError(f"mesh_shape has unknown axis name(s) {unknown}; jaxwap's mesh axes "
-                         f"are {DATA!r} and {MODEL!r}")
+                         f"are {REPLICA!r} (optional), {DATA!r} and {MODEL!r}")
     for axis, size in shape.items():
         _check_int(f"mesh_shape[{axis!r}]", size, 1)
-    return tuple((axis, int(shape.get(axis, 1))) for axis in (DATA, MODEL))
+    axes = (REPLICA, DATA, MODEL) if int(shape.get(REPLICA, 1)) > 1 else (DATA, MODEL)
+    return tuple((axis, int(shape.get(axis, 1))) for axis in axes)
 
 
 def _strategies(families: Any) -> tuple[str, ...]:

@@ -24,12 +24,14 @@ from .records import (
     DATA,
     MEASURED,
     MODEL,
+    REPLICA,
     CompiledFigures,
     Judged,
     Measurement,
     Prediction,
     StepVariant,
     judge,
+    mesh_dims,
 )
 
 PLAN_FORMAT = 1
@@ -294,11 +296,15 @@ class Plan:
         hw = self.hardware
         if hw.num_nodes <= 1:
             return []
-        d, m = self.mesh_shape.get(DATA, 1), self.mesh_shape.get(MODEL, 1)
+        d, m, r = mesh_dims(self.mesh_shape)
         inner = hw.devices_in_node(d, m)
         nodes = -(-self.num_devices // hw.node_size)
         if inner >= d:
             where = f"the whole mesh inside {'one node' if nodes == 1 else f'{nodes} nodes'}"
+        elif r > 1:
+            where = (f"the {REPLICA} axis spans {r} nodes (HSDP: parameters sharded over "
+                     f"the {d // r} {DATA} devices inside each node, gradient shards "
+                     f"all-reduced across the replicas)")
         else:
             where = (f"the {DATA} axis spans {d // inner} nodes ({inner} of its devices per "
                      f"node; its reductions inside a node first when cheaper)")

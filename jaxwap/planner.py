@@ -267,7 +267,8 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
                                      num_devices_exact=options.num_devices,
                                      micro_batches=rung.micro_batches, offload=options.offload,
-                                     mesh=options.mesh, allowed=options.allowed)
+                                     mesh=options.mesh, allowed=options.allowed,
+                                     replicas=options.replicas)
         try:
             result = searcher(ctx.budget)
         except ValueError as e:

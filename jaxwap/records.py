@@ -12,8 +12,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Mesh axis names: the batch is split over DATA, tensor-parallel weights over MODEL.
-DATA, MODEL = "data", "model"
+# Mesh axis names: the batch is split over DATA, tensor-parallel weights over MODEL. A
+# hybrid-sharded (HSDP) plan splits the data axis in two: REPLICA across nodes, DATA inside
+# each node; the batch is split over both, FSDP / ZeRO-1 shard over DATA alone.
+DATA, MODEL, REPLICA = "data", "model", "replica"
+
+
+def mesh_dims(mesh_shape: Any) -> tuple[int, int, int]:
+    """(data parallelism in all, model, replicas) of a plan's `mesh_shape` mapping or a
+    candidate's (axis, size) pairs: the batch is split replicas x data ways."""
+    sizes = dict(mesh_shape)
+    r = int(sizes.get(REPLICA, 1))
+    return r * int(sizes.get(DATA, 1)), int(sizes.get(MODEL, 1)), r
 
 PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
 
@@ -245,6 +255,7 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
                   ref.energy_per_step_j, ref.peak_memory_bytes, ref.num_devices)
 
 
-__all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES",
+__all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REPLICA",
+           "mesh_dims",
            "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
            "Prediction", "StepVariant", "Strategy", "judge"]

@@ -35,7 +35,7 @@ from .graph import Graph
 from .hardware import Cluster
 from .meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
 from .objective import Objective
-from .records import Prediction, Strategy
+from .records import DATA, MODEL, REPLICA, Prediction, Strategy
 from .strategies import param_strategies, restrict
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
@@ -51,6 +51,16 @@ class MeshResult:
     predicted: Prediction
     fits: bool
     variant: str = "planner"   # or "data-parallel": the baseline every user could write
+    r: int = 1                 # replicas (HSDP): the data axis's part across nodes
+
+    @property
+    def mesh(self) -> tuple[tuple[str, int], ...]:
+        """(axis, size) pairs of the mesh: (replica,) data, model."""
+        head = ((REPLICA, self.r),) if self.r > 1 else ()
+        return (*head, (DATA, self.d // self.r), (MODEL, self.m))
+
+    def describe(self) -> str:
+        return "x".join(str(s) for _, s in self.mesh)
 
 
 @dataclass(frozen=True)
@@ -205,19 +215,22 @@ def _combos(options: Sequence[Sequence[tuple[str, int, float]]]
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
-               offload: bool = True, allowed: frozenset[str] | None = None) -> MeshResult:
+               offload: bool = True, allowed: frozenset[str] | None = None,
+               r: int = 1) -> MeshResult:
+    """The best layout on a (d, m) mesh; with r replicas (HSDP), the data axis split
+    into r replicas across nodes of d/r devices each, over which parameters shard."""
     layers = {L.param: L for L in graph.layers}
-    strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
+    strategies = [param_strategies(graph, j, d // r, m, offload, allowed, layers)
                   for j in range(len(graph.params))]
-    floor, low = memory_floor(graph, strategies, d, m)
+    floor, low = memory_floor(graph, strategies, d, m, r=r)
     if floor > budget:
         # no layout fits: skip the search and the repairs, report the least memory (and
         # price only that layout)
         picked = [(strategies[j][s],) for j, s in enumerate(low)]
-        mc = mesh_costs(graph, cluster, d, m, picked)
+        mc = mesh_costs(graph, cluster, d, m, picked, r)
         return MeshResult(d, m, tuple(p[0] for p in picked),
-                          predict(graph, cluster, mc, [0] * len(picked)), False)
-    mc = mesh_costs(graph, cluster, d, m, strategies)
+                          predict(graph, cluster, mc, [0] * len(picked)), False, r=r)
+    mc = mesh_costs(graph, cluster, d, m, strategies, r)
     tried: dict[tuple[int, ...], Prediction] = {}
     flat = _flat(mc)
     repaired: dict[tuple[int, ...], list[int]] = {}   # the weightings often agree
@@ -234,15 +247,17 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     key = min(pool, key=lambda k: (pool[k].step_time_s if fitting
                                    else pool[k].peak_memory_bytes))
     return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(key)),
-                      tried[key], bool(fitting))
+                      tried[key], bool(fitting), r=r)
 
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
            budget: float, num_devices_exact: int | None = None,
            micro_batches: int = 1, offload: bool = True, mesh: tuple[int, int] | None = None,
-           allowed: frozenset[str] | None = None) -> SearchResult:
-    """Every mesh worth trying (or only `mesh`), each with its best layout of the `allowed`
-    strategy families, ranked by the objective."""
+           allowed: frozenset[str] | None = None, replicas: int = 1) -> SearchResult:
+    """Every mesh worth trying (or only `mesh`, hybrid-sharded over `replicas` when more
+    than 1), each with its best layout of the `allowed` strategy families, and hybrid
+    sharding (HSDP) tried on the best (`_hybrids`, not when `mesh` fixes the mesh),
+    ranked by the objective."""
     node = cluster.node_size if cluster.num_nodes > 1 else None
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                                   micro_batches, mesh, node)
@@ -251,12 +266,18 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
             raise ValueError(f"mesh_shape {mesh[0]}x{mesh[1]} cannot be used: "
                              f"{'; '.join(s.split(': ', 1)[1] for s in skipped)}")
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    results = _solve_meshes(graph, cluster, objective, shapes, budget, offload, allowed,
-                            skipped, prune=num_devices > EXHAUSTIVE_DEVICES)
+    if replicas > 1 and any(d % replicas for d, _ in shapes):
+        raise ValueError(f"{replicas} replicas do not divide the data axis of "
+                         f"{shapes[0][0]}")
+    results = _solve_meshes(graph, cluster, objective, [(d, m, replicas) for d, m in shapes],
+                            budget, offload, allowed, skipped,
+                            prune=num_devices > EXHAUSTIVE_DEVICES)
+    if mesh is None:
+        results += _hybrids(graph, cluster, objective, results, budget, offload, allowed)
     if allowed is not None and "replicate" not in allowed:
         # a forced split must happen: a mesh where it cannot is no candidate
         kept = [r for r in results if any(s.families <= allowed for s in r.strategies)]
-        skipped += [f"{r.d}x{r.m}: no parameter can take the strategies "
+        skipped += [f"{r.describe()}: no parameter can take the strategies "
                     f"{', '.join(sorted(allowed))} on it" for r in results if r not in kept]
         if not kept:
             raise ValueError(f"no mesh lets any parameter use the strategies "
@@ -275,7 +296,8 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     if dp:
         b = dp[rank([r.predicted for r in dp]).best]
         same = next((i for i, r in enumerate(results)
-                     if (r.d, r.m) == (b.d, 1) and r.strategies == b.strategies), None)
+                     if (r.d, r.m, r.r) == (b.d, 1, 1) and r.strategies == b.strategies),
+                    None)
         if same is None:
             results.append(b)
             baseline = len(results) - 1
@@ -289,7 +311,7 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     # is the fastest that fits
     ranking = rank([r.predicted if r.fits and uses_model_axis(r) else None for r in results])
     if ranking.best < 0:
-        shown = ", ".join(f"{r.d}x{r.m}" for r in results)
+        shown = ", ".join(r.describe() for r in results)
         if mesh is not None:
             raise ValueError(
                 f"mesh_shape {mesh[0]}x{mesh[1]}: no parameter gains from being split over "
@@ -316,8 +338,36 @@ class _Bound:
     num_devices: int
 
 
+# hybrid sharding is tried on this many of the best meshes found without it
+HYBRID_MESHES = 3
+
+
+def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
+             results: Sequence[MeshResult], budget: float, offload: bool,
+             allowed: frozenset[str] | None) -> list[MeshResult]:
+    """The best meshes (`HYBRID_MESHES`, by the objective) whose data axis spans nodes,
+    solved again hybrid-sharded (HSDP): parameters sharded over the d/r data devices
+    inside each node, r replicas across the nodes, so FSDP's gathers stay on the node's
+    links and only gradient shards cross the network. HSDP changes only how data-sharded
+    parameters communicate and how much they hold (more than sharding over every data
+    device), so a mesh that does not fit, or ranks below the best, gains nothing from it;
+    nor does a step whose layouts may not shard over data."""
+    if cluster.num_nodes <= 1 or not (allowed is None or {"fsdp", "zero1"} & allowed):
+        return []
+    kw = {"max_watts": cluster.device.max_watts, "num_devices_available": cluster.num_devices}
+    ok = [r for r in results if r.fits and uses_model_axis(r)
+          and 1 < cluster.devices_in_node(r.d, r.m) < r.d
+          and r.d % cluster.devices_in_node(r.d, r.m) == 0]
+    if not ok:
+        return []
+    scores = objective.scores([r.predicted for r in ok], **kw)
+    best = sorted(range(len(ok)), key=lambda i: scores[i])[:HYBRID_MESHES]
+    return [solve_mesh(graph, cluster, ok[i].d, ok[i].m, budget, offload, allowed,
+                       ok[i].d // cluster.devices_in_node(ok[i].d, ok[i].m)) for i in best]
+
+
 def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
-                  shapes: Sequence[tuple[int, int]], budget: float, offload: bool,
+                  shapes: Sequence[tuple[int, int, int]], budget: float, offload: bool,
                   allowed: frozenset[str] | None, skipped: list[str], prune: bool
                   ) -> list[MeshResult]:
     """`solve_mesh` on every shape, in the shapes' order. With `prune` (a large cluster),
@@ -326,10 +376,11 @@ def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
     in `skipped`). Those are meshes that cannot win, so only the candidate list (and the
     frontier drawn from it) is shorter."""
     if not prune or objective.kind not in ("throughput", "energy", "balanced"):
-        return [solve_mesh(graph, cluster, d, m, budget, offload, allowed) for d, m in shapes]
+        return [solve_mesh(graph, cluster, d, m, budget, offload, allowed, r)
+                for d, m, r in shapes]
     dev = cluster.device
     bounds = []
-    for d, m in shapes:
+    for d, m, _ in shapes:
         n, speed = d * m, cluster.speedup_when_using(d * m)
         t = graph.total_flops / (n * dev.peak_flops * speed)
         bounds.append(_Bound(t, n * dev.idle_watts * speed * t, n))
@@ -338,12 +389,13 @@ def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
     solved: dict[int, MeshResult] = {}
     best = float("inf")
     for i in sorted(range(len(shapes)), key=lambda i: lower[i]):
-        d, m = shapes[i]
+        d, m, reps = shapes[i]
         if lower[i] > best:
-            skipped.append(f"{d}x{m}: cannot beat the best found (its flops at peak on "
+            name = f"{reps}x{d // reps}x{m}" if reps > 1 else f"{d}x{m}"
+            skipped.append(f"{name}: cannot beat the best found (its flops at peak on "
                            f"{d * m} devices already score {lower[i] / best:.2f}x)")
             continue
-        r = solve_mesh(graph, cluster, d, m, budget, offload, allowed)
+        r = solve_mesh(graph, cluster, d, m, budget, offload, allowed, reps)
         solved[i] = r
         if r.fits and uses_model_axis(r) and (
                 allowed is None or "replicate" in allowed

@@ -53,9 +53,10 @@ def compile_candidate(fn: Callable, layout: Any, r: MeshResult, devices: Sequenc
     """Compile one candidate exactly as `auto_shard` would run it (the same
     `compile_layout`, the candidate's real placements) and read XLA's figures for it."""
     cs = compile_layout(fn, layout, r.d, r.m, r.strategies, devices, donate=donate,
-                        compiler_options=compiler_options)
-    host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate)
-    return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s, host), cs
+                        compiler_options=compiler_options, r=r.r)
+    host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate, r.r)
+    return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s, host,
+                            r.r), cs
 
 
 def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
@@ -85,7 +86,7 @@ def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
             failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             continue
         figures[i] = figs
-        preds[i] = with_compiled(r.predicted, figs, cluster, batch_size, r.d, r.m)
+        preds[i] = with_compiled(r.predicted, figs, cluster, batch_size, r.d, r.m, r.r)
         if figs.memory_bytes <= budget:
             steps[i] = cs
     ranking = objective.rank(

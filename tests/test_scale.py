@@ -191,8 +191,8 @@ def test_two_processes_planning_the_same_step_write_the_same_bytes():
 @pytest.mark.parametrize("objective", ["throughput", "balanced", "energy"])
 def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective):
     """Branch and bound skips only meshes that cannot win: the plan equals the best of
-    solving every mesh shape."""
-    from jaxwap.solve import mesh_shapes, search, solve_mesh
+    solving every mesh shape (and hybrid-sharding the best of those, as the search does)."""
+    from jaxwap.solve import HYBRID_MESHES, _hybrids, mesh_shapes, search, solve_mesh
 
     step, params, opt, data = abstract_setup((2048, 2048, 2048, 16), 65536, 2048)
     graph = analyze(*_analysis_inputs(step, params, opt, data))
@@ -204,8 +204,11 @@ def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective
     best = got.results[got.best]
     shapes, _ = mesh_shapes(512, graph.batch_size, graph, node_size=8)
     every = [solve_mesh(graph, cluster, d, m, 72e9) for d, m in shapes]
+    every += _hybrids(graph, cluster, obj, every, 72e9, True, None)
     ranked = obj.rank([r.predicted if r.fits else None for r in every],
                       max_watts=cluster.device.max_watts, num_devices_available=512)
     want = every[ranked.best]
-    assert (best.d, best.m, best.strategies) == (want.d, want.m, want.strategies)
-    assert len(got.results) <= len(every) + 1   # + the data-parallel baseline
+    assert (best.d, best.m, best.r, best.strategies) == (want.d, want.m, want.r,
+                                                         want.strategies)
+    # + the data-parallel baseline
+    assert len(got.results) <= len(every) + 1 and len(every) <= len(shapes) + HYBRID_MESHES
