@@ -21,6 +21,7 @@ come from `meshes`, each parameter's candidate layouts from `strategies`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -338,32 +339,55 @@ class _Bound:
     num_devices: int
 
 
-# hybrid sharding is tried on this many of the best meshes found without it
-HYBRID_MESHES = 3
-
-
 def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
              results: Sequence[MeshResult], budget: float, offload: bool,
              allowed: frozenset[str] | None) -> list[MeshResult]:
-    """The best meshes (`HYBRID_MESHES`, by the objective) whose data axis spans nodes,
-    solved again hybrid-sharded (HSDP): parameters sharded over the d/r data devices
-    inside each node, r replicas across the nodes, so FSDP's gathers stay on the node's
-    links and only gradient shards cross the network. HSDP changes only how data-sharded
-    parameters communicate and how much they hold (more than sharding over every data
-    device), so a mesh that does not fit, or ranks below the best, gains nothing from it;
-    nor does a step whose layouts may not shard over data."""
+    """Each fitting mesh whose data axis spans nodes and whose step waits for gradient
+    communication, hybrid-sharded (HSDP): its layout's data-sharded parameters sharded
+    over the d/r data devices inside each node, r replicas across the nodes, so FSDP's
+    gathers stay on the node's links and only gradient shards cross the network.
+
+    HSDP changes only how data-sharded parameters communicate and how much they hold (more
+    than sharding over every data device): a mesh that does not fit gains nothing, nor
+    one whose communication is hidden already, nor a step whose layouts may not shard
+    over data. Each such mesh's own layout is priced again with the replicas (one pricing,
+    where a search of a 4096-device mesh takes most of a second) and kept where it still
+    fits; the best of them by the objective is also searched in full.
+    `mesh_shape={"replica": r, ...}` searches a hybrid mesh in full."""
     if cluster.num_nodes <= 1 or not (allowed is None or {"fsdp", "zero1"} & allowed):
         return []
-    kw = {"max_watts": cluster.device.max_watts, "num_devices_available": cluster.num_devices}
-    ok = [r for r in results if r.fits and uses_model_axis(r)
-          and 1 < cluster.devices_in_node(r.d, r.m) < r.d
-          and r.d % cluster.devices_in_node(r.d, r.m) == 0]
-    if not ok:
+    eligible = []
+    for res in results:
+        inner = cluster.devices_in_node(res.d, res.m)
+        pr = res.predicted
+        if (res.fits and res.variant == "planner" and 1 < inner < res.d
+                and res.d % inner == 0 and any(s.data_sharded or s.state_spec is not None
+                                               for s in res.strategies)
+                and pr.exposed_comm_time_s > HYBRID_EXPOSED * pr.step_time_s):
+            eligible.append((res, res.d // inner))
+    if not eligible:
         return []
-    scores = objective.scores([r.predicted for r in ok], **kw)
-    best = sorted(range(len(ok)), key=lambda i: scores[i])[:HYBRID_MESHES]
-    return [solve_mesh(graph, cluster, ok[i].d, ok[i].m, budget, offload, allowed,
-                       ok[i].d // cluster.devices_in_node(ok[i].d, ok[i].m)) for i in best]
+    out = []
+    for res, r in eligible:
+        mc = mesh_costs(graph, cluster, res.d, res.m, [(s,) for s in res.strategies], r)
+        hybrid = predict(graph, cluster, mc, [0] * len(res.strategies))
+        if hybrid.peak_memory_bytes <= budget:
+            out.append(dataclasses.replace(res, predicted=hybrid, r=r))
+    # the most promising one searched in full: with gathers cheap inside the node, its
+    # best layout may shard more than the mesh's own
+    kw = {"max_watts": cluster.device.max_watts, "num_devices_available": cluster.num_devices}
+    scores = objective.scores([res.predicted for res, _ in eligible], **kw)
+    res, r = eligible[min(range(len(eligible)), key=lambda i: scores[i])]
+    full = solve_mesh(graph, cluster, res.d, res.m, budget, offload, allowed, r)
+    if full.fits:
+        out = [h for h in out if (h.d, h.m) != (full.d, full.m)
+               or h.predicted.step_time_s < full.predicted.step_time_s] + [full]
+    return out
+
+
+# a mesh whose step waits for less than this share of communication gains nothing
+# from hybrid sharding worth a candidate
+HYBRID_EXPOSED = 0.01
 
 
 def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
