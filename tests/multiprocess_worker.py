@@ -74,3 +74,29 @@ got = multihost_utils.process_allgather(p, tiled=True)
 jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                      rtol=2e-5, atol=2e-6), ref_p, got)
 print(f"process {pid}: OK hierarchical mesh={dict(plan.mesh_shape)}", flush=True)
+
+# Hybrid sharding across the two processes as two nodes: FSDP over each process's 4
+# devices, the two processes replicas of each other (HSDP). Each replica's devices are one
+# process's, and the numbers are still the single-device ones.
+hybrid = jaxwap.auto_shard(step, params, objective="throughput", cache=False,
+                           mesh_shape={"replica": 2, "data": 4}, strategies=("fsdp",))
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = hybrid(p, o, batch)
+plan = hybrid.plan
+assert dict(plan.mesh_shape) == {"replica": 2, "data": 4, "model": 1}, plan.mesh_shape
+assert hybrid.mesh.axis_names == ("replica", "data", "model"), hybrid.mesh.axis_names
+for replica in hybrid.mesh.devices:   # one replica: one process's devices
+    assert len({d.process_index for d in replica.flat}) == 1, replica
+assert all(q.strategy == "fsdp" and "data" in q.spec for q in plan.params
+           if q.path[-1] == "kernel"), [(q.path, q.strategy, q.spec) for q in plan.params]
+assert "HSDP" in plan.explain(), plan.explain()
+# XLA's own program: the only collectives across the processes reduce over the replicas
+assert plan.compiled is not None
+assert any(c.axes == ("replica",) and c.group_size == 2 for c in plan.compiled.collectives)
+assert all(c.axes in (("data",), ("replica",), ("replica", "data"))
+           for c in plan.compiled.collectives), plan.compiled.collectives
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+print(f"process {pid}: OK hsdp mesh={dict(plan.mesh_shape)}", flush=True)

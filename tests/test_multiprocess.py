@@ -38,3 +38,4 @@ def test_two_processes_match_one_device():
         assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
         assert f"process {i}: OK" in out
         assert f"process {i}: OK hierarchical" in out
+        assert f"process {i}: OK hsdp" in out
