@@ -251,7 +251,7 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
 def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
                 r: int = 1) -> tuple[float, int]:
     """(peak live bytes per device, index of the peak point)."""
-    per_point = graph.live @ memory_weights(graph, d, strats, m, r)
+    per_point = graph.live_at(memory_weights(graph, d, strats, m, r))
     k = int(np.argmax(per_point))
     return float(per_point[k]), k
 

@@ -47,7 +47,7 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     live = graph.live
     weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m,
                              r)
-    per_point = live @ weights
+    per_point = graph.live_at(weights)
     cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
     at_k = -1          # the peak point the move tables below were made for
     saved = added = ok = np.empty(0)
@@ -66,7 +66,7 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
         if per_point[k] <= budget:
             # confirm on a fresh sum (the running one carries rounding)
             strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
-            per_point = live @ memory_weights(graph, d, strats, m, r)
+            per_point = graph.live_at(memory_weights(graph, d, strats, m, r))
             k = int(np.argmax(per_point))
             if per_point[k] <= budget:
                 break
@@ -93,12 +93,12 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
         j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
         if kind[j, s] == kind[j, choice[j]]:
-            per_point += live[:, cols[j]] @ (inv[j, s] - inv[j, choice[j]])
+            per_point += graph.live_cols_at(cols[j], inv[j, s] - inv[j, choice[j]])
             choice[j] = s
         else:   # a new tensor-parallel kind also splits activations: sum afresh
             choice[j] = s
-            per_point = live @ memory_weights(
-                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m, r)
+            per_point = graph.live_at(memory_weights(
+                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m, r))
         moved = j
     return choice
 
@@ -124,7 +124,7 @@ def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
     weights[0] = activation_share / d
     weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)
     weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
-    per_point = graph.live @ weights
+    per_point = graph.live_at(weights)
     k = int(np.argmax(per_point))
     at_peak = graph.live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T
     choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]

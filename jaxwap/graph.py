@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import scipy.sparse
 
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
@@ -150,6 +151,22 @@ class Graph:
     @property
     def total_flops(self) -> float:
         return float(self.flops.sum())
+
+    @functools.cached_property
+    def live_changes(self) -> scipy.sparse.csc_array:
+        """`live`'s changes from each row to the next (row 0: itself), sparse. Kept rows
+        differ in a few buckets each (an activation made, a gradient produced), so a 70B
+        model's 4739 x 4016 matrix changes in 16,622 cells: every per-point product is
+        then a sparse product and a running sum (`live_at`), not a dense one."""
+        return scipy.sparse.csc_array(np.diff(self.live, axis=0, prepend=0.0))
+
+    def live_at(self, weights: np.ndarray) -> np.ndarray:
+        """`live @ weights`, the bytes per device at every kept point, from the changes."""
+        return np.cumsum(self.live_changes @ weights)
+
+    def live_cols_at(self, cols: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """`live[:, cols] @ weights`, from the changes."""
+        return np.cumsum(self.live_changes[:, cols] @ weights)
 
     @functools.cached_property
     def layer_groups(self) -> tuple[tuple[Layer, ...], ...]:
