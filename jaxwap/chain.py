@@ -1,0 +1,163 @@
+"""The tensor-parallel chain's dynamic program: per mesh, each parameter's strategy
+such that compute + weighted gradient communication + the model-axis communication along
+the chain of sibling groups (`Graph.layer_groups`) is least.
+
+The chain's communication depends on the groups' kinds only (col, row, none), so per
+parameter and kind the cheapest strategy of that kind is taken first and the program runs
+over kinds: a few transitions per group, however many strategies. Siblings take one kind
+(`_combos`), and only Megatron pairs are proposed where one can form (`_pairs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .comm import group_kind, tp_final_cost, tp_group_cost
+from .cost import MeshCosts
+from .graph import Graph
+from .hardware import Cluster
+
+
+@dataclass(frozen=True)
+class FlatCosts:
+    """A mesh's per-(parameter, strategy) costs as flat arrays, built once per mesh for
+    the dynamic program's several weightings: `J` the parameter, `S` the strategy's index
+    within it, `kind` its tensor-parallel kind's rank of first appearance within the
+    parameter's strategies (0, 1, 2: the order the DP visits kinds in), and the parts of
+    its own cost."""
+
+    J: np.ndarray
+    S: np.ndarray
+    kind: np.ndarray
+    kind_name: tuple[str, ...]
+    time: np.ndarray
+    grad: np.ndarray
+    host: np.ndarray
+
+
+def flat_costs(mc: MeshCosts) -> FlatCosts:
+    sizes = [len(st) for st in mc.strategies]
+    J = np.repeat(np.arange(len(sizes)), sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    names: list[str] = []
+    kind = []
+    for strats in mc.strategies:
+        seen: dict[str, int] = {}
+        for st in strats:
+            seen.setdefault(st.tp, len(seen))
+            kind.append(seen[st.tp])
+        names.append(",".join(seen))
+    return FlatCosts(J, np.arange(len(J)) - starts[J], np.asarray(kind, np.int64), tuple(names),
+                 np.concatenate([np.asarray(x, np.float64) for x in mc.param_time]),
+                 np.concatenate([np.asarray([g[0] for g in row], np.float64)
+                                 for row in mc.grad_comm]),
+                 np.concatenate([np.asarray(x, np.float64) for x in mc.host]))
+
+
+def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
+        flat: FlatCosts | None = None) -> list[int]:
+    """Strategy indices minimising compute + weight*grad comm + TP chain communication.
+
+    The chain's communication depends on the layers' kinds only (col, row, none), so per
+    layer and kind the cheapest strategy of that kind is taken first (the first of equals),
+    and the dynamic program runs over kinds: a few transitions per layer, however many
+    strategies."""
+    f = flat or flat_costs(mc)
+    d, m = mc.d, mc.m
+    own = f.time + weight * f.grad + 2 * f.host
+    # per (parameter, kind): its cheapest strategy, the first of equals
+    order = np.lexsort((f.S, own, f.kind, f.J))
+    first = np.ones(len(order), bool)
+    first[1:] = (f.J[order][1:] != f.J[order][:-1]) | (f.kind[order][1:] != f.kind[order][:-1])
+    pick = order[first]
+    per_param: dict[int, list[tuple[int, int, float]]] = {}
+    for i in pick.tolist():
+        per_param.setdefault(int(f.J[i]), []).append((int(f.kind[i]), int(f.S[i]),
+                                                      float(own[i])))
+    choice = [min(v, key=lambda t: (t[2], t[1]))[1] for _, v in sorted(per_param.items())]
+    if not graph.layers:
+        return choice
+    # the communication of a group of siblings depends on their activation sizes and
+    # kinds: the blocks of a deep model repeat a few of those, so each is priced once
+    priced: dict[tuple[Any, ...], float] = {}
+
+    def comm(group: tuple[Any, ...], prev: str, ks: tuple[str, ...]) -> float:
+        rep = float(graph.repeat[group[0].op_index])
+        key = (tuple((L.act_in_bytes, L.act_out_bytes, bool(L.needs_input_grad))
+                     for L in group), prev, ks, rep)
+        if key not in priced:
+            priced[key] = tp_group_cost(group, prev, ks, d, m, cluster, rep)[0]
+        return priced[key]
+
+    # states: kind the previous group leaves -> its cost so far
+    states: dict[str, float] = {"none": 0.0}
+    # per group: kind left -> (previous kind, each sibling's strategy)
+    back: list[dict[str, tuple[str, tuple[int, ...]]]] = []
+    for group in graph.layer_groups:
+        options = [[(f.kind_name[L.param].split(",")[ki], s, o)
+                    for ki, s, o in per_param[L.param]] for L in group]
+        nxt: dict[str, float] = {}
+        ptr: dict[str, tuple[str, tuple[int, ...]]] = {}
+        kinds_of = {k for o in options for k, _, _ in o}
+        for combo in _combos(options):
+            ks = tuple(k for k, _, _ in combo)
+            own_sum = sum(o for _, _, o in combo)
+            left = group_kind(ks)
+            for prev, c in states.items():
+                if not _pairs(prev, ks, states, kinds_of):
+                    continue
+                cost = c + own_sum + comm(group, prev, ks)
+                if left not in nxt or cost < nxt[left]:
+                    nxt[left], ptr[left] = cost, (prev, tuple(s for _, s, _ in combo))
+        states = nxt
+        back.append(ptr)
+    last = graph.layers[-1]
+    rep = float(graph.repeat[last.op_index])
+    k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster, rep)[0])
+    for group, ptr in zip(reversed(graph.layer_groups), reversed(back), strict=True):
+        k, picked = ptr[k]
+        for L, s in zip(group, picked, strict=True):
+            choice[L.param] = s
+    return choice
+
+
+def _pairs(prev: str, ks: Sequence[str], states: Any, kinds: set[str]) -> bool:
+    """Whether the chain may go from a group that left `prev` to one of kinds `ks`.
+    Megatron pairs (column-parallel, then row-parallel) compile as the chain prices them
+    (a compiled Llama block's model-axis bytes within 3%); other sequences are left to
+    XLA's sharding propagation, which reshards them in ways the chain underprices: an
+    unpaired row-parallel layer (its input whole) has the producers upstream split and
+    gathered in every block before it (16 extra activation gathers in a 2-block Llama),
+    a column-parallel layer after another (GPT-2's attention projection after its fused
+    q/k/v) cost 3x the bytes priced. So neither is proposed where a pair can form
+    instead: a row-parallel group only after a column-parallel one (when the chain can
+    be column-parallel there), a column-parallel group after one only when it cannot be
+    row-parallel."""
+    if "row" in ks and prev != "col" and "col" in states:
+        return False
+    return not ("col" in ks and prev == "col" and "row" in kinds)
+
+
+def _combos(options: Sequence[Sequence[tuple[str, int, float]]]
+            ) -> list[tuple[tuple[str, int, float], ...]]:
+    """The (kind, strategy, own cost) choices a group of siblings' dynamic-program step
+    weighs, each layer's options given per kind. Siblings take one kind: mixing column-
+    and row-parallel siblings makes XLA reshard the products they feed together (a
+    compiled Llama block moved 1.5x the bytes the chain prices), so only uniform choices
+    are weighed, a sibling that cannot take the kind not split ("none") instead, or at
+    its cheapest where it has no unsplit option either."""
+    out = []
+    for kind in dict.fromkeys(k for o in options for k, _, _ in o):
+        pick = []
+        for o in options:
+            same = [t for t in o if t[0] == kind] or [t for t in o if t[0] == "none"] or \
+                [min(o, key=lambda t: t[2])]
+            pick.append(same[0])
+        out.append(tuple(pick))
+    return out
+
+
+__all__ = ["FlatCosts", "chain_dp", "flat_costs"]
