@@ -122,7 +122,9 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
                                   micro_batches, mesh, node)
     if not shapes:
         if mesh is not None:
-            raise ValueError(f"mesh_shape {mesh[0]}x{mesh[1]} cannot be used: "
+            asked = (f"replica={replicas} x data={mesh[0] // replicas} x model={mesh[1]}"
+                     if replicas > 1 else f"{mesh[0]}x{mesh[1]}")
+            raise ValueError(f"mesh_shape {asked} cannot be used: "
                              f"{'; '.join(s.split(': ', 1)[1] for s in skipped)}")
         raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
     if replicas > 1 and any(d % replicas for d, _ in shapes):

@@ -117,3 +117,21 @@ def test_hsdp_plan_runs_matches_single_device_and_is_priced_as_compiled():
     shards = sum(np.prod(p.shape) * np.dtype(p.dtype).itemsize / 4
                  for p in plan.params if p.strategy == "fsdp")
     assert across == pytest.approx(shards, rel=0.01)
+
+
+def test_a_saved_hsdp_plan_runs_again_and_a_bad_one_names_its_mesh():
+    """A hybrid plan's JSON keeps the replica axis, and `plan=` runs it to the same
+    numbers; a hybrid mesh the batch cannot fill is refused with the mesh asked for."""
+    step, params, opt, batch = host_setup(MLP((64, 64, 10)), (32, 16), tx=optax.sgd(0.1))
+    hw = jaxwap.Cluster("cpu", 8, devices_per_node=4)
+    first = jaxwap.auto_shard(step, params, hardware=hw, mesh_shape={"replica": 2, "data": 4},
+                              strategies=("fsdp",), verify=0, cache=False)
+    out = first(*copy_tree((params, opt)), batch)
+    saved = jaxwap.Plan.from_json(first.plan.to_json())
+    assert dict(saved.mesh_shape) == {REPLICA: 2, DATA: 4, MODEL: 1}
+    again = jaxwap.auto_shard(step, params, plan=saved)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 out, again(*copy_tree((params, opt)), batch))
+    with pytest.raises(ValueError, match="replica=3 x data=2 x model=1 cannot be used"):
+        jaxwap.auto_shard(step, params, hardware=hw, mesh_shape={"replica": 3, "data": 2},
+                          verify=0, cache=False).plan_for(params, opt, batch)
