@@ -22,7 +22,7 @@ from .measure import measure_finalists
 from .options import PlanOptions, split_options
 from .plan import Plan
 from .planner import Planned, make_plan, record_measurements
-from .records import mesh_dims
+from .records import mesh_dims, mesh_stages
 from .state import abstract_entries, classify_leaves
 from .trace import flat_leaves, globalize, is_process_local, leaf_entries
 
@@ -107,7 +107,7 @@ class AutoShardedStep:
     @property
     def mesh(self) -> Mesh:
         d, m, r = mesh_dims(self.plan.mesh_shape)
-        return make_mesh(d, m, self._require().devices, r)
+        return make_mesh(d, m, self._require().devices, r, mesh_stages(self.plan.mesh_shape))
 
     def _require(self) -> Planned:
         if self._current is None:
@@ -122,7 +122,8 @@ class AutoShardedStep:
             self._execs[key] = planned.compiled or compile_layout(
                 planned.fn or self.train_step, planned.layout, d, m, plan.params,
                 planned.devices, donate=self.options.donate,
-                compiler_options=self.options.compiler_options, r=r)
+                compiler_options=self.options.compiler_options, r=r,
+                stages=mesh_stages(plan.mesh_shape))
         return self._execs[key]
 
     def lower_and_compile(self, *args: Any, **kwargs: Any) -> Any:
@@ -154,7 +155,8 @@ class AutoShardedStep:
             classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
                             batch_size=local_batch, infer_batch=False, by_path=True), leaves)
         d, _, r = mesh_dims(planned.plan.mesh_shape)
-        layouts = leaf_specs(table, planned.plan.params, d, r)
+        layouts = leaf_specs(table, planned.plan.params, d, r,
+                             mesh_stages(planned.plan.mesh_shape))
         placed = [place(leaf, sh, aval) for leaf, sh, aval
                   in zip(leaves, shardings(mesh, layouts), table.avals, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, placed)

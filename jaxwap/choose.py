@@ -95,19 +95,19 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
                        s.offload)
         for p, s in zip(ctx.params, best.strategies, strict=True))
     notes = list(ctx.notes)
-    present = best.d * best.m <= len(ctx.devices)
+    present = best.num_devices <= len(ctx.devices)
     if any(s.offload for s in best.strategies) and ctx.devices[0].platform == "cpu" \
             and present:
         notes.append("optimizer state planned for host memory: XLA:CPU compiles memory kinds "
                      "to nothing, so the saving is modelled, not verified, on this backend")
     return Plan(
         mesh_shape=dict(best.mesh),
-        device_ids=_device_ids(ctx, best.d * best.m),
+        device_ids=_device_ids(ctx, best.num_devices),
         params=placements, objective=ctx.objective, predicted=best.predicted,
         candidates=tuple(cands), compiled=figs.get(chosen), verified=vpreds.get(chosen),
         measured=measured.get(chosen), hardware=ctx.cluster, batch_size=ctx.batch_size,
         memory_budget_bytes=ctx.budget, planning_time_s=dict(ctx.timing),
-        notes=tuple(notes), version=__version__, step=ctx.step,
+        notes=tuple(notes), version=__version__, step=best.step or ctx.step,
         _treedef=ctx.params_treedef)
 
 

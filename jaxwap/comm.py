@@ -115,6 +115,13 @@ def all_gather(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
     return flat, flat_sent
 
 
+def send(nbytes: float, cluster: Cluster, across: bool) -> float:
+    """Seconds of one point-to-point send of `nbytes` per device (a pipeline stage handing
+    its activation to the next), inside a node or between nodes."""
+    bw, lat = _step(cluster, across)
+    return lat + nbytes / bw
+
+
 def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int, r: int = 1) -> int:
     """How many devices of one group over these mesh axes share a node, on a (d, m) mesh
     (of r replicas: the data axis as (replica, data/r)) laid out node by node with the

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .records import DATA, MODEL, REPLICA
+from .records import DATA, MODEL, REPLICA, STAGE
 from .state import BATCH, PARAM, LeafTable
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
@@ -23,10 +23,20 @@ from .state import BATCH, PARAM, LeafTable
 GPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
-def make_mesh(d: int, m: int, devices: Sequence[Any], r: int = 1) -> Mesh:
+def make_mesh(d: int, m: int, devices: Sequence[Any], r: int = 1, stages: int = 1) -> Mesh:
     """A (data, model) mesh over the first d*m devices, with Auto axes (XLA propagates);
     with r > 1 replicas, (replica, data, model) of sizes (r, d/r, m): the data axis split
-    into its outer part (across nodes, devices being in node order) and its inner one."""
+    into its outer part (across nodes, devices being in node order) and its inner one. A
+    pipeline's `stages` > 1 add the outermost axis, stage: p such meshes, one per stage."""
+    if stages > 1:
+        n = d * m
+        if stages * n > len(devices):
+            raise ValueError(f"a {stages}-stage pipeline of {d}x{m} meshes needs "
+                             f"{stages * n} devices, only {len(devices)} given")
+        inner = [make_mesh(d, m, devices[s * n:(s + 1) * n], r) for s in range(stages)]
+        grid = np.stack([np.asarray(x.devices) for x in inner])
+        names = (STAGE, *inner[0].axis_names)
+        return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
     if d * m > len(devices):
         raise ValueError(f"a {d}x{m} mesh needs {d * m} devices, only {len(devices)} given")
     if r > 1:
@@ -38,9 +48,13 @@ def make_mesh(d: int, m: int, devices: Sequence[Any], r: int = 1) -> Mesh:
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def batch_spec(r: int = 1) -> P:
-    """How batch leaves are split: over the data axis, and over the replicas too."""
-    return P((REPLICA, DATA)) if r > 1 else P(DATA)
+def batch_spec(r: int = 1, stages: int = 1) -> P:
+    """How batch leaves are split: over the data axis, and over the replicas and a
+    pipeline's stages too (each process of a pipeline keeps its own slice of the batch;
+    the layers outside the stack run split over every device, the stack's input is
+    gathered over the stages where the pipeline starts)."""
+    axes = ((STAGE,) if stages > 1 else ()) + ((REPLICA,) if r > 1 else ()) + (DATA,)
+    return P(axes) if len(axes) > 1 else P(DATA)
 
 
 HOST = "pinned_host"
@@ -67,7 +81,7 @@ def placement_of(p: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], bool]:
 
 
 def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int,
-               r: int = 1) -> list[LeafLayout]:
+               r: int = 1, stages: int = 1) -> list[LeafLayout]:
     """The layout of every leaf: a param's spec for it, its optimizer-state spec (and
     memory kind) for its mirrors, the data axis (and the replicas) for batch leaves (when
     the mesh splits data), replicated otherwise."""
@@ -80,23 +94,24 @@ def leaf_specs(table: LeafTable, placements: Sequence[Any], d: int,
                 out.append(LeafLayout(P(*state), HOST if offload else None))
             else:
                 out.append(LeafLayout(P(*spec)))
-        elif role.kind == BATCH and d > 1:
-            out.append(LeafLayout(batch_spec(r)))
+        elif role.kind == BATCH and d * stages > 1:
+            out.append(LeafLayout(batch_spec(r, stages)))
         else:
             out.append(LeafLayout(P()))
     return out
 
 
 def host_resident_bytes(layout: Any, placements: Sequence[Any], d: int, m: int,
-                        donate: bool, r: int = 1) -> float:
+                        donate: bool, r: int = 1, stages: int = 1) -> float:
     """Per-device bytes of the state a layout keeps in host memory, as a backend whose
     memory analysis ignores memory kinds (XLA:CPU) counts them: inputs plus outputs,
     less the inputs donated to (aliased with) those outputs."""
-    sizes = {DATA: d // r, MODEL: m, REPLICA: r}
+    sizes = {DATA: d // r, MODEL: m, REPLICA: r, STAGE: stages}
 
     def total(table: LeafTable) -> float:
         n = 0.0
-        for lay, aval in zip(leaf_specs(table, placements, d, r), table.avals, strict=True):
+        for lay, aval in zip(leaf_specs(table, placements, d, r, stages), table.avals,
+                             strict=True):
             if lay.memory_kind == HOST:
                 split = int(np.prod([sizes[a] for a in lay.spec if a is not None]))
                 n += int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize \
@@ -125,18 +140,20 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
                    placements: Sequence[Any], devices: Sequence[Any], *,
                    donate: bool = True,
                    compiler_options: dict[str, Any] | None = None,
-                   r: int = 1) -> CompiledStep:
+                   r: int = 1, stages: int = 1) -> CompiledStep:
     """Lower and compile `fn` (flattened per `layout`) for this mesh and parameter layout,
     from abstract arguments only: nothing is allocated and no user array is touched.
 
     `placements` holds one entry per parameter: a `Strategy` or a `ParamPlacement`.
     Optimizer state kept in host memory enters and leaves the step there; the step moves
     it to device memory where the user's code reads it and back where it returns it, so
-    XLA schedules (and on GPU overlaps) the transfers.
+    XLA schedules (and on GPU overlaps) the transfers. A pipelined step (`stages` > 1) is
+    traced inside its mesh (`jax.set_mesh`): its pipeline loop runs over the mesh's stage
+    axis.
     """
-    mesh = make_mesh(d, m, devices, r)
-    in_lay = leaf_specs(layout.inputs, placements, d, r)
-    out_lay = leaf_specs(layout.outputs, placements, d, r)
+    mesh = make_mesh(d, m, devices, r, stages)
+    in_lay = leaf_specs(layout.inputs, placements, d, r, stages)
+    out_lay = leaf_specs(layout.outputs, placements, d, r, stages)
     in_sh, out_sh = shardings(mesh, in_lay), shardings(mesh, out_lay)
     donated = tuple(i for i, r in enumerate(layout.inputs.roles)
                     if r.kind == PARAM) if donate else ()
@@ -163,5 +180,10 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
                                      weak_type=getattr(a, "weak_type", False))
                 for a, s in zip(layout.inputs.avals, in_sh, strict=True)]
     t0 = time.perf_counter()
-    compiled = jitted.lower(*abstract).compile(compiler_options=opts or None)
+    if stages > 1:
+        with jax.set_mesh(mesh):
+            lowered = jitted.lower(*abstract)
+    else:
+        lowered = jitted.lower(*abstract)
+    compiled = lowered.compile(compiler_options=opts or None)
     return CompiledStep(mesh, in_sh, compiled, time.perf_counter() - t0)

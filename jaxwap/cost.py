@@ -273,6 +273,8 @@ class StepParts:
     memory: float
     flops: float
     loop_flops_ratio: float = 1.0
+    bubble: float = 0.0         # of `compute`: a pipeline's bubble (computing padding)
+    sends: float = 0.0          # of `blocking`: a pipeline's stage-to-stage sends
 
 
 def exposed_comm(grad_comm: float, tail: float, batched_time: float,
@@ -317,7 +319,8 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts) -> Predicti
         flops_per_device=parts.flops, utilization=util, num_devices=n,
         busy_time_s=parts.busy, batched_time_s=parts.batched_time,
         host_transfer_time_s=2 * parts.host_one_way, loop_flops_ratio=parts.loop_flops_ratio,
-        tail_comm_time_s=parts.tail_comm, exposed_host_time_s=host)
+        tail_comm_time_s=parts.tail_comm, exposed_host_time_s=host,
+        bubble_time_s=parts.bubble, send_time_s=parts.sends)
 
 
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .comm import collective_cost
 from .hardware import Cluster
-from .records import DATA, MODEL, REPLICA, Collective, CompiledFigures
+from .records import DATA, MODEL, REPLICA, STAGE, Collective, CompiledFigures
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -103,17 +103,18 @@ def replica_groups(line: str) -> list[list[int]] | None:
 
 
 def axes_of(groups: list[list[int]] | None, mesh_shape: tuple[int, int],
-            r: int = 1) -> tuple[str, ...]:
+            r: int = 1, stages: int = 1) -> tuple[str, ...]:
     """The mesh axes a set of groups spans: partition p sits at (p // model, p % model),
-    and with r replicas the data index p // model at (replica, data) = divmod(it, d/r)."""
+    and with r replicas the data index p // model at (replica, data) = divmod(it, d/r);
+    a pipeline's stage index is outermost, p // (d * m)."""
     d, m = mesh_shape
     di = d // r
-    sizes = ((REPLICA, r), (DATA, di), (MODEL, m))
+    sizes = ((STAGE, stages), (REPLICA, r), (DATA, di), (MODEL, m))
     if groups is None:
         return tuple(a for a, s in sizes if s > 1)
     spans = set()
     for g in groups:
-        coords = np.array([(p // m // di, p // m % di, p % m) for p in g])
+        coords = np.array([(p // (d * m), p // m // di % r, p // m % di, p % m) for p in g])
         for k, (axis, _) in enumerate(sizes):
             if len(set(coords[:, k])) > 1:
                 spans.add(axis)
@@ -148,12 +149,12 @@ def _loop_multipliers(lines: Sequence[str]) -> tuple[list[str], dict[str, int]]:
 
 
 def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int],
-                      r: int = 1) -> list[Collective]:
+                      r: int = 1, stages: int = 1) -> list[Collective]:
     """Every collective in an HLO module's text (async `-start` forms counted once), its
     bytes multiplied by the trip count of the loops it sits in; the mesh axes each spans
     on a (d, m) mesh of r replicas (`axes_of`)."""
     out = []
-    n_all = mesh_shape[0] * mesh_shape[1]
+    n_all = mesh_shape[0] * mesh_shape[1] * stages
     lines = hlo_text.splitlines()
     owner, mult = _loop_multipliers(lines)
     for line, comp in zip(lines, owner, strict=True):
@@ -171,13 +172,13 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int],
         groups = replica_groups(line)
         size = len(groups[0]) if groups else n_all
         out.append(Collective(mt.group("kind"), nbytes * mult.get(comp, 1),
-                              axes_of(groups, mesh_shape, r), size))
+                              axes_of(groups, mesh_shape, r, stages), size))
     return out
 
 
 def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluster,
-                     compile_time_s: float = 0.0, host_resident: float = 0.0, r: int = 1
-                     ) -> CompiledFigures:
+                     compile_time_s: float = 0.0, host_resident: float = 0.0, r: int = 1,
+                     stages: int = 1) -> CompiledFigures:
     """Read memory, cost and collectives from a `jax.stages.Compiled`.
 
     `host_resident` is the per-device bytes the layout keeps in host memory. Where XLA
@@ -198,7 +199,7 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
-    colls = tuple(parse_collectives(compiled.as_text(), mesh_shape, r))
+    colls = tuple(parse_collectives(compiled.as_text(), mesh_shape, r, stages))
     comm = sum(collective_cost(c, cluster, *mesh_shape, r=r)[1] for c in colls)
     return CompiledFigures(
         memory_bytes=arg + out + tmp - alias - unverified, argument_bytes=arg, output_bytes=out,

@@ -20,6 +20,7 @@ from .compile import compile_layout
 from .energy import measure_energy
 from .progress import Progress
 from .records import Measurement
+from .train_step import restructured
 
 
 def measure_step(run: Callable[[], Any], devices: Sequence[Any], steps: int,
@@ -58,9 +59,10 @@ def measure_finalists(fn: Callable, planned: Any, flat_args: Sequence[Any], step
     measured: dict[int, Measurement] = {}
     for i in picks:
         r = planned.search.results[i]
-        cs = compile_layout(planned.fn or fn, planned.layout, r.d, r.m, r.strategies,
+        step = restructured(fn, r.step) if r.step is not None else planned.fn or fn
+        cs = compile_layout(step, planned.layout, r.d, r.m, r.strategies,
                             planned.all_devices, donate=False,
-                            compiler_options=compiler_options, r=r.r)
+                            compiler_options=compiler_options, r=r.r, stages=r.stages)
         placed = [place(leaf, sh, aval) for leaf, sh, aval in
                   zip(flat_args, cs.in_shardings, planned.layout.inputs.avals, strict=True)]
         run = lambda cs=cs, placed=placed: jax.block_until_ready(cs.compiled(*placed))

@@ -66,6 +66,11 @@ class PlanOptions:
         every family it combines is allowed; a parameter with no qualifying split (a bias
         no axis divides) stays replicated, and without "replicate" a mesh on which no
         parameter gets an allowed split is not a candidate. `("fsdp",)` forces FSDP.
+      pipeline: pipelining of a `make_train_step` step whose loss runs a `lax.scan` over
+        stacked layer parameters (`jaxwap.stack`): None (the default) weighs pipelined
+        candidates beside the others; False never pipelines; a dict of "stages" and
+        optionally "micro_batches" and "repeats" (1: GPipe, more: the circular schedule)
+        plans only pipelines of that shape (what is left out is chosen).
       plan: run this plan (a `jaxwap.Plan`, or the path of its `to_json()` file) instead of
         planning: a plan made ahead of time for the cluster, by `jaxwap.plan(...,
         hardware=Cluster(...))` on another machine. The cluster it was made for must be
@@ -87,6 +92,7 @@ class PlanOptions:
     mesh_shape: Mapping[str, int] | None = None
     strategies: tuple[str, ...] | None = None
     plan: Plan | str | os.PathLike | None = None
+    pipeline: bool | Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -132,6 +138,7 @@ class PlanOptions:
                                  f"{dict(self.mesh_shape)} ({n} devices); give one of them")
         if self.strategies is not None:
             put("strategies", _strategies(self.strategies))
+        put("pipeline", _pipeline(self.pipeline))
         if self.plan is not None and not isinstance(self.plan, Plan):
             if not isinstance(self.plan, (str, os.PathLike)):
                 raise TypeError(f"plan must be a jaxwap.Plan or the path of a plan's JSON, "
@@ -156,6 +163,12 @@ class PlanOptions:
             return None
         d, m, _ = mesh_dims(self.mesh_shape)
         return d, m
+
+    @property
+    def forced_pipeline(self) -> dict[str, int] | None:
+        """The pipeline shape `pipeline` forces (stages, and maybe micro_batches and
+        repeats), or None."""
+        return dict(self.pipeline) if isinstance(self.pipeline, tuple) else None
 
     @property
     def replicas(self) -> int:
@@ -228,6 +241,31 @@ def _mesh_shape(shape: Any) -> tuple[tuple[str, int], ...]:
         _check_int(f"mesh_shape[{axis!r}]", size, 1)
     axes = (REPLICA, DATA, MODEL) if int(shape.get(REPLICA, 1)) > 1 else (DATA, MODEL)
     return tuple((axis, int(shape.get(axis, 1))) for axis in axes)
+
+
+_PIPELINE_KEYS = ("stages", "micro_batches", "repeats")
+
+
+def _pipeline(value: Any) -> bool | tuple[tuple[str, int], ...] | None:
+    """None / True (weigh pipelines), False (never), or the forced shape as sorted
+    (name, value) pairs, checked."""
+    if value is None or value is True:
+        return None
+    if value is False:
+        return False
+    if isinstance(value, tuple) and all(isinstance(x, tuple) for x in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise TypeError(f"pipeline must be None, a bool or a dict such as {{'stages': 4, "
+                        f"'micro_batches': 8}}, got {value!r}")
+    unknown = sorted(set(value) - set(_PIPELINE_KEYS))
+    if unknown or "stages" not in value:
+        raise ValueError(f"pipeline={dict(value)!r}: "
+                         + (f"unknown key(s) {unknown}" if unknown else "'stages' is missing")
+                         + f"; its keys are {_PIPELINE_KEYS}")
+    for k, v in value.items():
+        _check_int(f"pipeline[{k!r}]", v, 2 if k == "stages" else 1)
+    return tuple((k, int(value[k])) for k in _PIPELINE_KEYS if k in value)
 
 
 def _strategies(families: Any) -> tuple[str, ...]:

@@ -13,8 +13,12 @@ the loop at the price of r times the sends. A micro-batch back at stage 0 for it
 round waits in a buffer until its turn, so the circular schedule needs at least as many
 micro-batches as stages.
 
-This module is the execution half of pipelining (issue 12); the planner does not choose
-it yet.
+Micro-batch i holds rows i, i+m, i+2m, ... of the batch (`micro_split`), so a batch
+sharded over the data axis in contiguous blocks splits without moving data. A stage with
+nothing to do in a loop step (the bubble) runs its layers on padding, as MaxText's
+pipelines do: skipping them under `lax.cond` made the differentiated loop keep a copy of
+the stage's weights per loop step. The planner's side is `jaxwap.stack` (finding the layer scan in a
+loss, rewriting the loss onto `pipelined`), `pipeline_cost` and `pipeline_plan`.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-STAGE = "stage"
+from .records import STAGE
 
 
 def stage_order(num_layers: int, stages: int, repeats: int = 1) -> list[int]:
@@ -48,68 +52,106 @@ def to_stages(stacked: Any, stages: int, repeats: int = 1) -> Any:
     return jax.tree.map(one, stacked)
 
 
-def pipelined(layer: Callable[[Any, jax.Array], jax.Array], mesh: Mesh, *,
-              micro_batches: int, repeats: int = 1, data_axis: str | None = None
-              ) -> Callable[[Any, jax.Array], jax.Array]:
-    """`f(staged_params, x)`: `x` [B, ...] through every layer of the stack, pipelined
-    over the mesh's "stage" axis. `staged_params` are the stacked parameters [L, ...]
-    reordered by `to_stages` (and sharded over the stage axis along their leading dim);
-    the batch is cut into `micro_batches` along its leading dim, each split over
-    `data_axis` when given."""
-    p = mesh.shape[STAGE]
+def micro_split(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [m, B/m, ...], micro-batch i holding rows i, i+m, ...: a batch sharded
+    in contiguous blocks over the data axis splits without moving data."""
+    if x.shape[0] % m:
+        raise ValueError(f"batch {x.shape[0]} is not divisible by micro_batches={m}")
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def micro_join(xs: jax.Array) -> jax.Array:
+    """The inverse of `micro_split`."""
+    return jnp.swapaxes(xs, 0, 1).reshape(xs.shape[0] * xs.shape[1], *xs.shape[2:])
+
+
+def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
+              micro_batches: int, repeats: int = 1,
+              data_axis: str | tuple[str, ...] | None = None
+              ) -> Callable[..., jax.Array]:
+    """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
+    `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
+    the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
+    [L, ...] reordered by `to_stages` (and sharded over the stage axis along their leading
+    dim); `consts` reach every stage whole. The batch is cut into `micro_batches`
+    (`micro_split`), each split over `data_axis` (a name or a tuple of names) when given.
+    A stage with no work in a loop step (the bubble) computes on padding."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
+    if mesh is not None:
+        _check_schedule(mesh, m, r)
+    batch_spec = P(None, data_axis) if data_axis else P()
+
+    def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
+        return lax.scan(lambda c, w: (layer(w, c, *consts), None), h, chunk)[0]
+
+    def make(p: int) -> Callable[..., jax.Array]:
+        def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
+            s = lax.axis_index(STAGE)
+            # this stage's chunks: [r, k, ...]
+            chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]),
+                                  local)
+            steps = m * r + p - 1
+            shift = [(i, (i + 1) % p) for i in range(p)]
+
+            def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+                recv, buf, out = carry
+                w = i - s                                   # this stage's work item
+                b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
+                first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
+                h_in = jnp.where(s == 0, first, recv)
+                busy = (w >= 0) & (w < m * r)
+                # every step runs the round's chunk, in the bubble on padding: skipping it
+                # under lax.cond makes the weights a residual of the branch, so the
+                # differentiated loop kept a copy of the stage's weights per loop step
+                # (measured: +8.4 MB a step for 8.4 MB of stage weights)
+                chunk = (jax.tree.map(lambda c: c[0], chunks) if r == 1 else
+                         jax.tree.map(lambda c: c[q], chunks))
+                h = run_layers(chunk, h_in, consts)
+                done = (s == p - 1) & (q == r - 1) & busy
+                out = out.at[b].set(jnp.where(done, h, out[b]))
+                recv = lax.ppermute(h, STAGE, shift)
+                # stage 0 keeps what the last stage finished for that micro-batch's next
+                # round
+                wl = i - (p - 1)
+                keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
+                bl = jnp.mod(wl, m)
+                buf = buf.at[bl].set(jnp.where(keep, recv, buf[bl]))
+                return recv, buf, out
+
+            zeros = jnp.zeros_like(xs)
+            # the loop's state differs from stage to stage: say so to shard_map's type check
+            init = tuple(lax.pcast(z, (STAGE,), to="varying")
+                         for z in (jnp.zeros_like(xs[0]), zeros, zeros))
+            _, _, out = lax.fori_loop(0, steps, body, init)
+            # the outputs live on the last stage: every stage returns them
+            return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
+        return per_stage
+
+    def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
+        here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if here is None or not here.axis_names:
+            raise ValueError("pipelined() needs a mesh: pass one, or trace inside "
+                             "`with jax.set_mesh(mesh):`")
+        p = _check_schedule(here, m, r)
+        staged = jax.shard_map(make(p), mesh=mesh,
+                               in_specs=(P(STAGE), batch_spec, *(P() for _ in consts)),
+                               out_specs=batch_spec, check_vma=False)
+        return micro_join(staged(params, micro_split(x, m), *consts))
+
+    return f
+
+
+def _check_schedule(mesh: Any, m: int, r: int) -> int:
+    """The stage count of `mesh`, checked against the schedule asked for."""
+    if STAGE not in mesh.axis_names:
+        raise ValueError(f"the mesh has no {STAGE!r} axis (its axes: {mesh.axis_names})")
+    p = mesh.shape[STAGE]
     if r > 1 and m < p:
         raise ValueError(f"the circular schedule (repeats={r}) needs at least as many "
                          f"micro-batches as stages: micro_batches={m} < {p} stages")
-    batch_spec = P(None, data_axis) if data_axis else P()
-
-    def run_layers(chunk: Any, h: jax.Array) -> jax.Array:
-        return lax.scan(lambda c, w: (layer(w, c), None), h, chunk)[0]
-
-    def per_stage(local: Any, xs: jax.Array) -> jax.Array:
-        s = lax.axis_index(STAGE)
-        # this stage's chunks: [r, k, ...]
-        chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]), local)
-        steps = m * r + p - 1
-        shift = [(i, (i + 1) % p) for i in range(p)]
-
-        def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            recv, buf, out = carry
-            w = i - s                                   # this stage's work item
-            b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
-            first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
-            h = run_layers(jax.tree.map(lambda c: c[q], chunks),
-                           jnp.where(s == 0, first, recv))
-            done = (s == p - 1) & (q == r - 1) & (w >= 0) & (w < m * r)
-            out = out.at[b].set(jnp.where(done, h, out[b]))
-            recv = lax.ppermute(h, STAGE, shift)
-            # stage 0 keeps what the last stage finished for that micro-batch's next round
-            wl = i - (p - 1)
-            keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
-            bl = jnp.mod(wl, m)
-            buf = buf.at[bl].set(jnp.where(keep, recv, buf[bl]))
-            return recv, buf, out
-
-        zeros = jnp.zeros_like(xs)
-        # the loop's state differs from stage to stage: say so to shard_map's type check
-        init = tuple(lax.pcast(z, (STAGE,), to="varying")
-                     for z in (jnp.zeros_like(xs[0]), zeros, zeros))
-        _, _, out = lax.fori_loop(0, steps, body, init)
-        # the outputs live on the last stage: every stage returns them
-        return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
-
-    staged = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(STAGE), batch_spec),
-                           out_specs=batch_spec)
-
-    def f(params: Any, x: jax.Array) -> jax.Array:
-        if x.shape[0] % m:
-            raise ValueError(f"batch {x.shape[0]} is not divisible by micro_batches={m}")
-        xs = x.reshape(m, x.shape[0] // m, *x.shape[1:])
-        return staged(params, xs).reshape(x.shape)
-
-    return f
+    return p
 
 
 def _check(num_layers: int, stages: int, repeats: int) -> None:
@@ -118,4 +160,4 @@ def _check(num_layers: int, stages: int, repeats: int) -> None:
                          f"{repeats} repeats of equal chunks")
 
 
-__all__ = ["STAGE", "pipelined", "stage_order", "to_stages"]
+__all__ = ["STAGE", "micro_join", "micro_split", "pipelined", "stage_order", "to_stages"]

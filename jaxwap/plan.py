@@ -25,6 +25,7 @@ from .records import (
     MEASURED,
     MODEL,
     REPLICA,
+    STAGE,
     CompiledFigures,
     Judged,
     Measurement,
@@ -32,6 +33,7 @@ from .records import (
     StepVariant,
     judge,
     mesh_dims,
+    mesh_stages,
 )
 
 PLAN_FORMAT = 1
@@ -299,7 +301,12 @@ class Plan:
         d, m, r = mesh_dims(self.mesh_shape)
         inner = hw.devices_in_node(d, m)
         nodes = -(-self.num_devices // hw.node_size)
-        if inner >= d:
+        p = mesh_stages(self.mesh_shape)
+        if p > 1:
+            where = (f"the {STAGE} axis of {p} "
+                     + ("spans nodes (its sends cross the network)" if self.num_devices
+                        > hw.node_size else "stays inside one node"))
+        elif inner >= d:
             where = f"the whole mesh inside {'one node' if nodes == 1 else f'{nodes} nodes'}"
         elif r > 1:
             where = (f"the {REPLICA} axis spans {r} nodes (HSDP: parameters sharded over "
@@ -344,6 +351,12 @@ class Plan:
             + (f"; {pr.host_transfer_time_s * 1e3:.3f} ms moving optimizer state to and "
                f"from host memory" if pr.host_transfer_time_s else ""),
         ]
+        if self.step.pipelined:
+            lines.append(
+                f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
+                f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, computing padding); "
+                f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
+                f"over the {STAGE} axis")
         if self.compiled is not None:
             c, v = self.compiled, self.verified
             kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"

@@ -28,11 +28,12 @@ from .fitting import micro_batch_floor
 from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .options import PlanOptions
+from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
 from .plan import Plan, si
 from .records import Measurement, StepVariant
 from .solve import SearchResult, search
 from .trace import ArgLayout, layout_of, trace_layout
-from .train_step import TrainStep, ladder
+from .train_step import TrainStep, ladder, restructured
 from .verify import Verification, compile_candidate, run_verification
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
@@ -158,8 +159,15 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             return Planned(plan, layout, dataclasses.replace(ctx, step=plan.step), fn=_variant_fn(
                 fn, plan.step), cache_key=key)
     platform = cluster.device.name.split()[0] if described else devs[0].platform
+    pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable, budget)
+    timing["pipeline"] = pipes.seconds
+    if pipes.reason is not None:
+        if options.forced_pipeline is not None:
+            raise ValueError(f"pipeline={options.forced_pipeline} cannot be used: "
+                             f"{pipes.reason}")
+        notes.append(f"pipelining not considered: {pipes.reason}")
     found = _search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
-                             "cpu" if platform == "cpu" else "accelerator")
+                             "cpu" if platform == "cpu" else "accelerator", pipes)
     ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes))
     plan = build_plan(ctx, found.search, found.verification)
     if store is not None and key is not None and not options.measure:
@@ -241,10 +249,11 @@ class _Found:
 
 def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
                      options: PlanOptions, usable: int, timing: dict[str, float],
-                     notes: list[str], platform: str) -> _Found:
+                     notes: list[str], platform: str, pipes: Pipelines) -> _Found:
     """The step as written first; a step built by make_train_step may then be
     restructured (remat, micro-batches), in order of expected cost, until a plan fits.
-    `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat)."""
+    `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat). The pipelined
+    candidates `pipes` are weighed beside the step as written (alone when forced)."""
     B = layout.inputs.batch_size
     rungs = [StepVariant()]
     if isinstance(fn, TrainStep) and fn.variant.is_plain:
@@ -276,6 +285,9 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
                 raise
             tried.append(f"{rung.describe()}: {str(e).split('(')[0].strip()}")
             return None
+        if rung.is_plain:
+            result = with_pipelines(result, pipes, ctx.objective, ctx.cluster,
+                                    only=options.forced_pipeline is not None)
         timing["analyze"] += tb - ta
         timing["search"] += time.perf_counter() - tb
         best = result.results[result.best]
@@ -400,12 +412,7 @@ def _tighten(result: SearchResult, ver: Verification,
 
 def _variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
     """The step restructured as `variant` says (None: the step as written)."""
-    if variant.is_plain:
-        return None
-    if not isinstance(fn, TrainStep):
-        raise ValueError(f"a plan restructures the step ({variant.describe()}), but the step "
-                         f"is not one jaxwap.make_train_step built")
-    return fn.with_variant(variant)
+    return None if variant.is_plain else restructured(fn, variant)
 
 
 def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:

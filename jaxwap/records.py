@@ -14,8 +14,9 @@ from typing import Any
 
 # Mesh axis names: the batch is split over DATA, tensor-parallel weights over MODEL. A
 # hybrid-sharded (HSDP) plan splits the data axis in two: REPLICA across nodes, DATA inside
-# each node; the batch is split over both, FSDP / ZeRO-1 shard over DATA alone.
-DATA, MODEL, REPLICA = "data", "model", "replica"
+# each node; the batch is split over both, FSDP / ZeRO-1 shard over DATA alone. A
+# pipelined plan's outermost axis is STAGE: the layers of a scanned stack split over it.
+DATA, MODEL, REPLICA, STAGE = "data", "model", "replica", "stage"
 
 
 def mesh_dims(mesh_shape: Any) -> tuple[int, int, int]:
@@ -24,6 +25,11 @@ def mesh_dims(mesh_shape: Any) -> tuple[int, int, int]:
     sizes = dict(mesh_shape)
     r = int(sizes.get(REPLICA, 1))
     return r * int(sizes.get(DATA, 1)), int(sizes.get(MODEL, 1)), r
+
+
+def mesh_stages(mesh_shape: Any) -> int:
+    """The pipeline stages of a plan's `mesh_shape` (1: not pipelined)."""
+    return int(dict(mesh_shape).get(STAGE, 1))
 
 PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
 
@@ -118,6 +124,10 @@ class Prediction:
     # the gradient reduction that can never overlap: the first layer's, produced last
     tail_comm_time_s: float = 0.0
     exposed_host_time_s: float = 0.0    # host transfers the step cannot hide
+    # a pipelined step: seconds of its compute each device spends in the bubble (on
+    # padding), and seconds of stage-to-stage sends and the stack's entry and exit
+    bubble_time_s: float = 0.0
+    send_time_s: float = 0.0
 
     @property
     def flops_as_xla_counts(self) -> float:
@@ -194,32 +204,58 @@ class Measurement:
 
 @dataclass(frozen=True)
 class StepVariant:
-    """How a `make_train_step` step is restructured: micro-batches and a remat policy."""
+    """How a `make_train_step` step is restructured: micro-batches and a remat policy, or
+    a pipeline: its scanned layer stack split into `stages` over the STAGE mesh axis, the
+    batch cut into `micro_batches` that flow through them, each stage visiting its layers
+    in `repeats` rounds (1: GPipe; more: the circular schedule)."""
 
     micro_batches: int = 1
     remat: str = "none"
+    stages: int = 1
+    repeats: int = 1
 
     def __post_init__(self) -> None:
-        if (isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int)
-                or self.micro_batches < 1):
-            raise ValueError(f"micro_batches must be an int >= 1, got {self.micro_batches!r}")
+        for name in ("micro_batches", "stages", "repeats"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.repeats > 1 and self.stages == 1:
+            raise ValueError(f"repeats={self.repeats} needs a pipeline (stages > 1)")
+        if self.repeats > 1 and self.micro_batches < self.stages:
+            raise ValueError(f"the circular schedule (repeats={self.repeats}) needs at least "
+                             f"as many micro-batches as stages: micro_batches="
+                             f"{self.micro_batches} < stages={self.stages}")
 
     @property
     def is_plain(self) -> bool:
-        return self.micro_batches == 1 and self.remat == "none"
+        return self.micro_batches == 1 and self.remat == "none" and self.stages == 1
+
+    @property
+    def pipelined(self) -> bool:
+        return self.stages > 1
+
+    @property
+    def bubble_share(self) -> float:
+        """The share of the pipeline's loop a stage waits: (p - 1) / (m r + p - 1)."""
+        p, m, r = self.stages, self.micro_batches, self.repeats
+        return (p - 1) / (m * r + p - 1) if p > 1 else 0.0
 
     def describe(self) -> str:
         parts = []
-        if self.micro_batches > 1:
+        if self.pipelined:
+            sched = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} rounds"
+            parts.append(f"pipeline of {self.stages} stages x {self.micro_batches} "
+                         f"micro-batches ({sched}; bubble {self.bubble_share:.0%} of the loop)")
+        elif self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.remat != "none":
             parts.append(f"remat {self.remat}")
         return ", ".join(parts) or "as written"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"micro_batches": self.micro_batches, "remat": self.remat}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> StepVariant:
@@ -256,6 +292,6 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
 
 
 __all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REPLICA",
-           "mesh_dims",
+           "STAGE", "mesh_dims", "mesh_stages",
            "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
            "Prediction", "StepVariant", "Strategy", "judge"]

@@ -33,7 +33,7 @@ from .graph import Graph
 from .hardware import Cluster
 from .meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
 from .objective import Objective
-from .records import DATA, MODEL, REPLICA, Prediction, Strategy
+from .records import DATA, MODEL, REPLICA, STAGE, Prediction, StepVariant, Strategy
 from .strategies import param_strategies, restrict
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
@@ -50,11 +50,22 @@ class MeshResult:
     fits: bool
     variant: str = "planner"   # or "data-parallel": the baseline every user could write
     r: int = 1                 # replicas (HSDP): the data axis's part across nodes
+    # a pipelined candidate's step (stages, micro-batches, rounds); None: the search's own
+    step: StepVariant | None = None
+
+    @property
+    def stages(self) -> int:
+        return self.step.stages if self.step is not None else 1
+
+    @property
+    def num_devices(self) -> int:
+        return self.stages * self.d * self.m
 
     @property
     def mesh(self) -> tuple[tuple[str, int], ...]:
-        """(axis, size) pairs of the mesh: (replica,) data, model."""
-        head = ((REPLICA, self.r),) if self.r > 1 else ()
+        """(axis, size) pairs of the mesh: (stage,) (replica,) data, model."""
+        head = ((STAGE, self.stages),) if self.stages > 1 else ()
+        head += ((REPLICA, self.r),) if self.r > 1 else ()
         return (*head, (DATA, self.d // self.r), (MODEL, self.m))
 
     def describe(self) -> str:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .records import StepVariant
+from .records import DATA, REPLICA, StepVariant
 
 
 def _policy(name: str) -> Any:
@@ -66,8 +66,14 @@ class TrainStep:
         """The optimizer state for `params` (`optimizer.init`)."""
         return self.optimizer.init(params)
 
+    def loss_and_aux(self) -> Callable[..., Any]:
+        """`loss_fn` as `(params, batch) -> (loss, aux)`, aux None without `has_aux`."""
+        return self.loss_fn if self.has_aux else (lambda p, b: (self.loss_fn(p, b), None))
+
     def _loss(self) -> Callable[..., Any]:
-        fn = self.loss_fn if self.has_aux else (lambda p, b: (self.loss_fn(p, b), None))
+        fn = self.loss_and_aux()
+        if self.variant.pipelined:
+            fn = _pipelined(fn, self.variant)
         if self.variant.remat != "none":
             fn = jax.checkpoint(fn, policy=_policy(self.variant.remat))
         return fn
@@ -75,7 +81,8 @@ class TrainStep:
     def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
         """(loss, aux, gradients) of the whole batch, micro-batched as the variant says."""
         vag = jax.value_and_grad(self._loss(), has_aux=True)
-        k = self.variant.micro_batches
+        # a pipeline's micro-batches flow through its stages inside the loss
+        k = 1 if self.variant.pipelined else self.variant.micro_batches
         if k == 1:
             (loss, aux), g = vag(params, batch)
             return loss, aux, g
@@ -106,6 +113,22 @@ class TrainStep:
         return f"TrainStep({self.__name__}, {self.variant.describe()})"
 
 
+def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., Any]:
+    """`fn` with its layer stack (the `lax.scan` over stacked parameters `jaxwap.stack`
+    finds) run as a pipeline over the stage axis of the mesh it is traced in, the batch
+    split over that mesh's data axes."""
+    from .stack import find_layer_scan, pipelined_loss
+
+    def loss(params: Any, batch: Any) -> Any:
+        names = jax.sharding.get_abstract_mesh().axis_names
+        data = tuple(a for a in (REPLICA, DATA) if a in names) or None
+        scan = find_layer_scan(fn, params, batch)
+        return pipelined_loss(fn, scan, stages=variant.stages,
+                              micro_batches=variant.micro_batches, repeats=variant.repeats,
+                              data_axis=data)(params, batch)
+    return loss
+
+
 def _split(path: Any, x: Any, k: int) -> Any:
     """[B, ...] -> [k, B/k, ...], micro-batch i holding rows i, i+k, ...: a batch whose
     rows are sharded in contiguous blocks over the data axis stays where it is."""
@@ -134,6 +157,17 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
     return TrainStep(loss_fn, optimizer, has_aux=has_aux)
 
 
+def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callable[..., Any]:
+    """`fn` restructured as `variant` says (itself for None or the step as written); only
+    a step `make_train_step` built can be."""
+    if variant is None or variant.is_plain:
+        return fn
+    if not isinstance(fn, TrainStep):
+        raise ValueError(f"a plan restructures the step ({variant.describe()}), but the step "
+                         f"is not one jaxwap.make_train_step built")
+    return fn.with_variant(variant)
+
+
 def ladder(batch_size: int | None, platform: str,
            max_micro_batches: int = 64) -> list[StepVariant]:
     """The variants to try when the step as written does not fit: ever more micro-batches
@@ -157,4 +191,4 @@ def ladder(batch_size: int | None, platform: str,
     return out
 
 
-__all__ = ["TrainStep", "ladder", "make_train_step"]
+__all__ = ["TrainStep", "ladder", "make_train_step", "restructured"]

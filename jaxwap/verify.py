@@ -10,6 +10,7 @@ becomes the plan.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from .hlo import compiled_figures
 from .objective import Objective, Ranking
 from .records import CompiledFigures, Prediction, judge
 from .solve import MeshResult, SearchResult, uses_model_axis
+from .train_step import restructured
 
 # How a candidate is compiled: (XLA's figures, the compiled step or None). The planner
 # compiles for real (`compile_candidate`); benchmarks may replay figures compiled before.
@@ -51,12 +53,22 @@ def compile_candidate(fn: Callable, layout: Any, r: MeshResult, devices: Sequenc
                       compiler_options: dict[str, Any] | None = None
                       ) -> tuple[CompiledFigures, CompiledStep]:
     """Compile one candidate exactly as `auto_shard` would run it (the same
-    `compile_layout`, the candidate's real placements) and read XLA's figures for it."""
-    cs = compile_layout(fn, layout, r.d, r.m, r.strategies, devices, donate=donate,
-                        compiler_options=compiler_options, r=r.r)
-    host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate, r.r)
+    `compile_layout`, the candidate's real placements, a pipelined candidate's step
+    restructured as it says) and read XLA's figures for it."""
+    cs = compile_layout(restructured(fn, r.step), layout, r.d, r.m, r.strategies, devices,
+                        donate=donate, compiler_options=compiler_options, r=r.r,
+                        stages=r.stages)
+    host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate, r.r, r.stages)
     return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s, host,
-                            r.r), cs
+                            r.r, r.stages), cs
+
+
+def pipelined_with_compiled(pred: Prediction, figs: CompiledFigures) -> Prediction:
+    """A pipelined candidate judged on XLA's memory and the model's time. XLA counts a
+    loop body's flops once, and the pipeline's loop holds every stage's work behind a
+    condition, so its flop count says nothing about the step's time; its memory analysis
+    does say what the step holds."""
+    return dataclasses.replace(pred, peak_memory_bytes=figs.memory_bytes)
 
 
 def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
@@ -86,7 +98,8 @@ def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
             failed[i] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             continue
         figures[i] = figs
-        preds[i] = with_compiled(r.predicted, figs, cluster, batch_size, r.d, r.m, r.r)
+        preds[i] = (with_compiled(r.predicted, figs, cluster, batch_size, r.d, r.m, r.r)
+                    if r.stages == 1 else pipelined_with_compiled(r.predicted, figs))
         if figs.memory_bytes <= budget:
             steps[i] = cs
     ranking = objective.rank(

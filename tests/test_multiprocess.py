@@ -1,7 +1,8 @@
 """Nothing assumes a single process: two CPU processes, each with its own slice of the
 batch, run one auto-sharded step over all 8 devices and get the single-device numbers;
 then the same as two nodes of 4 devices (the layout detected), with a tensor-parallel
-model axis that stays inside each process."""
+model axis that stays inside each process; hybrid sharding with one replica per process;
+and a pipeline with one stage per process."""
 
 from __future__ import annotations
 
@@ -39,3 +40,4 @@ def test_two_processes_match_one_device():
         assert f"process {i}: OK" in out
         assert f"process {i}: OK hierarchical" in out
         assert f"process {i}: OK hsdp" in out
+        assert f"process {i}: OK pipeline" in out

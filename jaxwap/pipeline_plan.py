@@ -1,0 +1,216 @@
+"""The pipelined candidates of a plan: stages, micro-batches and rounds, searched.
+
+A step `make_train_step` built, whose loss runs a `lax.scan` over stacked layer
+parameters (`stack.find_layer_scan`), can run its stack as a pipeline over a stage mesh
+axis (`pipeline.pipelined`). For each stage count p (a divisor of the layers leaving each
+stage at least two, powers of two first) the step is traced once more with the stack cut
+to L / p layers: that *stage step* is what each stage's devices run, the layers outside
+the stack replicated over the stages. It is solved on the stage's (data, 1) mesh like any
+other step (every parameter's layout chosen as usual), and `pipeline_cost` adds what the
+pipeline changes for every micro-batch count and number of rounds worth trying; the best
+of each stage count joins the search's candidates, its stacked parameters' leading dim
+over the stage axis.
+
+When pipelining is not considered, the reason is returned for `explain()`.
+
+Not searched (yet): a model axis inside a stage (tensor parallelism with pipelining),
+hybrid-sharded stages, stages of one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .graph import analyze
+from .hardware import Cluster
+from .objective import Objective
+from .options import PlanOptions
+from .pipeline_cost import pipeline_prediction
+from .records import STAGE, StepVariant, Strategy
+from .solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
+from .stack import LayerScan, NoLayerScan, find_layer_scan
+from .trace import ArgLayout, layout_of
+from .train_step import TrainStep
+
+# Stage counts tried per plan: each costs a trace and an analysis of the stage step.
+MAX_STAGE_COUNTS = 4
+# Rounds of the circular schedule tried (1: GPipe).
+REPEATS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """The pipelined candidates found (best per stage count), or why there are none."""
+
+    results: tuple[MeshResult, ...]
+    reason: str | None      # why pipelining was not considered (None: it was)
+    seconds: float
+
+
+def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective: Objective,
+                   options: PlanOptions, usable: int, budget: float) -> Pipelines:
+    """The best pipelined candidate per stage count for this step (its arguments as
+    `layout` holds them: global, abstract), or the reason there are none (not a
+    `make_train_step` step, no layer scan, too few devices, ...)."""
+    t0 = time.perf_counter()
+    args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
+    kwargs = dict(zip(layout.kw_names, kw, strict=True))
+    batch = layout.inputs.batch_size
+
+    def none(reason: str) -> Pipelines:
+        return Pipelines((), reason, time.perf_counter() - t0)
+
+    forced = options.forced_pipeline
+    if options.pipeline is False:
+        return none("pipeline=False")
+    if not isinstance(fn, TrainStep):
+        return none("the step is not built by jaxwap.make_train_step, so jaxwap cannot "
+                    "restructure it into stages")
+    if not fn.variant.is_plain:
+        return none(f"the step is already restructured ({fn.variant.describe()})")
+    if kwargs or len(args) != 3:
+        return none("the step is not called as step(params, opt_state, batch)")
+    if usable < 2:
+        return none("one device")
+    params, _, batch_tree = args
+    try:
+        scan = find_layer_scan(fn.loss_and_aux(), params, batch_tree)
+    except NoLayerScan as e:
+        return none(str(e))
+    L = scan.length
+    counts = _stage_counts(L, usable, forced)
+    if not counts:
+        return none(f"no stage count divides the {L} layers into stages of two or more "
+                    f"on {usable} devices")
+    out = []
+    for p in counts:
+        best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
+                                budget, batch, forced)
+        if best is not None:
+            out.append(best)
+    if not out:
+        return none(f"no stage count of {counts} leaves a stage mesh the batch of {batch} "
+                    f"splits over with micro-batches")
+    return Pipelines(tuple(out), None, time.perf_counter() - t0)
+
+
+def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
+                   cluster: Cluster, only: bool = False) -> SearchResult:
+    """The search's candidates and the pipelined ones (only those, when forced), ranked
+    together by the objective."""
+    if not found.results:
+        return result
+    results = list(found.results) if only else [*result.results, *found.results]
+    ranking = objective.rank(
+        [r.predicted if r.fits and uses_model_axis(r) else None for r in results],
+        max_watts=cluster.device.max_watts, num_devices_available=cluster.num_devices)
+    best = ranking.best
+    if best < 0:
+        best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)
+    return SearchResult(tuple(results), ranking.scores, best, result.skipped,
+                        -1 if only else result.baseline)
+
+
+def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[int]:
+    """Stage counts to try: the forced one, else divisors of L leaving >= 2 layers per
+    stage, powers of two first, at most `MAX_STAGE_COUNTS`."""
+    if forced is not None:
+        p = forced["stages"]
+        return [p] if L % p == 0 and L // p >= 2 and p <= usable else []
+    ok = [p for p in range(2, min(L // 2, usable) + 1) if L % p == 0]
+    ok.sort(key=lambda p: (p & (p - 1) != 0, p))
+    return sorted(ok[:MAX_STAGE_COUNTS])
+
+
+def _stage_args(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int) -> tuple[Any, ...]:
+    """(params, opt_state, batch) of the stage step, abstract: the stacked leaves cut to
+    L / p layers, the optimizer state made for them."""
+    params, _, batch = args
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    stacked = set(scan.stacked)
+    cut = [jax.ShapeDtypeStruct((x.shape[0] // p, *x.shape[1:]) if i in stacked else x.shape,
+                                x.dtype) for i, x in enumerate(leaves)]
+    stage_params = jax.tree_util.tree_unflatten(treedef, cut)
+    opt_state = jax.eval_shape(fn.init, stage_params)
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    return stage_params, opt_state, abstract
+
+
+def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy, ...]:
+    """The stage step's layouts with each stacked parameter's leading dim (and its
+    optimizer state's) over the stage axis."""
+    def one(j: int, s: Strategy) -> Strategy:
+        if j not in stacked:
+            return s
+        state = None if s.state_spec is None else (STAGE, *s.state_spec[1:])
+        return dataclasses.replace(s, name=f"stage+{s.name}", spec=(STAGE, *s.spec[1:]),
+                                   state_spec=state)
+    return tuple(one(j, s) for j, s in enumerate(strategies))
+
+
+def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
+                     cluster: Cluster, objective: Objective, options: PlanOptions,
+                     usable: int, budget: float, batch: int | None,
+                     forced: dict[str, int] | None) -> MeshResult | None:
+    """The best pipelined candidate with p stages: the stage step solved on all the
+    devices a stage gets, then every micro-batch count and number of rounds priced."""
+    B = batch or scan.batch_size
+    n = options.num_devices or usable
+    d = n // p
+    if d < 1 or n % p or B % d:
+        return None
+    stage_args = _stage_args(fn, args, scan, p)
+    layout, closed = layout_of(fn, stage_args, {}, stage_args[0], options.batch_size)
+    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, B)
+    k = scan.length // p
+    if not (graph.repeat == k).any():
+        return None
+    stage = solve_mesh(graph, cluster, d, 1, budget, options.offload, options.allowed)
+    stacked = set(scan.stacked)
+    strategies = _staged(stage.strategies, stacked)
+    best: MeshResult | None = None
+    for mb, rr in _shapes(B // d, p, k, forced):
+        variant = StepVariant(micro_batches=mb, stages=p, repeats=rr)
+        pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1, stage.strategies,
+                                   sorted(stacked), variant, k, scan.carry_row_bytes, B)
+        cand = MeshResult(d, 1, strategies, pred, stage.fits and
+                          pred.peak_memory_bytes <= budget, step=variant)
+        if best is None or _better(cand, best, objective, cluster):
+            best = cand
+    return best
+
+
+def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None
+            ) -> list[tuple[int, int]]:
+    """(micro-batches, rounds) worth pricing: micro-batch counts from p (the least that
+    keeps every stage busy in the steady state) doubling while each holds a row per
+    device, and rounds that divide a stage's k layers (circular needs m >= p)."""
+    ms = [mb for mb in (p << i for i in range(12)) if mb <= rows and rows % mb == 0]
+    ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
+    rs = [r for r in REPEATS if k % r == 0]
+    if forced is not None:
+        if "micro_batches" in forced:
+            ms = [forced["micro_batches"]] if rows % forced["micro_batches"] == 0 else []
+        if "repeats" in forced:
+            rs = [forced["repeats"]] if k % forced["repeats"] == 0 else []
+    return [(mb, r) for mb in ms for r in rs if r == 1 or mb >= p]
+
+
+def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster) -> bool:
+    """Whether a beats b: fitting first, then the objective's score."""
+    if a.fits != b.fits:
+        return a.fits
+    if not a.fits:
+        return a.predicted.peak_memory_bytes < b.predicted.peak_memory_bytes
+    ranking = objective.rank([a.predicted, b.predicted], max_watts=cluster.device.max_watts,
+                             num_devices_available=cluster.num_devices)
+    return ranking.best == 0
+
+
+__all__ = ["Pipelines", "plan_pipelines", "with_pipelines"]
