@@ -27,8 +27,9 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import jaxwap  # noqa: E402
 import zoo  # noqa: E402
+
+import jaxwap  # noqa: E402
 from jaxwap.records import STAGE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -81,7 +82,7 @@ def plan_row(w: Any, devices: int, link: str, objective: str) -> dict[str, Any]:
     fit = [c for c in plan.candidates if c.fits]
     chosen = next(c for c in plan.candidates if c.chosen)
 
-    def best(cands: list[Any]) -> Any:
+    def best(cands: list[Any]) -> Any:   # by the objective's own score
         return min(cands, key=lambda c: c.score) if cands else None
 
     pipe, flat = best([c for c in fit if _pipelined(c)]), best([c for c in fit

@@ -40,6 +40,8 @@ from .train_step import TrainStep
 
 # Stage counts tried per plan: each costs a trace and an analysis of the stage step.
 MAX_STAGE_COUNTS = 4
+# Sizes of a stage's data axis tried per stage count: all the devices, half, ...
+MESH_SIZES = 4
 # Rounds of the circular schedule tried (1: GPipe).
 REPEATS = (1, 2, 4)
 
@@ -158,12 +160,15 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
                      forced: dict[str, int] | None) -> MeshResult | None:
-    """The best pipelined candidate with p stages: the stage step solved on all the
-    devices a stage gets, then every micro-batch count and number of rounds priced."""
+    """The best pipelined candidate with p stages: the stage step solved on the devices a
+    stage gets (all of them, or fewer), then every micro-batch count and number of rounds
+    priced."""
     B = batch or scan.batch_size
     n = options.num_devices or usable
-    d = n // p
-    if d < 1 or n % p or B % d:
+    # a stage's data axis: all the devices, or fewer (energy may prefer fewer devices)
+    ds = [n // p >> i for i in range(1 if options.num_devices else MESH_SIZES)]
+    ds = [d for d in ds if d >= 1 and n % p == 0 and B % d == 0]
+    if not ds:
         return None
     stage_args = _stage_args(fn, args, scan, p)
     layout, closed = layout_of(fn, stage_args, {}, stage_args[0], options.batch_size)
@@ -171,18 +176,20 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     k = scan.length // p
     if not (graph.repeat == k).any():
         return None
-    stage = solve_mesh(graph, cluster, d, 1, budget, options.offload, options.allowed)
     stacked = set(scan.stacked)
-    strategies = _staged(stage.strategies, stacked)
     best: MeshResult | None = None
-    for mb, rr in _shapes(B // d, p, k, forced):
-        variant = StepVariant(micro_batches=mb, stages=p, repeats=rr)
-        pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1, stage.strategies,
-                                   sorted(stacked), variant, k, scan.carry_row_bytes, B)
-        cand = MeshResult(d, 1, strategies, pred, stage.fits and
-                          pred.peak_memory_bytes <= budget, step=variant)
-        if best is None or _better(cand, best, objective, cluster):
-            best = cand
+    for d in ds:
+        stage = solve_mesh(graph, cluster, d, 1, budget, options.offload, options.allowed)
+        strategies = _staged(stage.strategies, stacked)
+        for mb, rr in _shapes(B // d, p, k, forced):
+            variant = StepVariant(micro_batches=mb, stages=p, repeats=rr)
+            pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1,
+                                       stage.strategies, sorted(stacked), variant, k,
+                                       scan.carry_row_bytes, B)
+            cand = MeshResult(d, 1, strategies, pred, stage.fits and
+                              pred.peak_memory_bytes <= budget, step=variant)
+            if best is None or _better(cand, best, objective, cluster):
+                best = cand
     return best
 
 

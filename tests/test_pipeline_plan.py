@@ -56,7 +56,8 @@ def test_a_forced_pipeline_is_planned_as_asked_and_equals_the_unsharded_step(
     opt = step.init(params)
     want = jax.jit(step)(params, opt, batch)
 
-    sharded = jaxwap.auto_shard(step, cache=False, verify=1, pipeline={
+    # num_devices=8: without it the objective may give a stage fewer devices
+    sharded = jaxwap.auto_shard(step, cache=False, verify=1, num_devices=8, pipeline={
         "stages": stages, "micro_batches": micro, "repeats": repeats})
     got = sharded(params, opt, batch)
     plan = sharded.plan
@@ -83,7 +84,8 @@ def test_pipelined_candidates_are_weighed_beside_the_others():
     assert {dict(c.mesh_shape)[STAGE] for c in staged} == {2, 4}
     for c in staged:
         assert c.predicted.bubble_time_s > 0 and c.predicted.send_time_s > 0
-        assert c.num_devices == 8
+        shape = dict(c.mesh_shape)
+        assert c.num_devices <= 8 and c.num_devices % shape[STAGE] == 0
     assert not any("pipelining not considered" in n for n in plan.notes)
 
 
