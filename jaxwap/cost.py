@@ -48,12 +48,15 @@ SIDE_UTILIZATION = 0.3
 
 # --------------------------------------------------------------------------- compute
 def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
-             speed: float = 1.0) -> np.ndarray:
+             speed: float = 1.0, data: np.ndarray | float = 1.0) -> np.ndarray:
     """Per-op seconds when op k's work is divided by split[k] on devices running `speed`
-    times their profile (see Cluster.shared_compute)."""
+    times their profile (see Cluster.shared_compute), `data` of those ways by splitting
+    the batch: what a batched op moves whole whatever its batch share
+    (`Graph.fixed_bytes`: the weights it reads, the gradients it writes) is divided by the
+    other split[k] / data[k] ways alone (the model axis)."""
     dev = cluster.device
     f = graph.flops / split
-    b = graph.bytes / split
+    b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     rate = np.where(graph.conv > 0, rate * dev.conv_efficiency, rate)
     half = float(dev.efficiency_half_flops or 0.0) * speed
@@ -123,7 +126,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     def at(split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-op (seconds, busy seconds, flops) with the work divided `split` ways."""
         if split not in per_split:
-            t = op_times(graph, cluster, float(split), speed)
+            # every batched op's split includes the data axis; the rest move no fixed bytes
+            t = op_times(graph, cluster, float(split), speed, data=float(d))
             per_split[split] = (t, t - graph.kernels * dev.kernel_overhead_s,
                                 graph.flops / split)
         return per_split[split]
@@ -273,7 +277,7 @@ class StepParts:
     memory: float
     flops: float
     loop_flops_ratio: float = 1.0
-    bubble: float = 0.0         # of `compute`: a pipeline's bubble (computing padding)
+    bubble: float = 0.0         # of `compute`: a pipeline's bubble, devices idle
     sends: float = 0.0          # of `blocking`: a pipeline's stage-to-stage sends
 
 
@@ -305,7 +309,9 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts) -> Predicti
                         dev.overlaps_collectives)
     host = exposed_host(parts.host_one_way, parts.batched_time)
     step = parts.compute + parts.blocking + comm + host
-    side = SIDE_UTILIZATION * (parts.compute - parts.busy + parts.blocking + comm + host)
+    # launches and collectives draw part of the active power; a pipeline's bubble none
+    side = SIDE_UTILIZATION * (parts.compute - parts.bubble - parts.busy + parts.blocking
+                               + comm + host)
     util = min(1.0, (parts.busy + side) / step) if step > 0 else 0.0
     power = (dev.idle_watts + (dev.max_watts - dev.idle_watts) * util) \
         * cluster.speedup_when_using(n)

@@ -37,7 +37,7 @@ from .dataflow import Dataflow, dataflow, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
 from .model_split import TP_KINDS, ModelSplit, model_splits
-from .opcost import conv_kind, op_costs
+from .opcost import conv_kind, op_costs, unbatched_bytes
 from .primitives import (
     FREE,
     HEAVY,
@@ -131,12 +131,17 @@ class Graph:
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
     tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    # [ops] of `bytes`, what a batched op moves whole whatever the batch split (weights
+    # read, weight gradients written: `opcost.unbatched_bytes`); left out, none
+    fixed_bytes: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
             object.__setattr__(self, "stacked_dim", np.full(len(self.params), -1, np.int64))
         if self.tp_live_param is None:
             object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
+        if self.fixed_bytes is None:
+            object.__setattr__(self, "fixed_bytes", np.zeros(len(self.flops)))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
@@ -210,6 +215,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind,
+        fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
                                                strict=True) if g > 0})
 

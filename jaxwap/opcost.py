@@ -88,6 +88,26 @@ def eqn_key(eqn: Any) -> Any:
     return key
 
 
+def unbatched_bytes(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,
+                    batched_values: np.ndarray) -> np.ndarray:
+    """[ops] the part of each op's traffic that does not shrink when the batch is split:
+    the unbatched operands a batched kernel reads (a weight under a matmul) and the
+    unbatched results it writes (a weight's gradient), at most its traffic. Every device
+    of a data axis moves these whole, and a micro-batched loop once per micro-batch.
+    Elementwise ops are priced by their (batched) result alone, and an op touching no
+    batched value splits however its parameter does: neither has any."""
+    fixed = np.zeros(len(prog.ops))
+    nbytes, batched = prog.nbytes.tolist(), batched_values.tolist()
+    for k, (op, kind) in enumerate(zip(prog.ops, kinds, strict=True)):
+        if kind in (FREE, ELEMENTWISE) or not traffic[k]:
+            continue
+        vals = (*op.ins, *op.outs)
+        if not any(batched[v] for v in vals):
+            continue
+        fixed[k] = min(traffic[k], op.repeat * sum(nbytes[v] for v in vals if not batched[v]))
+    return fixed
+
+
 def conv_kind(eqn: Any) -> int:
     """0: not a convolution; 1: a convolution; 2: one whose (dilated) window is larger
     than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
@@ -105,4 +125,4 @@ def conv_kind(eqn: Any) -> int:
     return 1
 
 
-__all__ = ["OpCosts", "conv_kind", "eqn_key", "op_costs"]
+__all__ = ["OpCosts", "conv_kind", "eqn_key", "op_costs", "unbatched_bytes"]

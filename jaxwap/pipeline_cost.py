@@ -13,9 +13,13 @@ module adds what pipelining changes:
 - **the bubble**: the loop runs m r + p - 1 steps of one chunk (L / (p r) layers, one
   micro-batch) each, so every stage spends (p - 1) chunk-times forward and as many
   backward on no micro-batch: the stack's loop time x (p - 1) / (m r). A stage in the
-  bubble computes on padding (`pipeline.pipelined`: skipping it under `lax.cond` made the
-  differentiated loop keep the stage's weights once per step), so the bubble draws the
-  power of compute, not idle power: Perseus's energy bloat, at its worst;
+  bubble skips its layers (`pipeline.pipelined` runs them under `lax.cond`), so its
+  devices wait at idle power for the step to move on: part of the step's time, none of
+  its busy time (Perseus's energy bloat);
+- **the loop's weight gradient**: every loop step's backward pass hands out the chunk's
+  weight gradient (zeros in the bubble) and adds it to the loop's running sum, four
+  chunk-sized passes over memory a step; and a micro-batch reads the weights (and writes
+  their gradient) again, as `Graph.fixed_bytes` prices it;
 - **stage-to-stage sends**: one micro-batch's activation per loop step, forward and
   backward (2 (m r + p - 1) sends), on the links the stage axis spans: across nodes as
   soon as the mesh leaves one node, since every step waits for the slowest hop. The loop
@@ -28,16 +32,16 @@ module adds what pipelining changes:
   four collectives of the local batch's activation over the stage axis, which block;
 - **memory**: the loop differentiated keeps the residuals of its bubble steps too
   ((p - 1) / (m r) more of the stack's activations), its micro-batch buffers (input,
-  round buffer, output, the summed output: four activations of the local batch), and a
-  stage's stacked parameters sharded over data are gathered whole where the loop reads
-  them, their gradient whole too until it is reduced;
-- **the circular schedule** (r > 1) reads the stack in stage order: the step permutes the
-  stacked parameters over the stage axis, priced as an all-gather of the stage's stacked
-  weights over the stage axis (forward) and a reduce-scatter of their gradients
-  (backward), what XLA compiles a gather along a sharded dim to, with the gathered stack
-  held in memory; and the round's chunk, picked by a traced index, is kept once per loop
-  step for the backward pass (compiled on 8 CPU devices: +36 MB for 2 rounds of a 8.4 MB
-  stage over 9 steps).
+  round buffer, output, the summed output: four activations of the local batch), a
+  stage's stacked parameters sharded over data gathered whole where the loop reads them
+  (their gradient whole too until it is reduced), and one chunk's weight gradient, which
+  the backward `lax.cond` hands out in a buffer of its own (compiled on 8 CPU devices,
+  GPipe on 2 stages: +5.2 MB of temporaries for 4.2 MB of stage weights);
+- **the circular schedule** (r > 1) reads the stack in stage order: `pipeline.to_stages`
+  reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
+  one all-to-all over the stage axis (forward) and one for their gradients (backward),
+  each moving the chunks that change stage, with the reordered copy held beside the
+  original.
 
 The figures are predicted; `benchmarks/pipeline.py` reports them, and verification
 compiles the pipelined step for XLA's memory.
@@ -60,6 +64,11 @@ from .records import Prediction, StepVariant, Strategy
 _LOOP_BUFFERS = 4
 
 
+def steps_of(variant: StepVariant) -> int:
+    """Loop steps of a pipeline: every micro-batch's every round, plus the fill."""
+    return variant.micro_batches * variant.repeats + variant.stages - 1
+
+
 def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
     """[ops] bool: the ops of the stage graph's layer stack (repeated once per layer)."""
     return graph.repeat == layers_per_stage
@@ -79,22 +88,31 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     speed = cluster.speedup_when_using(n)
     mask = stack_ops(graph, layers_per_stage)
     over = graph.kernels * cluster.device.kernel_overhead_s
-    whole = op_times(graph, cluster, float(d), speed)
+    whole = op_times(graph, cluster, float(d), speed, data=float(d))
     split = np.where(graph.batched, float(d * mb), float(d))
-    micro = op_times(graph, cluster, split, speed) * mb
+    # weights are read (and their gradients written) once per micro-batch
+    micro = op_times(graph, cluster, split, speed, data=split) * mb
     loop = float(micro[mask].sum())                       # the stack, fwd + bwd, per stage
     delta = loop - float(whole[mask].sum())
     delta_busy = float((micro - over * mb)[mask].sum() - (whole - over)[mask].sum())
-    bubble = loop * (p - 1) / (mb * rr)
-    bubble_busy = float((micro - over * mb)[mask].sum()) * (p - 1) / (mb * rr)
+    bubble = loop * (p - 1) / (mb * rr)           # idle: in the step time, not busy
     rest = ~mask & graph.batched
-    spread = op_times(graph, cluster, float(d * p), speed)
+    spread = op_times(graph, cluster, float(d * p), speed, data=float(d * p))
     delta += float(spread[rest].sum() - whole[rest].sum())
     delta_busy += float((spread - over)[rest].sum() - (whole - over)[rest].sum())
 
+    # every loop step, bubble or not, the backward pass hands out the chunk's weight
+    # gradient (zeros in the bubble) and adds it to the loop's sum: written, then read
+    # twice and written again
+    stage_stack = sum(graph.params[j].nbytes for j in stacked)   # this stage's share
+    accumulate = 4 * steps_of(variant) * stage_stack / rr \
+        / (cluster.device.memory_bandwidth * speed)
+    delta += accumulate
+    delta_busy += accumulate
+
     local_rows = batch / d
     across = cluster.num_nodes > 1 and n > cluster.node_size
-    steps = mb * rr + p - 1
+    steps = steps_of(variant)
     sends = 2 * steps * send(carry_row_bytes * local_rows / mb, cluster, across)
     inner = cluster.devices_in_node(p, d * m)
     act = carry_row_bytes * local_rows
@@ -104,21 +122,24 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     blocking = stage.tp_comm_time_s + sends + io_t
     comm_bytes = stage.comm_bytes + io_b + 2 * steps * act / mb
 
-    stage_stack = sum(graph.params[j].nbytes for j in stacked)   # this stage's share
-    # gathered whole for the loop, and the gradient whole until it is reduced
+    # gathered whole for the loop, and the gradient whole until it is reduced; one
+    # chunk's weight gradient out of the backward cond
     held = 2 * sum(graph.params[j].nbytes * (1 - 1 / strategies[j].shard(d, m))
-                   for j in stacked if strategies[j].data_sharded)
+                   for j in stacked if strategies[j].data_sharded) + stage_stack / rr
     if rr > 1:
-        g_t, g_b = all_gather(stage_stack * p, p, cluster, inner=inner)
-        blocking += 2 * g_t
-        comm_bytes += 2 * g_b
-        held += stage_stack * (p - 1) / max(1, d) + steps * stage_stack / rr
+        # the reorder into stage order: an all-to-all of each device's share, forward and
+        # backward (priced as the all-gather of that share, as XLA's all-to-alls are)
+        local = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
+        a_t, a_b = all_gather(local, p, cluster, inner=inner)
+        blocking += 2 * a_t
+        comm_bytes += 2 * a_b
+        held += local
     activations = float(graph.live[:, 0].max()) / d if len(graph.live) else 0.0
     memory = (stage.peak_memory_bytes + activations * (p - 1) / (mb * rr)
               + _LOOP_BUFFERS * carry_row_bytes * local_rows + held)
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
-        busy=stage.busy_time_s * ratio + delta_busy + bubble_busy,
+        busy=stage.busy_time_s * ratio + delta_busy,
         blocking=blocking, grad_comm=stage.grad_comm_time_s,
         tail_comm=stage.tail_comm_time_s, batched_time=stage.batched_time_s * ratio + delta,
         host_one_way=stage.host_transfer_time_s / 2, comm_bytes=comm_bytes, memory=memory,
@@ -127,4 +148,4 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     return assemble(cluster, n, batch, parts)
 
 
-__all__ = ["pipeline_prediction", "stack_ops"]
+__all__ = ["pipeline_prediction", "stack_ops", "steps_of"]

@@ -354,7 +354,7 @@ class Plan:
         if self.step.pipelined:
             lines.append(
                 f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
-                f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, computing padding); "
+                f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
                 f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
                 f"over the {STAGE} axis")
         if self.compiled is not None:

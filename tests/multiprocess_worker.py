@@ -128,7 +128,7 @@ sstep = jaxwap.make_train_step(stacked_loss, optax.adam(1e-2))
 sopt = sstep.init(sparams)
 want = jax.jit(sstep)(jax.device_put(sparams, local), jax.device_put(sopt, local),
                       {"x": x, "t": t})[0]
-staged = jaxwap.auto_shard(sstep, objective="throughput", cache=False,
+staged = jaxwap.auto_shard(sstep, objective="throughput", cache=False, num_devices=8,
                            pipeline={"stages": 2, "micro_batches": 4, "repeats": 1})
 got_p, _, _ = staged(sparams, sopt, {"x": x[half], "t": t[half]})
 plan = staged.plan
