@@ -36,6 +36,30 @@ L, D = 8, 1024
 BATCHES = (16, 64, 256)
 
 
+def loss(params: Any, batch: Any) -> Any:
+    """The measured model: L wide MLP blocks under `lax.scan` between two projections."""
+    import jax
+    import jax.numpy as jnp
+
+    h = batch["x"] @ params["inp"]
+
+    def block(h: Any, w: Any) -> Any:
+        return h + jnp.tanh(h @ w["up"]) @ w["down"], None
+
+    h, _ = jax.lax.scan(block, h, params["blocks"])
+    return jnp.mean((h @ params["out"] - batch["t"]) ** 2)
+
+
+def model_params(rng: Any) -> dict[str, Any]:
+    """The measured model's parameters (numpy, f32), drawn from `rng`."""
+    import numpy as np
+
+    return {"inp": rng.standard_normal((64, D), np.float32) / 8,
+            "blocks": {"up": rng.standard_normal((L, D, 4 * D), np.float32) / 32,
+                       "down": rng.standard_normal((L, 4 * D, D), np.float32) / 64},
+            "out": rng.standard_normal((D, 8), np.float32) / 32}
+
+
 def worker(args: argparse.Namespace) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     from jaxwap.launch import start_distributed
@@ -44,7 +68,6 @@ def worker(args: argparse.Namespace) -> None:
     if why is not None:
         raise SystemExit(f"jax.distributed did not start: {why}")
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.experimental import multihost_utils
@@ -67,20 +90,8 @@ def worker(args: argparse.Namespace) -> None:
     cal = Calibration.from_dict(json.loads((shared / "calibration.json").read_text()))
     cluster, _ = detect_cluster(devices, cal)
 
-    def loss(params: Any, batch: Any) -> Any:
-        h = batch["x"] @ params["inp"]
-
-        def block(h: Any, w: Any) -> Any:
-            return h + jnp.tanh(h @ w["up"]) @ w["down"], None
-
-        h, _ = jax.lax.scan(block, h, params["blocks"])
-        return jnp.mean((h @ params["out"] - batch["t"]) ** 2)
-
     rng = np.random.default_rng(0)
-    params = {"inp": rng.standard_normal((64, D), np.float32) / 8,
-              "blocks": {"up": rng.standard_normal((L, D, 4 * D), np.float32) / 32,
-                         "down": rng.standard_normal((L, 4 * D, D), np.float32) / 64},
-              "out": rng.standard_normal((D, 8), np.float32) / 32}
+    params = model_params(rng)
     step = jaxwap.make_train_step(loss, optax.adam(1e-4))
     opt = step.init(params)
     tried = []

@@ -28,9 +28,11 @@ from typing import Any
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_measured import D, L, loss, model_params  # noqa: E402
 
 import jaxwap  # noqa: E402
 from jaxwap.hardware import detect_cluster  # noqa: E402
@@ -38,18 +40,8 @@ from jaxwap.planner import make_plan  # noqa: E402
 from jaxwap.verify import compile_candidate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-L, D, B = 8, 1024, 16
+B = 16
 TRACED_STEPS = 2
-
-
-def loss(params: Any, batch: Any) -> Any:
-    h = batch["x"] @ params["inp"]
-
-    def block(h: Any, w: Any) -> Any:
-        return h + jnp.tanh(h @ w["up"]) @ w["down"], None
-
-    h, _ = jax.lax.scan(block, h, params["blocks"])
-    return jnp.mean((h @ params["out"] - batch["t"]) ** 2)
 
 
 def compiled_step(step: Any, args: Any, pipeline: Any, devices: int) -> tuple[Any, Any, list]:
@@ -93,10 +85,7 @@ def op_table(trace_dir: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    params = {"inp": rng.standard_normal((64, D), np.float32) / 8,
-              "blocks": {"up": rng.standard_normal((L, D, 4 * D), np.float32) / 32,
-                         "down": rng.standard_normal((L, 4 * D, D), np.float32) / 64},
-              "out": rng.standard_normal((D, 8), np.float32) / 32}
+    params = model_params(rng)
     batch = {"x": rng.standard_normal((B, 64), np.float32),
              "t": rng.standard_normal((B, 8), np.float32)}
     step = jaxwap.make_train_step(loss, optax.adam(1e-4))
