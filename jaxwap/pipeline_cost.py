@@ -25,18 +25,22 @@ module adds what pipelining changes:
   soon as the mesh leaves one node, since every step waits for the slowest hop. The loop
   runs a chunk, then sends: the sends block;
 - **the layers outside the stack**: the batch is split over the stage axis too, so the
-  embedding, head and loss run on 1/(p d) of it (the stage step priced them at 1/d);
+  embedding, head and loss run on 1/(p d) of it: the stage step is traced on batch / p
+  rows, which prices them (time and memory) as they run, and the stack's ops are scaled
+  back to the micro-batches' rows;
 - **the stack's entry and exit**: its input is gathered over the stage axis where the
   pipeline starts and its output summed over it (only the last stage holds it), and in
   the backward pass the input's gradient is reduce-scattered and the output's gathered:
   four collectives of the local batch's activation over the stage axis, which block;
-- **memory**: the loop differentiated keeps the residuals of its bubble steps too
-  ((p - 1) / (m r) more of the stack's activations), its micro-batch buffers (input,
-  round buffer, output, the summed output: four activations of the local batch), a
-  stage's stacked parameters sharded over data gathered whole where the loop reads them
-  (their gradient whole too until it is reduced), and one chunk's weight gradient, which
-  the backward `lax.cond` hands out in a buffer of its own (compiled on 8 CPU devices,
-  GPipe on 2 stages: +5.2 MB of temporaries for 4.2 MB of stage weights);
+- **memory**: the loop keeps the stack's residuals for every micro-batch (p times what
+  the stage step on batch / p rows kept: the difference between that step with 2 L / p
+  layers and with L / p), and for its bubble steps too ((p - 1) / (m r) more), its
+  micro-batch buffers (input, round buffer, output, the summed output: four activations
+  of the local batch), a stage's stacked parameters sharded over data gathered whole
+  where the loop reads them (their gradient whole too until it is reduced), and one
+  chunk's weight gradient, which the backward `lax.cond` hands out in a buffer of its
+  own (compiled on 8 CPU devices, GPipe on 2 stages: +5.2 MB of temporaries for 4.2 MB
+  of stage weights);
 - **the circular schedule** (r > 1) reads the stack in stage order: `pipeline.to_stages`
   reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
   one all-to-all over the stage axis (forward) and one for their gradients (backward),
@@ -69,6 +73,18 @@ def steps_of(variant: StepVariant) -> int:
     return variant.micro_batches * variant.repeats + variant.stages - 1
 
 
+def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
+                variant: StepVariant) -> float:
+    """Bytes per device the pipeline's loop holds beyond its stage step (on batch / p
+    rows), whatever the layouts: the stack's residuals for the rest of the local batch
+    (the stage step kept `stack_live`, all devices' bytes, for 1/p of it) and for the
+    bubble steps, and the loop's micro-batch buffers."""
+    p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
+    residuals = stack_live / d * p
+    return (residuals * (1 - 1 / p + (p - 1) / (mb * rr))
+            + _LOOP_BUFFERS * carry_row_bytes * batch / d)
+
+
 def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
     """[ops] bool: the ops of the stage graph's layer stack (repeated once per layer)."""
     return graph.repeat == layers_per_stage
@@ -77,10 +93,12 @@ def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
 def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: int, m: int,
                         strategies: Sequence[Strategy], stacked: Sequence[int],
                         variant: StepVariant, layers_per_stage: int, carry_row_bytes: float,
-                        batch: int) -> Prediction:
+                        batch: int, stack_live: float) -> Prediction:
     """The pipelined step's prediction on p x d x m devices, from the stage graph's
-    (`graph`: the step with `layers_per_stage` layers) prediction `stage` on its (d, m)
-    mesh with `strategies`; `stacked` indexes the stacked parameters."""
+    (`graph`: the step with `layers_per_stage` layers on batch / p rows) prediction
+    `stage` on its (d, m) mesh with `strategies`; `stacked` indexes the stacked
+    parameters, `stack_live` is what the graph's stack keeps for the backward pass (all
+    devices' bytes)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
     n = p * d * m
     # the stage was priced as if its d*m devices were all the job used
@@ -89,17 +107,14 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     mask = stack_ops(graph, layers_per_stage)
     over = graph.kernels * cluster.device.kernel_overhead_s
     whole = op_times(graph, cluster, float(d), speed, data=float(d))
-    split = np.where(graph.batched, float(d * mb), float(d))
-    # weights are read (and their gradients written) once per micro-batch
+    # the graph's batched ops ran on batch / p rows; a micro-batch has batch / (d mb) of
+    # them per device, and its weights are read (their gradients written) once each
+    split = np.where(graph.batched, d * mb / p, float(d))
     micro = op_times(graph, cluster, split, speed, data=split) * mb
     loop = float(micro[mask].sum())                       # the stack, fwd + bwd, per stage
     delta = loop - float(whole[mask].sum())
     delta_busy = float((micro - over * mb)[mask].sum() - (whole - over)[mask].sum())
     bubble = loop * (p - 1) / (mb * rr)           # idle: in the step time, not busy
-    rest = ~mask & graph.batched
-    spread = op_times(graph, cluster, float(d * p), speed, data=float(d * p))
-    delta += float(spread[rest].sum() - whole[rest].sum())
-    delta_busy += float((spread - over)[rest].sum() - (whole - over)[rest].sum())
 
     # every loop step, bubble or not, the backward pass hands out the chunk's weight
     # gradient (zeros in the bubble) and adds it to the loop's sum: written, then read
@@ -134,9 +149,8 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         blocking += 2 * a_t
         comm_bytes += 2 * a_b
         held += local
-    activations = float(graph.live[:, 0].max()) / d if len(graph.live) else 0.0
-    memory = (stage.peak_memory_bytes + activations * (p - 1) / (mb * rr)
-              + _LOOP_BUFFERS * carry_row_bytes * local_rows + held)
+    memory = (stage.peak_memory_bytes + held
+              + loop_memory(stack_live, carry_row_bytes, batch, d, variant))
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
         busy=stage.busy_time_s * ratio + delta_busy,
@@ -148,4 +162,4 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     return assemble(cluster, n, batch, parts)
 
 
-__all__ = ["pipeline_prediction", "stack_ops", "steps_of"]
+__all__ = ["loop_memory", "pipeline_prediction", "stack_ops", "steps_of"]

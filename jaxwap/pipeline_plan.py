@@ -27,11 +27,11 @@ from typing import Any
 
 import jax
 
-from .graph import analyze
+from .graph import Graph, analyze
 from .hardware import Cluster
 from .objective import Objective
 from .options import PlanOptions
-from .pipeline_cost import pipeline_prediction
+from .pipeline_cost import loop_memory, pipeline_prediction
 from .records import STAGE, StepVariant, Strategy
 from .solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
 from .stack import LayerScan, NoLayerScan, find_layer_scan
@@ -130,18 +130,29 @@ def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[in
     return sorted(ok[:MAX_STAGE_COUNTS])
 
 
-def _stage_args(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int) -> tuple[Any, ...]:
-    """(params, opt_state, batch) of the stage step, abstract: the stacked leaves cut to
-    L / p layers, the optimizer state made for them."""
+def _stage_args(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
+                rows: int) -> tuple[Any, ...]:
+    """(params, opt_state, batch) of a stage step, abstract: the stacked leaves cut to
+    `layers` layers, the optimizer state made for them, the batch cut to `rows` rows."""
     params, _, batch = args
     leaves, treedef = jax.tree_util.tree_flatten(params)
     stacked = set(scan.stacked)
-    cut = [jax.ShapeDtypeStruct((x.shape[0] // p, *x.shape[1:]) if i in stacked else x.shape,
+    cut = [jax.ShapeDtypeStruct((layers, *x.shape[1:]) if i in stacked else x.shape,
                                 x.dtype) for i, x in enumerate(leaves)]
     stage_params = jax.tree_util.tree_unflatten(treedef, cut)
     opt_state = jax.eval_shape(fn.init, stage_params)
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
     return stage_params, opt_state, abstract
+
+
+def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
+                 rows: int, options: PlanOptions) -> Graph:
+    """The analysed step of one stage: `layers` layers of the stack, `rows` rows."""
+    stage_args = _stage_args(fn, args, scan, layers, rows)
+    layout, closed = layout_of(fn, stage_args, {}, stage_args[0],
+                               rows if options.batch_size else None)
+    return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
 
 
 def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy, ...]:
@@ -167,30 +178,46 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     n = options.num_devices or usable
     # a stage's data axis: all the devices, or fewer (energy may prefer fewer devices)
     ds = [n // p >> i for i in range(1 if options.num_devices else MESH_SIZES)]
-    ds = [d for d in ds if d >= 1 and n % p == 0 and B % d == 0]
+    ds = [d for d in ds if d >= 1 and n % p == 0 and B % (p * d) == 0]
     if not ds:
         return None
-    stage_args = _stage_args(fn, args, scan, p)
-    layout, closed = layout_of(fn, stage_args, {}, stage_args[0], options.batch_size)
-    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, B)
+    # the stage step at the rows the layers outside the stack see (the batch is split
+    # over stage x data), and again with twice the layers: what the stack's k layers
+    # keep for the backward pass is the difference (the pipeline keeps it for all its
+    # micro-batches, p times these rows)
     k = scan.length // p
+    graph = _stage_graph(fn, args, scan, k, B // p, options)
     if not (graph.repeat == k).any():
         return None
+    twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)
+    stack_live = max(0.0, _batched_peak(twice) - _batched_peak(graph))
     stacked = set(scan.stacked)
     best: MeshResult | None = None
     for d in ds:
-        stage = solve_mesh(graph, cluster, d, 1, budget, options.offload, options.allowed)
+        variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr)
+                    for mb, rr in _shapes(B // d, p, k, forced)]
+        if not variants:
+            continue
+        # the stage's layouts must leave room for the least the loop holds beside them
+        room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
+                            for v in variants)
+        stage = solve_mesh(graph, cluster, d, 1, max(room, 0.0), options.offload,
+                           options.allowed)
         strategies = _staged(stage.strategies, stacked)
-        for mb, rr in _shapes(B // d, p, k, forced):
-            variant = StepVariant(micro_batches=mb, stages=p, repeats=rr)
+        for variant in variants:
             pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1,
                                        stage.strategies, sorted(stacked), variant, k,
-                                       scan.carry_row_bytes, B)
+                                       scan.carry_row_bytes, B, stack_live)
             cand = MeshResult(d, 1, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant)
             if best is None or _better(cand, best, objective, cluster):
                 best = cand
     return best
+
+
+def _batched_peak(graph: Graph) -> float:
+    """The most batched bytes live at once in a step (the whole batch's, all devices')."""
+    return float(graph.live[:, 0].max()) if len(graph.live) else 0.0
 
 
 def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None

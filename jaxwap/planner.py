@@ -256,7 +256,8 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     candidates `pipes` are weighed beside the step as written (alone when forced)."""
     B = layout.inputs.batch_size
     rungs = [StepVariant()]
-    if isinstance(fn, TrainStep) and fn.variant.is_plain:
+    # a forced pipeline is its own restructuring: no other rung may stand in for it
+    if isinstance(fn, TrainStep) and fn.variant.is_plain and options.forced_pipeline is None:
         rungs += ladder(B, platform)
     timing.update(analyze=0.0, search=0.0)
     tried: list[str] = []
@@ -417,8 +418,9 @@ def _variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
 
 def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
     best = result.results[result.best]
+    mesh = " x ".join(f"{a}={n}" for a, n in best.mesh)
     return (f"no candidate plan fits the memory budget of {si(budget, 'B')} per device: the "
-            f"smallest, mesh data={best.d} x model={best.m}, needs "
+            f"smallest, mesh {mesh}, needs "
             f"{si(best.predicted.peak_memory_bytes, 'B')} per device. Use more devices, a "
             f"smaller batch (now {batch}), a smaller model, or a larger memory_budget=.")
 
@@ -431,8 +433,9 @@ def _nothing_fits_compiled(ver: Verification, result: SearchResult, budget: floa
         return f"no candidate plan compiled: {errors}"
     i = min(ver.figures, key=lambda i: ver.figures[i].memory_bytes)
     r = result.results[i]
+    mesh = " x ".join(f"{a}={n}" for a, n in r.mesh)
     return (f"no candidate plan fits the memory budget of {si(budget, 'B')} per device by "
-            f"XLA's own memory analysis: the smallest compiled, mesh data={r.d} x model={r.m}, "
+            f"XLA's own memory analysis: the smallest compiled, mesh {mesh}, "
             f"needs {si(ver.figures[i].memory_bytes, 'B')} per device (the model predicted "
             f"{si(r.predicted.peak_memory_bytes, 'B')}). Use more devices, a smaller batch "
             f"(now {batch}), a smaller model, or a larger memory_budget=.")

@@ -116,6 +116,10 @@ def test_a_forced_pipeline_that_cannot_be_built_names_the_reason():
     with pytest.raises(ValueError, match="pipeline=.*stages.*3.*cannot be used"):
         jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
                     pipeline={"stages": 3})
+    # a forced pipeline that fits nowhere is not replaced by a plan without one
+    with pytest.raises(MemoryError, match="smallest, mesh stage=2 x data="):
+        jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                    memory_budget=10e3, pipeline={"stages": 2})
     with pytest.raises(ValueError, match="unknown key"):
         jaxwap.PlanOptions(pipeline={"stages": 2, "rounds": 2})
     with pytest.raises(ValueError, match="circular schedule"):
