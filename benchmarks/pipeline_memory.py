@@ -29,7 +29,10 @@ import jaxwap  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 L, D, B, V = 8, 256, 64, 512
-SHAPES = [(2, 2, 1), (2, 8, 1), (4, 4, 1), (2, 4, 2), (4, 8, 2)]
+# (stages, micro-batches, repeats, layout families: None = the planner's choice, which
+# here is FSDP inside the stages; "zero1" keeps each stage's share whole)
+SHAPES = [(2, 2, 1, None), (2, 8, 1, None), (4, 4, 1, None), (2, 4, 2, None),
+          (4, 8, 2, None), (2, 4, 1, ("zero1",)), (4, 8, 2, ("zero1",))]
 
 
 def loss(params, batch):
@@ -58,12 +61,14 @@ def main() -> None:
     params, batch = setup()
     opt = jax.eval_shape(step.init, params)
     rows = []
-    for p, m, r in SHAPES:
+    for p, m, r, families in SHAPES:
         plan = jaxwap.plan(step, params, opt, batch, cache=False, verify=1, num_devices=8,
-                           pipeline={"stages": p, "micro_batches": m, "repeats": r})
+                           pipeline={"stages": p, "micro_batches": m, "repeats": r},
+                           strategies=families)
         predicted = plan.predicted.peak_memory_bytes
         compiled = plan.compiled.memory_bytes
         rows.append({"stages": p, "micro_batches": m, "repeats": r,
+                     "strategies": families, "fsdp_in_stage": plan.step.stage_sharded,
                      "mesh": dict(plan.mesh_shape), "predicted_bytes": predicted,
                      "compiled_bytes": compiled,
                      "error": predicted / compiled - 1})
@@ -72,10 +77,15 @@ def main() -> None:
             "XLA:CPU's **compiled** figure (8 simulated CPU devices; "
             f"{L} blocks of {D} -> {4 * D} -> {D} under lax.scan, batch {B}, f32, Adam). "
             "Command: `.venv/bin/python benchmarks/pipeline_memory.py`.\n\n"
-            "| stages | micro-batches | repeats | mesh | predicted MB | compiled MB | "
-            "error |\n|---|---|---|---|---|---|---|\n")
+            "Layouts: the planner's, or ZeRO-1 asked for (`strategies=(\"zero1\",)`); a "
+            "stage holds its layers sharded over data (FSDP inside the stage, gathered in "
+            "the loop) or whole.\n\n"
+            "| stages | micro-batches | repeats | layouts asked | stage's layers | mesh | "
+            "predicted MB | compiled MB | error |\n|---|---|---|---|---|---|---|---|---|\n")
     table = "".join(
-        f"| {x['stages']} | {x['micro_batches']} | {x['repeats']} | {x['mesh']} | "
+        f"| {x['stages']} | {x['micro_batches']} | {x['repeats']} | "
+        f"{'/'.join(x['strategies']) if x['strategies'] else 'planner'} | "
+        f"{'sharded (FSDP)' if x['fsdp_in_stage'] else 'whole'} | {x['mesh']} | "
         f"{x['predicted_bytes'] / 1e6:.1f} | {x['compiled_bytes'] / 1e6:.1f} | "
         f"{x['error']:+.0%} |\n" for x in rows)
     errs = np.abs([x["error"] for x in rows])

@@ -90,8 +90,11 @@ def micro_join(xs: jax.Array) -> jax.Array:
 
 # Primitives whose outputs the stage step's checkpoint recomputes rather than keeps: views
 # of other values, so their sources are kept (or, for the weights, held by the loop anyway).
-_VIEWS = frozenset({"broadcast_in_dim", "convert_element_type", "copy", "dynamic_slice",
-                    "gather", "name", "reshape", "slice", "squeeze", "transpose"})
+# A layer's weights gathered over the data axes (FSDP inside a stage) are gathered again
+# for the backward pass too, as FSDP does: kept, they would be the whole chunk per loop step.
+_VIEWS = frozenset({"all_gather", "broadcast_in_dim", "convert_element_type", "copy",
+                    "dynamic_slice", "gather", "name", "reshape", "slice", "squeeze",
+                    "transpose"})
 
 
 def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
@@ -104,15 +107,22 @@ def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
 
 def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
               micro_batches: int, repeats: int = 1,
-              data_axis: str | tuple[str, ...] | None = None
-              ) -> Callable[..., jax.Array]:
+              data_axis: str | tuple[str, ...] | None = None,
+              param_specs: Any = None) -> Callable[..., jax.Array]:
     """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
     `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
     the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
     [L, ...] reordered by `to_stages` (and sharded over the stage axis along their leading
     dim); `consts` reach every stage whole (replicated). The batch is cut into
     `micro_batches` (`micro_split`), each split over `data_axis` (a name or a tuple of
-    names) when given. A stage with no work in a loop step (the bubble) skips it."""
+    names) when given. A stage with no work in a loop step (the bubble) skips it.
+
+    `param_specs` (a tree like `staged_params`, each leaf a tuple of mesh axis names or
+    None for the dims after the layer dim; None: all whole) shards a stage's share over
+    other axes too, FSDP inside the stage: the loop gathers each layer's weights just
+    before it runs them (and again for the backward pass), and their gradients come back
+    reduce-scattered, so a stage holds 1/d of its weights and gradients, at the price of
+    a gather per layer per loop step."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -120,8 +130,21 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
         _check_schedule(mesh, m, r)
     batch_spec = P(None, data_axis) if data_axis else P()
 
+    def gather_layer(w: Any) -> Any:
+        """One layer's weights whole from the stage's shards (`param_specs`)."""
+        if param_specs is None:
+            return w
+
+        def one(x: jax.Array, spec: tuple[str | None, ...]) -> jax.Array:
+            for dim, axis in enumerate(spec):
+                if axis is not None:
+                    x = lax.all_gather(x, axis, axis=dim, tiled=True)
+            return x
+        return jax.tree.map(one, w, param_specs)
+
     def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
-        return lax.scan(lambda c, w: (layer(w, c, *consts), None), h, chunk)[0]
+        return lax.scan(lambda c, w: (layer(gather_layer(w), c, *consts), None), h,
+                        chunk)[0]
 
     def idle(chunk: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
         return h
@@ -178,8 +201,13 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
             raise ValueError("pipelined() needs a mesh: pass one, or trace inside "
                              "`with jax.set_mesh(mesh):`")
         p = _check_schedule(here, m, r)
+        if param_specs is None:
+            specs: Any = P(STAGE)
+        else:
+            _check_specs(params, param_specs, here)
+            specs = jax.tree.map(lambda _, spec: P(STAGE, *spec), params, param_specs)
         staged = jax.shard_map(make(p), mesh=mesh,
-                               in_specs=(P(STAGE), batch_spec, *(P() for _ in consts)),
+                               in_specs=(specs, batch_spec, *(P() for _ in consts)),
                                out_specs=batch_spec, check_vma=False)
         return micro_join(staged(params, micro_split(x, m), *consts))
 
@@ -195,6 +223,27 @@ def _check_schedule(mesh: Any, m: int, r: int) -> int:
         raise ValueError(f"the circular schedule (repeats={r}) needs at least as many "
                          f"micro-batches as stages: micro_batches={m} < {p} stages")
     return p
+
+
+def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
+    """Each stacked parameter's `param_specs` entry names axes of `mesh` that divide it."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(param_specs)
+    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+        if len(spec) != x.ndim - 1:
+            raise ValueError(f"stacked parameter {i} with shape {x.shape}: its stage spec "
+                             f"{spec} must name {x.ndim - 1} dims (all but the layer dim)")
+        for dim, axis in enumerate(spec, start=1):
+            if axis is None:
+                continue
+            if axis not in mesh.axis_names or axis == STAGE:
+                raise ValueError(f"stacked parameter {i}: stage spec {spec} names axis "
+                                 f"{axis!r}, not a non-stage axis of the mesh "
+                                 f"{mesh.axis_names}")
+            if x.shape[dim] % mesh.shape[axis]:
+                raise ValueError(f"stacked parameter {i} with shape {x.shape}: dim {dim} "
+                                 f"does not divide over {axis!r} of size "
+                                 f"{mesh.shape[axis]}")
 
 
 def _check(num_layers: int, stages: int, repeats: int) -> None:

@@ -36,11 +36,15 @@ module adds what pipelining changes:
   the stage step on batch / p rows kept: the difference between that step with 2 L / p
   layers and with L / p), and for its bubble steps too ((p - 1) / (m r) more), its
   micro-batch buffers (input, round buffer, output, the summed output: four activations
-  of the local batch), a stage's stacked parameters sharded over data gathered whole
-  where the loop reads them (their gradient whole too until it is reduced), and one
-  chunk's weight gradient, which the backward `lax.cond` hands out in a buffer of its
-  own (compiled on 8 CPU devices, GPipe on 2 stages: +5.2 MB of temporaries for 4.2 MB
-  of stage weights);
+  of the local batch), one chunk's weight gradient, which the backward `lax.cond` hands
+  out in a buffer of its own (compiled on 8 CPU devices, GPipe on 2 stages: +5.2 MB of
+  temporaries for 4.2 MB of stage weights);
+- **FSDP inside a stage**: a stacked parameter the stage's layouts shard over data stays
+  sharded in the loop (`StepVariant.stage_specs`), which gathers each layer where it runs
+  it, forward and again backward, and reduce-scatters its gradient: three collectives
+  of the chunk's weights per loop step, where the unpipelined step has three per step,
+  and the loop waits for them; memory holds the shard, the gathered layer and the
+  sharded gradient;
 - **the circular schedule** (r > 1) reads the stack in stage order: `pipeline.to_stages`
   reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
   one all-to-all over the stage axis (forward) and one for their gradients (backward),
@@ -57,7 +61,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .comm import all_gather, all_reduce, send
+from .comm import all_gather, all_reduce, fsdp_comm, send
 from .cost import StepParts, assemble, op_times
 from .graph import Graph
 from .hardware import Cluster
@@ -118,8 +122,9 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
 
     # every loop step, bubble or not, the backward pass hands out the chunk's weight
     # gradient (zeros in the bubble) and adds it to the loop's sum: written, then read
-    # twice and written again
-    stage_stack = sum(graph.params[j].nbytes for j in stacked)   # this stage's share
+    # twice and written again; a stage's share sharded over data (FSDP inside the
+    # stage) is 1/d of it on each device
+    stage_stack = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
     accumulate = 4 * steps_of(variant) * stage_stack / rr \
         / (cluster.device.memory_bandwidth * speed)
     delta += accumulate
@@ -136,11 +141,25 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     io_t, io_b = ar_t + 3 * ag_t, ar_b + 3 * ag_b
     blocking = stage.tp_comm_time_s + sends + io_t
     comm_bytes = stage.comm_bytes + io_b + 2 * steps * act / mb
+    grad_comm = stage.grad_comm_time_s
 
-    # gathered whole for the loop, and the gradient whole until it is reduced; one
-    # chunk's weight gradient out of the backward cond
-    held = 2 * sum(graph.params[j].nbytes * (1 - 1 / strategies[j].shard(d, m))
-                   for j in stacked if strategies[j].data_sharded) + stage_stack / rr
+    # FSDP inside the stage (`StepVariant.stage_specs`): every loop step gathers its
+    # chunk's layers for the forward pass and again for the backward pass, and
+    # reduce-scatters their gradient, the loop waiting for each; the stage step priced
+    # one such round, overlapped with its backward pass: that round is replaced
+    sharded = [j for j in stacked if strategies[j].data_sharded]
+    whole = sum(graph.params[j].nbytes for j in sharded)
+    if sharded:
+        g_t, g_b = all_gather(whole / rr, d, cluster, inner=cluster.devices_in_node(d, m))
+        blocking += 3 * steps * g_t
+        comm_bytes += 3 * steps * g_b
+        once_t, once_b = fsdp_comm(whole, d, cluster, inner=cluster.devices_in_node(d, m))
+        grad_comm = max(0.0, grad_comm - once_t)
+        comm_bytes = max(0.0, comm_bytes - once_b)
+
+    # one chunk's weight gradient out of the backward cond; the layer a sharded share
+    # gathers, forward and for the backward pass
+    held = stage_stack / rr + 2 * whole / layers_per_stage
     if rr > 1:
         # the reorder into stage order: an all-to-all of each device's share, forward and
         # backward (priced as the all-gather of that share, as XLA's all-to-alls are)
@@ -154,7 +173,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
         busy=stage.busy_time_s * ratio + delta_busy,
-        blocking=blocking, grad_comm=stage.grad_comm_time_s,
+        blocking=blocking, grad_comm=grad_comm,
         tail_comm=stage.tail_comm_time_s, batched_time=stage.batched_time_s * ratio + delta,
         host_one_way=stage.host_transfer_time_s / 2, comm_bytes=comm_bytes, memory=memory,
         flops=stage.flops_per_device, loop_flops_ratio=stage.loop_flops_ratio,

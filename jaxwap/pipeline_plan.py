@@ -13,6 +13,9 @@ over the stage axis.
 
 When pipelining is not considered, the reason is returned for `explain()`.
 
+A stacked parameter the stage's solution shards over data (FSDP) stays sharded inside
+the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it.
+
 Not searched (yet): a model axis inside a stage (tensor parallelism with pipelining),
 hybrid-sharded stages, stages of one layer.
 """
@@ -167,6 +170,16 @@ def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy
     return tuple(one(j, s) for j, s in enumerate(strategies))
 
 
+def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
+                 ) -> tuple[tuple[str | None, ...], ...]:
+    """`StepVariant.stage_specs` of the stage's layouts: for each stacked parameter (in
+    the scan's order) its spec beyond the layer dim where it is FSDP-sharded (the loop
+    gathers its layers), whole otherwise; empty when none is sharded."""
+    specs = tuple(tuple(strategies[j].spec[1:]) if strategies[j].data_sharded
+                  else (None,) * (len(strategies[j].spec) - 1) for j in stacked)
+    return specs if any(a is not None for spec in specs for a in spec) else ()
+
+
 def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
@@ -204,7 +217,9 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         stage = solve_mesh(graph, cluster, d, 1, max(room, 0.0), options.offload,
                            options.allowed)
         strategies = _staged(stage.strategies, stacked)
+        specs = _stage_specs(stage.strategies, scan.stacked)
         for variant in variants:
+            variant = dataclasses.replace(variant, stage_specs=specs)
             pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1,
                                        stage.strategies, sorted(stacked), variant, k,
                                        scan.carry_row_bytes, B, stack_live)

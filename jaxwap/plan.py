@@ -343,7 +343,8 @@ class Plan:
             f"  communication   {pr.exposed_comm_time_s * 1e3:10.3f} "
             f"ms exposed of "
             f"{pr.grad_comm_time_s * 1e3:.3f} ms gradient reduction; "
-            f"{pr.tp_comm_time_s * 1e3:.3f} ms tensor-parallel; "
+            f"{pr.tp_comm_time_s * 1e3:.3f} ms "
+            f"{'blocking' if self.step.pipelined else 'tensor-parallel'}; "
             f"{si(pr.comm_bytes, 'B')} sent per device",
             f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
             f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
@@ -356,7 +357,11 @@ class Plan:
                 f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
                 f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
                 f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
-                f"over the {STAGE} axis")
+                f"over the {STAGE} axis"
+                # a stage has no model axis: the rest of what blocks is its layer gathers
+                + (f"; {(pr.tp_comm_time_s - pr.send_time_s) * 1e3:.3f} ms gathering each "
+                   f"layer's weights and reduce-scattering their gradients, every loop step"
+                   if self.step.stage_sharded else ""))
         if self.compiled is not None:
             c, v = self.compiled, self.verified
             kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"

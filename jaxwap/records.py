@@ -207,12 +207,18 @@ class StepVariant:
     """How a `make_train_step` step is restructured: micro-batches and a remat policy, or
     a pipeline: its scanned layer stack split into `stages` over the STAGE mesh axis, the
     batch cut into `micro_batches` that flow through them, each stage visiting its layers
-    in `repeats` rounds (1: GPipe; more: the circular schedule)."""
+    in `repeats` rounds (1: GPipe; more: the circular schedule). `stage_specs` says how a
+    stage holds its share of each stacked parameter (in the order the layer scan reads
+    them), beyond the layer dim: the mesh axis each further dim is sharded over, or None.
+    A dim sharded over a data axis is FSDP inside the stage: each layer's weights are
+    gathered where the loop runs it, their gradient reduce-scattered. Empty: every stage
+    holds its share whole."""
 
     micro_batches: int = 1
     remat: str = "none"
     stages: int = 1
     repeats: int = 1
+    stage_specs: tuple[tuple[str | None, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "stages", "repeats"):
@@ -227,6 +233,26 @@ class StepVariant:
             raise ValueError(f"the circular schedule (repeats={self.repeats}) needs at least "
                              f"as many micro-batches as stages: micro_batches="
                              f"{self.micro_batches} < stages={self.stages}")
+        # a saved plan's JSON gives lists: the record keeps tuples (hashable, comparable)
+        try:
+            specs = tuple(tuple(dim for dim in spec) for spec in self.stage_specs)
+        except TypeError:
+            raise ValueError(f"stage_specs must be a sequence of specs (sequences of axis "
+                             f"names or None), got {self.stage_specs!r}") from None
+        bad = [dim for spec in specs for dim in spec if not (dim is None or
+                                                            isinstance(dim, str))]
+        if bad:
+            raise ValueError(f"stage_specs entries must be mesh axis names or None, got "
+                             f"{bad[0]!r} in {self.stage_specs!r}")
+        if specs and not self.pipelined:
+            raise ValueError(f"stage_specs={self.stage_specs!r} needs a pipeline "
+                             f"(stages > 1)")
+        object.__setattr__(self, "stage_specs", specs)
+
+    @property
+    def stage_sharded(self) -> bool:
+        """Whether a stage shards any stacked parameter's share (FSDP inside the stage)."""
+        return any(dim is not None for spec in self.stage_specs for dim in spec)
 
     @property
     def is_plain(self) -> bool:
@@ -246,8 +272,10 @@ class StepVariant:
         parts = []
         if self.pipelined:
             sched = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} rounds"
+            fsdp = ", layers gathered per step" if self.stage_sharded else ""
             parts.append(f"pipeline of {self.stages} stages x {self.micro_batches} "
-                         f"micro-batches ({sched}; bubble {self.bubble_share:.0%} of the loop)")
+                         f"micro-batches ({sched}; bubble {self.bubble_share:.0%} of the "
+                         f"loop{fsdp})")
         elif self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.remat != "none":

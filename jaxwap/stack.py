@@ -332,16 +332,24 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
 
 
 def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_batches: int,
-                   repeats: int = 1, data_axis: str | tuple[str, ...] | None = None
+                   repeats: int = 1, data_axis: str | tuple[str, ...] | None = None,
+                   param_specs: Sequence[tuple[str | None, ...]] = ()
                    ) -> Callable[[Any, Any], Any]:
     """`loss_fn` with its layer scan (`find_layer_scan`) run by `pipeline.pipelined` over
     the stage axis of the mesh it is traced in (`jax.set_mesh`), each micro-batch split
     over `data_axis`. The stacked parameters are reordered for the circular schedule
-    (`to_stages`) inside. The returned function takes `(params, batch)` and returns what
-    `loss_fn` does; it traces `loss_fn` once per argument shapes and mesh."""
+    (`to_stages`) inside. `param_specs`, one per stacked parameter in `scan.stacked`'s
+    order (empty: none), shards a stage's share of it beyond the layer dim
+    (`pipelined`'s FSDP inside a stage). The returned function takes `(params, batch)`
+    and returns what `loss_fn` does; it traces `loss_fn` once per argument shapes and
+    mesh."""
     if min(stages, micro_batches, repeats) < 1:
         raise ValueError(f"stages={stages}, micro_batches={micro_batches} and "
                          f"repeats={repeats} must be at least 1")
+    if param_specs and len(param_specs) != len(scan.stacked):
+        raise ValueError(f"param_specs has {len(param_specs)} specs for the layer scan's "
+                         f"{len(scan.stacked)} stacked parameters {scan.stacked}")
+    specs = [tuple(s) for s in param_specs] if param_specs else None
     stage_order(scan.length, stages, repeats)       # raises if the layers do not split
     traces: dict[Any, tuple[ClosedJaxpr, Any, LayerScan]] = {}
     bodies: dict[Any, ClosedJaxpr] = {}
@@ -385,7 +393,7 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
-                        data_axis=data_axis)
+                        data_axis=data_axis, param_specs=specs)
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]

@@ -125,7 +125,7 @@ def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., An
         scan = find_layer_scan(fn, params, batch)
         return pipelined_loss(fn, scan, stages=variant.stages,
                               micro_batches=variant.micro_batches, repeats=variant.repeats,
-                              data_axis=data)(params, batch)
+                              data_axis=data, param_specs=variant.stage_specs)(params, batch)
     return loss
 
 

@@ -161,3 +161,44 @@ def test_to_stages_follows_stage_order():
     for stages, repeats in [(2, 2), (4, 2), (2, 4), (4, 1)]:
         np.testing.assert_array_equal(np.asarray(to_stages(x, stages, repeats))[:, 0],
                                       stage_order(16, stages, repeats))
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_layers_sharded_inside_a_stage_are_gathered_per_layer_and_equal_the_scan(repeats):
+    """FSDP inside a stage (`param_specs`): each stage's share also split over data, the
+    loop gathering one layer at a time; forward and gradients equal the scan, and the
+    gradients come back sharded as the weights are."""
+    params, x = _setup()
+    mesh = jax.make_mesh((2, 4), (STAGE, "data"), axis_types=(AUTO, AUTO))
+    specs = {"bias": ("data",), "kernel": (None, "data")}
+    f = pipelined(_layer, mesh, micro_batches=4, repeats=repeats, data_axis="data",
+                  param_specs=specs)
+    staged = to_stages(params, 2, repeats)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, P(STAGE, *specs[k])))
+              for k, v in staged.items()}
+    _close(jax.jit(f)(placed, x), _reference(params, x))
+
+    def loss(fn, p, x):
+        return jnp.sum(fn(p, x) ** 2)
+
+    g = jax.jit(jax.grad(lambda p: loss(f, p, x)))(placed)
+    r = jax.grad(lambda p: loss(_reference, p, x))(params)
+    _close(g, to_stages(r, 2, repeats))
+    assert g["kernel"].sharding.is_equivalent_to(placed["kernel"].sharding, 3)
+
+
+def test_a_stage_spec_that_cannot_shard_names_the_parameter_and_axis():
+    params, x = _setup()
+    mesh = jax.make_mesh((2, 4), (STAGE, "data"), axis_types=(AUTO, AUTO))
+    for specs, why in [({"bias": ("model",), "kernel": (None, None)}, "names axis 'model'"),
+                       ({"bias": (None,), "kernel": ("data",)}, "must name 2 dims"),
+                       ({"bias": (STAGE,), "kernel": (None, None)}, "names axis 'stage'")]:
+        f = pipelined(_layer, mesh, micro_batches=4, param_specs=specs)
+        with pytest.raises(ValueError, match=re.escape(why)):
+            f(params, x)
+    wide = {"kernel": jnp.zeros((L, D, 6)), "bias": jnp.zeros((L, 6))}
+    f = pipelined(_layer, mesh, micro_batches=4, param_specs={"bias": ("data",),
+                                                              "kernel": (None, None)})
+    with pytest.raises(ValueError, match=r"shape \(8, 6\): dim 1 does not divide over "
+                                         r"'data' of size 4"):
+        f(wide, x)
