@@ -283,7 +283,10 @@ class StepVariant:
         return ", ".join(parts) or "as written"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON values: the specs as lists, as a saved plan reads them back."""
+        d = asdict(self)
+        d["stage_specs"] = [list(spec) for spec in self.stage_specs]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> StepVariant:
