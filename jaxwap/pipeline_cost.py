@@ -150,10 +150,11 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     sharded = [j for j in stacked if strategies[j].data_sharded]
     whole = sum(graph.params[j].nbytes for j in sharded)
     if sharded:
-        g_t, g_b = all_gather(whole / rr, d, cluster, inner=cluster.devices_in_node(d, m))
+        in_node = cluster.devices_in_node(d, m)
+        g_t, g_b = all_gather(whole / rr, d, cluster, inner=in_node)
         blocking += 3 * steps * g_t
         comm_bytes += 3 * steps * g_b
-        once_t, once_b = fsdp_comm(whole, d, cluster, inner=cluster.devices_in_node(d, m))
+        once_t, once_b = fsdp_comm(whole, d, cluster, inner=in_node)
         grad_comm = max(0.0, grad_comm - once_t)
         comm_bytes = max(0.0, comm_bytes - once_b)
 

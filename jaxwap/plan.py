@@ -357,8 +357,7 @@ class Plan:
                 f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
                 f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
                 f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
-                f"over the {STAGE} axis"
-                # a stage has no model axis: the rest of what blocks is its layer gathers
+                f"over the {STAGE} axis"   # no model axis in a stage: the rest is gathers
                 + (f"; {(pr.tp_comm_time_s - pr.send_time_s) * 1e3:.3f} ms gathering each "
                    f"layer's weights and reduce-scattering their gradients, every loop step"
                    if self.step.stage_sharded else ""))

@@ -235,7 +235,7 @@ class StepVariant:
                              f"{self.micro_batches} < stages={self.stages}")
         # a saved plan's JSON gives lists: the record keeps tuples (hashable, comparable)
         try:
-            specs = tuple(tuple(dim for dim in spec) for spec in self.stage_specs)
+            specs = tuple(tuple(spec) for spec in self.stage_specs)
         except TypeError:
             raise ValueError(f"stage_specs must be a sequence of specs (sequences of axis "
                              f"names or None), got {self.stage_specs!r}") from None
