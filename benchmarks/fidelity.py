@@ -36,6 +36,7 @@ import candidates  # noqa: E402  (sets up 8 simulated devices before jax starts)
 import jax  # noqa: E402
 
 import jaxwap  # noqa: E402
+from jaxwap.units import si  # noqa: E402
 
 QUANTITIES = {
     "memory": ("peak_memory_bytes", "memory_bytes"),
@@ -78,13 +79,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def _si(x: float) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{prefix}"
-    return f"{x:.3g}"
-
-
 def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], per_model: dict) -> str:
     lines = ["| quantity | median error | worst error | worst at | candidates |",
              "|---|---|---|---|---|"]
@@ -99,7 +93,8 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], per_model: dic
     lines += ["", "| model | mesh | layout | memory pred / XLA | flops pred / XLA | "
               "comm pred / XLA |", "|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{_si(r[q]['predicted'])} / {_si(r[q]['compiled'])}" for q in QUANTITIES]
+        cells = [f"{si(r[q]['predicted'], sep='')} / {si(r[q]['compiled'], sep='')}"
+                 for q in QUANTITIES]
         lines.append(f"| {r['model']} | {r['mesh']} | {r['variant']} | " + " | ".join(cells)
                      + " |")
     return "\n".join(lines) + "\n"

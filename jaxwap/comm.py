@@ -242,7 +242,7 @@ def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,
         b_in + reductions * b_x
 
 
-def tp_group_cost(group: Sequence[Layer], prev: str, kinds: Sequence[str], d: int, m: int,
+def tp_group_cost(group: Sequence[Layer], prev: str, kinds: Sequence[str], d: float, m: int,
                   cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of model-axis communication a group of sibling layers (one input,
     `Graph.layer_groups`) of the given kinds adds after a layer of kind `prev`:
@@ -275,7 +275,7 @@ def group_kind(kinds: Sequence[str]) -> str:
     return "col" if "col" in kinds else ("row" if "row" in kinds else "none")
 
 
-def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
+def tp_final_cost(layer: Layer, kind: str, d: float, m: int,
                   cluster: Cluster, repeat: float = 1.0) -> tuple[float, float]:
     """A column-sharded last layer leaves its output sharded: gather it for the loss (in
     each of its `repeat` loop iterations)."""
@@ -286,20 +286,33 @@ def tp_final_cost(layer: Layer, kind: str, d: int, m: int,
 
 
 def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
-                  cluster: Cluster) -> tuple[float, float]:
+                  cluster: Cluster, loop: tuple[int, float, int] | None = None
+                  ) -> tuple[float, float]:
     """(seconds, bytes) of the model-axis communication of a whole chain of layers whose
-    parameters are tensor-parallel of the given kinds (absent: not split)."""
+    parameters are tensor-parallel of the given kinds (absent: not split). `loop =
+    (repeat, split, times)`: the layers that repeat `repeat` times (a pipeline stage's
+    layer stack) see their activations split `split` ways instead of d, and run `times`
+    times as often (once per micro-batch, each a collective of its own)."""
     t = b = 0.0
     prev = "none"
+
+    def at(op: int) -> tuple[float, float, float]:
+        """(data split, repeat, times) of the layer at op."""
+        rep = float(graph.repeat[op])
+        if loop is not None and rep == loop[0]:
+            return loop[1], rep, float(loop[2])
+        return float(d), rep, 1.0
+
     for group in graph.layer_groups:
         ks = [kinds.get(L.param, "none") for L in group]
-        dt, db = tp_group_cost(group, prev, ks, d, m, cluster,
-                               float(graph.repeat[group[0].op_index]))
-        t, b, prev = t + dt, b + db, group_kind(ks)
+        dd, rep, times = at(group[0].op_index)
+        dt, db = tp_group_cost(group, prev, ks, dd, m, cluster, rep)
+        t, b, prev = t + times * dt, b + times * db, group_kind(ks)
     if graph.layers:
         last = graph.layers[-1]
-        dt, db = tp_final_cost(last, prev, d, m, cluster, float(graph.repeat[last.op_index]))
-        t, b = t + dt, b + db
+        dd, rep, times = at(last.op_index)
+        dt, db = tp_final_cost(last, prev, dd, m, cluster, rep)
+        t, b = t + times * dt, b + times * db
     return t, b
 
 

@@ -74,6 +74,18 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     return busy + graph.kernels * dev.kernel_overhead_s
 
 
+def op_model_split(graph: Graph, strategies: Sequence[Strategy], m: int) -> np.ndarray:
+    """[ops]: m where the chosen layouts split the op over the model axis (a
+    tensor-parallel weight's matmuls, and the ops between a column- and a row-parallel
+    layer, as `mesh_costs` splits them), 1 elsewhere."""
+    kinds = np.array([s.tp for s in strategies] + ["none"])    # index -1: no parameter
+    names = np.array([*TP_KINDS, ""])
+    split = graph.batched & (((graph.tp_param >= 0) & (kinds[graph.tp_param] != "none"))
+                             | ((graph.tp_param < 0)
+                                & (kinds[graph.tp_op_param] == names[graph.tp_op_kind])))
+    return np.where(split, float(m), 1.0)
+
+
 @dataclass(frozen=True)
 class MeshCosts:
     """What one mesh's costs decompose into, so the solver can add them per parameter.
@@ -401,4 +413,5 @@ def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Clust
 
 
 __all__ = ["BACKWARD_SHARE", "MeshCosts", "StepParts", "assemble", "exposed_comm",
-           "exposed_host", "mesh_costs", "peak_memory", "predict", "with_compiled"]
+           "exposed_host", "mesh_costs", "op_model_split", "peak_memory", "predict",
+           "with_compiled"]

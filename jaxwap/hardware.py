@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .units import si
+
 if TYPE_CHECKING:  # the record only: calibration sits above hardware in the layers
     from .calibrate import Calibration
 
@@ -285,11 +287,11 @@ class Cluster:
 
     def describe_links(self) -> str:
         """The links in words, for `explain()`."""
-        inside = f"links {_si_rate(self.link_bandwidth)} / {self.link_latency * 1e6:.1f} us"
+        inside = f"links {si(self.link_bandwidth, 'B/s')} / {self.link_latency * 1e6:.1f} us"
         if self.num_nodes <= 1:
             return inside
         return (f"{self.num_nodes} nodes of {self.devices_per_node}: {inside} inside a node, "
-                f"{_si_rate(self.inter_node_bandwidth)} / "
+                f"{si(self.inter_node_bandwidth, 'B/s')} / "
                 f"{self.inter_node_latency * 1e6:.1f} us per device between nodes")
 
     def to_dict(self) -> dict[str, Any]:
@@ -311,10 +313,6 @@ class Cluster:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _si_rate(bps: float) -> str:
-    return f"{bps / 1e9:.3g} GB/s"
 
 
 def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:

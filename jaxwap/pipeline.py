@@ -117,27 +117,39 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     `micro_batches` (`micro_split`), each split over `data_axis` (a name or a tuple of
     names) when given. A stage with no work in a loop step (the bubble) skips it.
 
+    The loop is manual over the stage axis and the data axes only (`shard_map`'s
+    `axis_names`); any other axis of the mesh (the model axis) is left to XLA's
+    partitioner, so a layer whose weights are sharded over it runs tensor-parallel inside
+    the stage, with the collectives XLA inserts for it (Megatron's all-reduces of the
+    activations), without the layer knowing.
+
     `param_specs` (a tree like `staged_params`, each leaf a tuple of mesh axis names or
     None for the dims after the layer dim; None: all whole) shards a stage's share over
-    other axes too, FSDP inside the stage: the loop gathers each layer's weights just
-    before it runs them (and again for the backward pass), and their gradients come back
-    reduce-scattered, so a stage holds 1/d of its weights and gradients, at the price of
-    a gather per layer per loop step."""
+    other axes too. A dim over a data axis is FSDP inside the stage: the loop gathers
+    each layer's weights just before it runs them (and again for the backward pass), and
+    their gradients come back reduce-scattered, so a stage holds 1/d of its weights and
+    gradients, at the price of a gather per layer per loop step. A dim over any other
+    axis (the model axis) stays sharded through the loop: tensor parallelism inside the
+    stage."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
     if mesh is not None:
         _check_schedule(mesh, m, r)
     batch_spec = P(None, data_axis) if data_axis else P()
+    # the axes the loop runs by hand; the rest of the mesh is XLA's to partition
+    manual = frozenset({STAGE, *((data_axis,) if isinstance(data_axis, str)
+                                 else (data_axis or ()))})
 
     def gather_layer(w: Any) -> Any:
-        """One layer's weights whole from the stage's shards (`param_specs`)."""
+        """One layer's weights whole over the loop's own axes (`param_specs`' data
+        axes); a dim over an axis left to XLA stays as it is."""
         if param_specs is None:
             return w
 
         def one(x: jax.Array, spec: tuple[str | None, ...]) -> jax.Array:
             for dim, axis in enumerate(spec):
-                if axis is not None:
+                if axis in manual:
                     x = lax.all_gather(x, axis, axis=dim, tiled=True)
             return x
         return jax.tree.map(one, w, param_specs)
@@ -205,13 +217,26 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
             specs: Any = P(STAGE)
         else:
             _check_specs(params, param_specs, here)
-            specs = jax.tree.map(lambda _, spec: P(STAGE, *spec), params, param_specs)
+            # the layout asked for, pinned where the loop takes the weights in; shard_map
+            # names the loop's own axes only, the rest reaching it as they are
+            params = jax.tree.map(
+                lambda x, spec: lax.with_sharding_constraint(x, _named(mesh, P(STAGE, *spec))),
+                params, param_specs)
+            specs = jax.tree.map(
+                lambda _, spec: P(STAGE, *(a if a in manual else None for a in spec)),
+                params, param_specs)
         staged = jax.shard_map(make(p), mesh=mesh,
                                in_specs=(specs, batch_spec, *(P() for _ in consts)),
-                               out_specs=batch_spec, check_vma=False)
+                               out_specs=batch_spec, check_vma=False,
+                               axis_names=set(manual & set(here.axis_names)))
         return micro_join(staged(params, micro_split(x, m), *consts))
 
     return f
+
+
+def _named(mesh: Mesh | None, spec: P) -> Any:
+    """`spec` on `mesh`, or on the context's mesh (a bare spec) when None."""
+    return spec if mesh is None else jax.sharding.NamedSharding(mesh, spec)
 
 
 def _check_schedule(mesh: Any, m: int, r: int) -> int:

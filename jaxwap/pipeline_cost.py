@@ -45,6 +45,10 @@ module adds what pipelining changes:
   of the chunk's weights per loop step, where the unpipelined step has three per step,
   and the loop waits for them; memory holds the shard, the gathered layer and the
   sharded gradient;
+- **tensor parallelism inside a stage** (a model axis): the stage's layouts split its
+  layers' matmuls over the model axis as in any step, and the stack's Megatron
+  collectives (`comm.tp_chain_cost`) run once per micro-batch on its activations: the
+  bytes of the whole local batch, the latency once per micro-batch; they block;
 - **the circular schedule** (r > 1) reads the stack in stage order: `pipeline.to_stages`
   reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
   one all-to-all over the stage axis (forward) and one for their gradients (backward),
@@ -61,8 +65,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .comm import all_gather, all_reduce, fsdp_comm, send
-from .cost import StepParts, assemble, op_times
+from .comm import all_gather, all_reduce, fsdp_comm, send, tp_chain_cost
+from .cost import StepParts, assemble, op_model_split, op_times
 from .graph import Graph
 from .hardware import Cluster
 from .records import Prediction, StepVariant, Strategy
@@ -110,11 +114,12 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     speed = cluster.speedup_when_using(n)
     mask = stack_ops(graph, layers_per_stage)
     over = graph.kernels * cluster.device.kernel_overhead_s
-    whole = op_times(graph, cluster, float(d), speed, data=float(d))
+    model = op_model_split(graph, strategies, m)     # a tensor-parallel op's model split
+    whole = op_times(graph, cluster, d * model, speed, data=float(d))
     # the graph's batched ops ran on batch / p rows; a micro-batch has batch / (d mb) of
     # them per device, and its weights are read (their gradients written) once each
     split = np.where(graph.batched, d * mb / p, float(d))
-    micro = op_times(graph, cluster, split, speed, data=split) * mb
+    micro = op_times(graph, cluster, split * model, speed, data=split) * mb
     loop = float(micro[mask].sum())                       # the stack, fwd + bwd, per stage
     delta = loop - float(whole[mask].sum())
     delta_busy = float((micro - over * mb)[mask].sum() - (whole - over)[mask].sum())
@@ -139,8 +144,14 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     ar_t, ar_b = all_reduce(act, p, cluster, inner=inner)
     ag_t, ag_b = all_gather(act, p, cluster, inner=inner)
     io_t, io_b = ar_t + 3 * ag_t, ar_b + 3 * ag_b
-    blocking = stage.tp_comm_time_s + sends + io_t
-    comm_bytes = stage.comm_bytes + io_b + 2 * steps * act / mb
+    # tensor parallelism inside the stage: the stack's layers run once per micro-batch,
+    # each its own collectives over the model axis on one micro-batch's activations
+    kinds = {j: s.tp for j, s in enumerate(strategies)}
+    tp_t, tp_b = tp_chain_cost(graph, kinds, d, m, cluster,
+                               loop=(layers_per_stage, d * mb / p, mb))
+    blocking = tp_t + sends + io_t
+    comm_bytes = (stage.comm_bytes - tp_chain_cost(graph, kinds, d, m, cluster)[1] + tp_b
+                  + io_b + 2 * steps * act / mb)
     grad_comm = stage.grad_comm_time_s
 
     # FSDP inside the stage (`StepVariant.stage_specs`): every loop step gathers its
@@ -148,7 +159,9 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     # reduce-scatters their gradient, the loop waiting for each; the stage step priced
     # one such round, overlapped with its backward pass: that round is replaced
     sharded = [j for j in stacked if strategies[j].data_sharded]
-    whole = sum(graph.params[j].nbytes for j in sharded)
+    # a layer's weights as the data axis gathers them: split over the model axis still
+    whole = sum(graph.params[j].nbytes / (m if strategies[j].tp != "none" else 1)
+                for j in sharded)
     if sharded:
         in_node = cluster.devices_in_node(d, m)
         g_t, g_b = all_gather(whole / rr, d, cluster, inner=in_node)

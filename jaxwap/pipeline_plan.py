@@ -5,24 +5,27 @@ parameters (`stack.find_layer_scan`), can run its stack as a pipeline over a sta
 axis (`pipeline.pipelined`). For each stage count p (a divisor of the layers leaving each
 stage at least two, powers of two first) the step is traced once more with the stack cut
 to L / p layers: that *stage step* is what each stage's devices run, the layers outside
-the stack replicated over the stages. It is solved on the stage's (data, 1) mesh like any
-other step (every parameter's layout chosen as usual), and `pipeline_cost` adds what the
-pipeline changes for every micro-batch count and number of rounds worth trying; the best
-of each stage count joins the search's candidates, its stacked parameters' leading dim
-over the stage axis.
+the stack replicated over the stages. It is solved like any other step on each (data,
+model) mesh a stage may get (every parameter's layout chosen as usual, tensor
+parallelism included), and `pipeline_cost` adds what the pipeline changes for every
+micro-batch count and number of rounds worth trying; the best of each stage count joins
+the search's candidates, its stacked parameters' leading dim over the stage axis.
+`mesh_shape` fixes the stage's (data, model) mesh: the stage axis is added outside it.
 
 When pipelining is not considered, the reason is returned for `explain()`.
 
 A stacked parameter the stage's solution shards over data (FSDP) stays sharded inside
-the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it.
+the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it. One
+it splits over the model axis stays split: XLA partitions the layer inside the loop
+(`pipeline.pipelined`).
 
-Not searched (yet): a model axis inside a stage (tensor parallelism with pipelining),
-hybrid-sharded stages, stages of one layer.
+Not searched (yet): hybrid-sharded stages, stages of one layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ import jax
 
 from .graph import Graph, analyze
 from .hardware import Cluster
+from .meshes import mesh_shapes
 from .objective import Objective
 from .options import PlanOptions
 from .pipeline_cost import loop_memory, pipeline_prediction
@@ -83,6 +87,9 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
         return none("the step is not called as step(params, opt_state, batch)")
     if usable < 2:
         return none("one device")
+    if options.replicas > 1:
+        return none("the mesh is hybrid-sharded (mesh_shape names replicas): its stages "
+                    "are not searched")
     params, _, batch_tree = args
     try:
         scan = find_layer_scan(fn.loss_and_aux(), params, batch_tree)
@@ -173,10 +180,9 @@ def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy
 def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
                  ) -> tuple[tuple[str | None, ...], ...]:
     """`StepVariant.stage_specs` of the stage's layouts: for each stacked parameter (in
-    the scan's order) its spec beyond the layer dim where it is FSDP-sharded (the loop
-    gathers its layers), whole otherwise; empty when none is sharded."""
-    specs = tuple(tuple(strategies[j].spec[1:]) if strategies[j].data_sharded
-                  else (None,) * (len(strategies[j].spec) - 1) for j in stacked)
+    the scan's order) its spec beyond the layer dim (over data: FSDP, the loop gathers
+    its layers; over model: tensor parallelism); empty when none is sharded."""
+    specs = tuple(tuple(strategies[j].spec[1:]) for j in stacked)
     return specs if any(a is not None for spec in specs for a in spec) else ()
 
 
@@ -184,15 +190,19 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
                      forced: dict[str, int] | None) -> MeshResult | None:
-    """The best pipelined candidate with p stages: the stage step solved on the devices a
-    stage gets (all of them, or fewer), then every micro-batch count and number of rounds
-    priced."""
+    """The best pipelined candidate with p stages: the stage step solved on each (data,
+    model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
+    every micro-batch count and number of rounds priced."""
     B = batch or scan.batch_size
     n = options.num_devices or usable
-    # a stage's data axis: all the devices, or fewer (energy may prefer fewer devices)
-    ds = [n // p >> i for i in range(1 if options.num_devices else MESH_SIZES)]
-    ds = [d for d in ds if d >= 1 and n % p == 0 and B % (p * d) == 0]
-    if not ds:
+    if options.mesh is not None:
+        sizes = [options.mesh[0] * options.mesh[1]] if p * math.prod(options.mesh) <= n \
+            else []
+    else:
+        # a stage's devices: all of them, or fewer (energy may prefer fewer devices)
+        sizes = [n // p >> i for i in range(1 if options.num_devices else MESH_SIZES)
+                 if n % p == 0 and n // p >> i >= 1]
+    if not sizes or B % p:
         return None
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
@@ -205,8 +215,11 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)
     stack_live = max(0.0, _batched_peak(twice) - _batched_peak(graph))
     stacked = set(scan.stacked)
+    meshes = [dm for size in sizes for dm in mesh_shapes(
+        size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
+        node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]]
     best: MeshResult | None = None
-    for d in ds:
+    for d, m in meshes:
         variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr)
                     for mb, rr in _shapes(B // d, p, k, forced)]
         if not variants:
@@ -214,16 +227,18 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         # the stage's layouts must leave room for the least the loop holds beside them
         room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
                             for v in variants)
-        stage = solve_mesh(graph, cluster, d, 1, max(room, 0.0), options.offload,
+        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload,
                            options.allowed)
+        if not uses_model_axis(stage):
+            continue
         strategies = _staged(stage.strategies, stacked)
         specs = _stage_specs(stage.strategies, scan.stacked)
         for variant in variants:
             variant = dataclasses.replace(variant, stage_specs=specs)
-            pred = pipeline_prediction(graph, cluster, stage.predicted, d, 1,
+            pred = pipeline_prediction(graph, cluster, stage.predicted, d, m,
                                        stage.strategies, sorted(stacked), variant, k,
                                        scan.carry_row_bytes, B, stack_live)
-            cand = MeshResult(d, 1, strategies, pred, stage.fits and
+            cand = MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant)
             if best is None or _better(cand, best, objective, cluster):
                 best = cand

@@ -35,6 +35,7 @@ from .records import (
     mesh_dims,
     mesh_stages,
 )
+from .units import si
 
 PLAN_FORMAT = 1
 
@@ -318,6 +319,15 @@ class Plan:
         return [f"nodes: {nodes} of {hw.num_nodes} used; {where}; the {MODEL} axis of {m} "
                 f"stays inside a node"]
 
+    def _inside_stage(self) -> str:
+        """What a pipeline's other blocking communication is: each layer's gathers
+        (FSDP inside a stage) and the model axis's collectives (tensor parallelism)."""
+        what = [w for w, on in (("gathering each layer's weights and reduce-scattering "
+                                 "their gradients", self.step.stage_sharded), (
+            f"the {MODEL} axis's collectives", self.step.stage_tensor_parallel)) if on]
+        rest = self.predicted.tp_comm_time_s - self.predicted.send_time_s
+        return f"; {rest * 1e3:.3f} ms {' and '.join(what)}, every loop step" if what else ""
+
     def explain(self, max_params: int = 40) -> str:
         """A report a person reads: the decision, the layout, the figures, the losers."""
         pr = self.predicted
@@ -357,10 +367,7 @@ class Plan:
                 f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
                 f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
                 f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
-                f"over the {STAGE} axis"   # no model axis in a stage: the rest is gathers
-                + (f"; {(pr.tp_comm_time_s - pr.send_time_s) * 1e3:.3f} ms gathering each "
-                   f"layer's weights and reduce-scattering their gradients, every loop step"
-                   if self.step.stage_sharded else ""))
+                f"over the {STAGE} axis" + self._inside_stage())
         if self.compiled is not None:
             c, v = self.compiled, self.verified
             kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"
@@ -441,10 +448,3 @@ def _err(predicted: float, actual: float) -> str:
 
 def _opt(cls: Any, d: dict[str, Any] | None) -> Any:
     return cls.from_dict(d) if d is not None else None
-
-
-def si(x: float, unit: str) -> str:
-    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g} {prefix}{unit}"
-    return f"{x:.3g} {unit}"

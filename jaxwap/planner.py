@@ -29,11 +29,12 @@ from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
 from .options import PlanOptions
 from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
-from .plan import Plan, si
+from .plan import Plan
 from .records import Measurement, StepVariant
 from .solve import SearchResult, search
 from .trace import ArgLayout, layout_of, trace_layout
 from .train_step import TrainStep, ladder, restructured
+from .units import si
 from .verify import Verification, compile_candidate, run_verification
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.

@@ -211,8 +211,9 @@ class StepVariant:
     stage holds its share of each stacked parameter (in the order the layer scan reads
     them), beyond the layer dim: the mesh axis each further dim is sharded over, or None.
     A dim sharded over a data axis is FSDP inside the stage: each layer's weights are
-    gathered where the loop runs it, their gradient reduce-scattered. Empty: every stage
-    holds its share whole."""
+    gathered where the loop runs it, their gradient reduce-scattered. A dim over the model
+    axis is tensor parallelism inside the stage. Empty: every stage holds its share
+    whole."""
 
     micro_batches: int = 1
     remat: str = "none"
@@ -251,8 +252,15 @@ class StepVariant:
 
     @property
     def stage_sharded(self) -> bool:
-        """Whether a stage shards any stacked parameter's share (FSDP inside the stage)."""
-        return any(dim is not None for spec in self.stage_specs for dim in spec)
+        """Whether a stage shards a stacked parameter's share over a data axis (FSDP
+        inside the stage: its layers are gathered in the loop)."""
+        return any(dim in (DATA, REPLICA) for spec in self.stage_specs for dim in spec)
+
+    @property
+    def stage_tensor_parallel(self) -> bool:
+        """Whether a stage splits a stacked parameter over the model axis (tensor
+        parallelism inside the stage)."""
+        return any(dim == MODEL for spec in self.stage_specs for dim in spec)
 
     @property
     def is_plain(self) -> bool:
@@ -272,10 +280,11 @@ class StepVariant:
         parts = []
         if self.pipelined:
             sched = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} rounds"
-            fsdp = ", layers gathered per step" if self.stage_sharded else ""
+            inside = ((", tensor-parallel layers" if self.stage_tensor_parallel else "")
+                      + (", layers gathered per step" if self.stage_sharded else ""))
             parts.append(f"pipeline of {self.stages} stages x {self.micro_batches} "
                          f"micro-batches ({sched}; bubble {self.bubble_share:.0%} of the "
-                         f"loop{fsdp})")
+                         f"loop{inside})")
         elif self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.remat != "none":

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxwap
-from jaxwap.records import DATA, STAGE
+from jaxwap.records import DATA, MODEL, STAGE
 
 L, D, B, V = 8, 32, 16, 16
 
@@ -62,7 +62,8 @@ def test_a_forced_pipeline_is_planned_as_asked_and_equals_the_unsharded_step(
     got = sharded(params, opt, batch)
     plan = sharded.plan
     assert dict(plan.mesh_shape)[STAGE] == stages
-    assert dict(plan.mesh_shape)[DATA] == 8 // stages
+    # a stage's devices: all 8 // stages (the model may split them over data and model)
+    assert dict(plan.mesh_shape)[DATA] * dict(plan.mesh_shape)[MODEL] == 8 // stages
     assert (plan.step.stages, plan.step.micro_batches, plan.step.repeats) == (
         stages, micro, repeats)
     for p in plan.params:
@@ -195,3 +196,35 @@ def test_stage_specs_are_checked_and_kept_as_tuples():
         jaxwap.StepVariant(stages=2, stage_specs=((None, 3),))
     with pytest.raises(ValueError, match="needs a pipeline"):
         jaxwap.StepVariant(stage_specs=(("data",),))
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step(repeats):
+    """Stage x data x model = 2 x 2 x 2, forced through the public knobs (a fixed stage
+    mesh, tensor-parallel layouts only): the stacked weights stay split over the model
+    axis inside the loop, where XLA partitions each layer (Megatron's all-reduce of the
+    activations over the model axis alone), and the step equals the unsharded one."""
+    step = _step()
+    params, batch = _setup()
+    opt = step.init(params)
+    want = jax.jit(step)(params, opt, batch)
+    sharded = jaxwap.auto_shard(step, cache=False, verify=1, strategies=("tp",),
+                                mesh_shape={"data": 2, "model": 2},
+                                pipeline={"stages": 2, "micro_batches": 4, "repeats": repeats})
+    got = sharded(params, opt, batch)
+    plan = sharded.plan
+    assert dict(plan.mesh_shape) == {STAGE: 2, DATA: 2, MODEL: 2}
+    blocks = {p.path[1]: p for p in plan.params if p.path[0] == "blocks"}
+    # w1 column-parallel, w2 row-parallel: both split over the model axis in the stage
+    assert blocks["w1"].strategy == "stage+tp-col" and blocks["w2"].strategy == "stage+tp-row"
+    assert all(blocks[w].spec[0] == STAGE and MODEL in blocks[w].spec[1:] for w in ("w1", "w2"))
+    assert plan.step.stage_tensor_parallel and not plan.step.stage_sharded
+    assert "tensor-parallel layers" in plan.explain()
+    assert "model axis's collectives" in plan.explain()
+    assert any(c.kind == "all-reduce" and c.axes == (MODEL,)
+               for c in plan.compiled.collectives), plan.compiled.collectives
+    assert plan.predicted.tp_comm_time_s > plan.predicted.send_time_s
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    back = jaxwap.Plan.from_json(plan.to_json())
+    assert back.step == plan.step
