@@ -30,9 +30,19 @@ import jaxwap  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 L, D, B, V = 8, 256, 64, 512
 # (stages, micro-batches, repeats, layout families: None = the planner's choice, which
-# here is FSDP inside the stages; "zero1" keeps each stage's share whole)
-SHAPES = [(2, 2, 1, None), (2, 8, 1, None), (4, 4, 1, None), (2, 4, 2, None),
-          (4, 8, 2, None), (2, 4, 1, ("zero1",)), (4, 8, 2, ("zero1",))]
+# here is FSDP inside the stages; "zero1" keeps each stage's share whole; "tp" on a fixed
+# stage mesh (data, model) splits the layers over the model axis inside the stages)
+SHAPES = [(2, 2, 1, None, None), (2, 8, 1, None, None), (4, 4, 1, None, None),
+          (2, 4, 2, None, None), (4, 8, 2, None, None), (2, 4, 1, ("zero1",), None),
+          (4, 8, 2, ("zero1",), None), (2, 4, 1, ("tp",), (2, 2)),
+          (4, 8, 2, ("tp",), (1, 2)), (2, 4, 1, ("tp", "fsdp"), (2, 2))]
+
+
+def held(step: jaxwap.StepVariant) -> str:
+    """How a stage holds its layers, in words."""
+    ways = [w for w, on in (("tensor-parallel", step.stage_tensor_parallel),
+                            ("sharded (FSDP)", step.stage_sharded)) if on]
+    return " + ".join(ways) or "whole"
 
 
 def loss(params, batch):
@@ -61,14 +71,17 @@ def main() -> None:
     params, batch = setup()
     opt = jax.eval_shape(step.init, params)
     rows = []
-    for p, m, r, families in SHAPES:
-        plan = jaxwap.plan(step, params, opt, batch, cache=False, verify=1, num_devices=8,
+    for p, m, r, families, mesh in SHAPES:
+        # all 8 devices: a stage mesh of 8 / p, or the one given
+        where = ({"num_devices": 8} if mesh is None else
+                 {"mesh_shape": {"data": mesh[0], "model": mesh[1]}})
+        plan = jaxwap.plan(step, params, opt, batch, cache=False, verify=1,
                            pipeline={"stages": p, "micro_batches": m, "repeats": r},
-                           strategies=families)
+                           strategies=families, **where)
         predicted = plan.predicted.peak_memory_bytes
         compiled = plan.compiled.memory_bytes
         rows.append({"stages": p, "micro_batches": m, "repeats": r,
-                     "strategies": families, "fsdp_in_stage": plan.step.stage_sharded,
+                     "strategies": families, "held": held(plan.step),
                      "mesh": dict(plan.mesh_shape), "predicted_bytes": predicted,
                      "compiled_bytes": compiled,
                      "error": predicted / compiled - 1})
@@ -77,15 +90,16 @@ def main() -> None:
             "XLA:CPU's **compiled** figure (8 simulated CPU devices; "
             f"{L} blocks of {D} -> {4 * D} -> {D} under lax.scan, batch {B}, f32, Adam). "
             "Command: `.venv/bin/python benchmarks/pipeline_memory.py`.\n\n"
-            "Layouts: the planner's, or ZeRO-1 asked for (`strategies=(\"zero1\",)`); a "
-            "stage holds its layers sharded over data (FSDP inside the stage, gathered in "
-            "the loop) or whole.\n\n"
+            "Layouts: the planner's, or asked for (`strategies=`; the tensor-parallel rows "
+            "on a fixed stage mesh, `mesh_shape=`); a stage holds its layers sharded over "
+            "data (FSDP inside the stage, gathered in the loop), split over the model axis "
+            "(tensor-parallel, XLA partitions them inside the loop), both, or whole.\n\n"
             "| stages | micro-batches | repeats | layouts asked | stage's layers | mesh | "
             "predicted MB | compiled MB | error |\n|---|---|---|---|---|---|---|---|---|\n")
     table = "".join(
         f"| {x['stages']} | {x['micro_batches']} | {x['repeats']} | "
         f"{'/'.join(x['strategies']) if x['strategies'] else 'planner'} | "
-        f"{'sharded (FSDP)' if x['fsdp_in_stage'] else 'whole'} | {x['mesh']} | "
+        f"{x['held']} | {x['mesh']} | "
         f"{x['predicted_bytes'] / 1e6:.1f} | {x['compiled_bytes'] / 1e6:.1f} | "
         f"{x['error']:+.0%} |\n" for x in rows)
     errs = np.abs([x["error"] for x in rows])

@@ -58,7 +58,8 @@ class PlanOptions:
       mesh_shape: use exactly this mesh, e.g. `{"data": 2, "model": 4}`, or hybrid-sharded
         (HSDP) `{"replica": 2, "data": 4}`: 2 replicas of 4 devices each (an axis left out
         has size 1) instead of searching over meshes; the per-parameter layouts are still
-        chosen.
+        chosen. With a pipeline, it is each stage's mesh: the stage axis is added outside
+        it (`pipeline={"stages": 2}` and `{"data": 2, "model": 2}` use 8 devices).
       strategies: restrict every parameter's layout to these families of
         `jaxwap.STRATEGY_FAMILIES`: "replicate", "tp" (a feature dim over the model axis),
         "zero1" (optimizer state over the data axis), "fsdp" (weight, gradient and state

@@ -33,7 +33,8 @@ from typing import Any
 
 import jax
 
-from .graph import Graph, analyze
+from .cost import memory_weights
+from .graph import NUM_CLASSES, Graph, analyze
 from .hardware import Cluster
 from .meshes import mesh_shapes
 from .objective import Objective
@@ -213,7 +214,8 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     if not (graph.repeat == k).any():
         return None
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)
-    stack_live = max(0.0, _batched_peak(twice) - _batched_peak(graph))
+    whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
+    stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
     stacked = set(scan.stacked)
     meshes = [dm for size in sizes for dm in mesh_shapes(
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
@@ -233,11 +235,13 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
             continue
         strategies = _staged(stage.strategies, stacked)
         specs = _stage_specs(stage.strategies, scan.stacked)
+        # what the tensor-parallel layers keep is split over the model axis too
+        kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
         for variant in variants:
             variant = dataclasses.replace(variant, stage_specs=specs)
             pred = pipeline_prediction(graph, cluster, stage.predicted, d, m,
                                        stage.strategies, sorted(stacked), variant, k,
-                                       scan.carry_row_bytes, B, stack_live)
+                                       scan.carry_row_bytes, B, kept)
             cand = MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant)
             if best is None or _better(cand, best, objective, cluster):
@@ -245,9 +249,18 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     return best
 
 
-def _batched_peak(graph: Graph) -> float:
-    """The most batched bytes live at once in a step (the whole batch's, all devices')."""
-    return float(graph.live[:, 0].max()) if len(graph.live) else 0.0
+def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
+                ) -> float:
+    """What the stack's layers keep for the backward pass (all devices' bytes, split
+    over the model axis where `strategies` make them so): the most batched bytes live at
+    once in the stage step with twice the layers, less in the stage step itself. Batched
+    values only, those a tensor-parallel layout splits included (`Graph.tp_live_param`);
+    the parameters' own bytes are the layouts' business."""
+    def peak(g: Graph) -> float:
+        w = memory_weights(g, 1, strategies, m)
+        w[1:2 + NUM_CLASSES * len(g.params)] = 0.0
+        return float(g.live_at(w).max()) if len(g.live) else 0.0
+    return max(0.0, peak(twice) - peak(graph))
 
 
 def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None
