@@ -38,7 +38,11 @@ module adds what pipelining changes:
   micro-batch buffers (input, round buffer, output, the summed output: four activations
   of the local batch), one chunk's weight gradient, which the backward `lax.cond` hands
   out in a buffer of its own (compiled on 8 CPU devices, GPipe on 2 stages: +5.2 MB of
-  temporaries for 4.2 MB of stage weights);
+  temporaries for 4.2 MB of stage weights), and one chunk's weights, which the
+  recomputed forward `lax.cond` hands the backward one as a residual (XLA:CPU's buffer
+  assignment of 2 stages x 4 micro-batches, 8 MLP blocks of d 256: the loop's gradient
+  sum, the cond's chunk gradient and the cond's chunk weights, 8.4 MB each, make most
+  of its 30.4 MB of temporaries);
 - **FSDP inside a stage**: a stacked parameter the stage's layouts shard over data stays
   sharded in the loop (`StepVariant.stage_specs`), which gathers each layer where it runs
   it, forward and again backward, and reduce-scatters its gradient: three collectives
@@ -171,9 +175,10 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         grad_comm = max(0.0, grad_comm - once_t)
         comm_bytes = max(0.0, comm_bytes - once_b)
 
-    # one chunk's weight gradient out of the backward cond; the layer a sharded share
-    # gathers, forward and for the backward pass
-    held = stage_stack / rr + 2 * whole / layers_per_stage
+    # one chunk's weight gradient out of the backward cond, and the chunk's weights its
+    # recomputed forward cond hands the backward one (a slice, made a buffer at the cond's
+    # boundary); the layer a sharded share gathers, forward and for the backward pass
+    held = 2 * stage_stack / rr + 2 * whole / layers_per_stage
     if rr > 1:
         # the reorder into stage order: an all-to-all of each device's share, forward and
         # backward (priced as the all-gather of that share, as XLA's all-to-alls are)
