@@ -8,6 +8,7 @@ compiles the step with `jax.jit` shardings.
 from .api import AutoShardedStep, auto_shard, plan
 from .cache import PlanCache
 from .calibrate import Calibration, calibrate, load_calibration
+from .constraints import logical_constraints
 from .energy import EnergyMeter, EnergyReading, measure_energy
 from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
 from .objective import Objective
@@ -25,6 +26,7 @@ __all__ = [
     "Measurement",
     "calibrate",
     "load_calibration",
+    "logical_constraints",
     "measure_energy",
     "Candidate",
     "Cluster",

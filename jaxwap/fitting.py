@@ -9,12 +9,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .constraints import LayoutRules
 from .cost import MeshCosts, memory_weights, peak_memory
 from .graph import NUM_CLASSES, Graph
 from .hardware import Cluster
 from .meshes import mesh_shapes
 from .records import Strategy
-from .strategies import param_strategies
+from .strategies import param_strategies, pins_hold
 
 
 def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
@@ -132,7 +133,7 @@ def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
 
 
 def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_batches: int,
-                      offload: bool = True, allowed: frozenset[str] | None = None,
+                      offload: bool = True, allowed: LayoutRules | None = None,
                       num_devices_exact: int | None = None,
                       mesh: tuple[int, int] | None = None) -> float:
     """An estimate, from the step as written, of the least peak memory per device the
@@ -145,6 +146,8 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     layers = {L.param: L for L in graph.layers}
     best = float("inf")
     for d, m in shapes:
+        if pins_hold(graph, allowed, d, m, offload) is not None:
+            continue
         strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
                       for j in range(len(graph.params))]
         best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])

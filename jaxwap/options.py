@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .cache import PlanCache
+from .constraints import LayoutRules, parse_constraints, resolve
 from .hardware import Cluster, DeviceSpec
 from .objective import Objective
 from .plan import Plan
@@ -72,6 +73,14 @@ class PlanOptions:
         candidates beside the others; False never pipelines; a dict of "stages" and
         optionally "micro_batches" and "repeats" (1: GPipe, more: the circular schedule)
         plans only pipelines of that shape (what is left out is chosen).
+      constraints: pin the layout of chosen parameters, `{pattern: layout}`: `pattern` a
+        regular expression searched in each parameter's path (its keys joined by "/",
+        e.g. "blocks/w1"), `layout` a `PartitionSpec` over "data" and "model" (the
+        weight's exact layout) or a family name of `STRATEGY_FAMILIES` (that family's
+        layouts only); the first matching pattern pins a parameter, and the planner
+        searches everything else around the pins (`jaxwap.logical_constraints` turns Flax
+        partitioning metadata into these). A pattern matching no parameter, or a pin
+        that holds on no mesh, raises naming the parameter, its shape, the spec and why.
       plan: run this plan (a `jaxwap.Plan`, or the path of its `to_json()` file) instead of
         planning: a plan made ahead of time for the cluster, by `jaxwap.plan(...,
         hardware=Cluster(...))` on another machine. The cluster it was made for must be
@@ -94,6 +103,7 @@ class PlanOptions:
     strategies: tuple[str, ...] | None = None
     plan: Plan | str | os.PathLike | None = None
     pipeline: bool | Mapping[str, int] | None = None
+    constraints: Any = None
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -139,6 +149,8 @@ class PlanOptions:
                                  f"{dict(self.mesh_shape)} ({n} devices); give one of them")
         if self.strategies is not None:
             put("strategies", _strategies(self.strategies))
+        if self.constraints is not None:
+            put("constraints", parse_constraints(self.constraints))
         put("pipeline", _pipeline(self.pipeline))
         if self.plan is not None and not isinstance(self.plan, Plan):
             if not isinstance(self.plan, (str, os.PathLike)):
@@ -153,8 +165,15 @@ class PlanOptions:
 
     @property
     def allowed(self) -> frozenset[str] | None:
-        """The strategy families `strategies` allows, as the search takes them, or None."""
+        """The strategy families `strategies` allows, or None."""
         return None if self.strategies is None else frozenset(self.strategies)
+
+    def rules(self, params: Sequence[Any]) -> LayoutRules | None:
+        """What the search may give the step's parameters (`ParamInfo`s): the families
+        `strategies` allows and the pins `constraints` set (None: anything)."""
+        if self.strategies is None and not self.constraints:
+            return None
+        return resolve(self.constraints or (), params, self.allowed)
 
     @property
     def mesh(self) -> tuple[int, int] | None:

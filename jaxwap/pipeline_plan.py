@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from .constraints import LayoutRules
 from .cost import memory_weights
 from .graph import NUM_CLASSES, Graph, analyze
 from .hardware import Cluster
@@ -43,6 +44,7 @@ from .pipeline_cost import loop_memory, pipeline_prediction
 from .records import STAGE, StepVariant, Strategy
 from .solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
 from .stack import LayerScan, NoLayerScan, find_layer_scan
+from .strategies import pins_hold
 from .trace import ArgLayout, layout_of
 from .train_step import TrainStep
 
@@ -64,7 +66,8 @@ class Pipelines:
 
 
 def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective: Objective,
-                   options: PlanOptions, usable: int, budget: float) -> Pipelines:
+                   options: PlanOptions, usable: int, budget: float,
+                   rules: LayoutRules | None = None) -> Pipelines:
     """The best pipelined candidate per stage count for this step (its arguments as
     `layout` holds them: global, abstract), or the reason there are none (not a
     `make_train_step` step, no layer scan, too few devices, ...)."""
@@ -104,7 +107,7 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
     out = []
     for p in counts:
         best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
-                                budget, batch, forced)
+                                budget, batch, forced, rules)
         if best is not None:
             out.append(best)
     if not out:
@@ -190,7 +193,8 @@ def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
 def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
-                     forced: dict[str, int] | None) -> MeshResult | None:
+                     forced: dict[str, int] | None, rules: LayoutRules | None
+                     ) -> MeshResult | None:
     """The best pipelined candidate with p stages: the stage step solved on each (data,
     model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
     every micro-batch count and number of rounds priced."""
@@ -219,7 +223,8 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     stacked = set(scan.stacked)
     meshes = [dm for size in sizes for dm in mesh_shapes(
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
-        node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]]
+        node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]
+        if pins_hold(graph, rules, *dm, options.offload) is None]
     best: MeshResult | None = None
     for d, m in meshes:
         variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr)
@@ -229,8 +234,7 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         # the stage's layouts must leave room for the least the loop holds beside them
         room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
                             for v in variants)
-        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload,
-                           options.allowed)
+        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
         if not uses_model_axis(stage):
             continue
         strategies = _staged(stage.strategies, stacked)

@@ -24,9 +24,11 @@ from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .calibrate import load_calibration
 from .choose import PlanContext, build_plan
 from .compile import CompiledStep
+from .constraints import LayoutRules, path_string
 from .fitting import micro_batch_floor
 from .graph import Graph, analyze
 from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
+from .nofit import nothing_fits, nothing_fits_compiled
 from .options import PlanOptions
 from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
 from .plan import Plan
@@ -160,7 +162,12 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             return Planned(plan, layout, dataclasses.replace(ctx, step=plan.step), fn=_variant_fn(
                 fn, plan.step), cache_key=key)
     platform = cluster.device.name.split()[0] if described else devs[0].platform
-    pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable, budget)
+    rules = options.rules(layout.params)
+    if rules is not None and rules.pins:
+        notes.append("constraints pin " + "; ".join(
+            f"{path_string(layout.params[j].path)} to {c.describe()}" for j, c in rules.pins))
+    pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable, budget,
+                           rules)
     timing["pipeline"] = pipes.seconds
     if pipes.reason is not None:
         if options.forced_pipeline is not None:
@@ -168,7 +175,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
                              f"{pipes.reason}")
         notes.append(f"pipelining not considered: {pipes.reason}")
     found = _search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
-                             "cpu" if platform == "cpu" else "accelerator", pipes)
+                             "cpu" if platform == "cpu" else "accelerator", pipes, rules)
     ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes))
     plan = build_plan(ctx, found.search, found.verification)
     if store is not None and key is not None and not options.measure:
@@ -250,7 +257,8 @@ class _Found:
 
 def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
                      options: PlanOptions, usable: int, timing: dict[str, float],
-                     notes: list[str], platform: str, pipes: Pipelines) -> _Found:
+                     notes: list[str], platform: str, pipes: Pipelines,
+                     rules: LayoutRules | None = None) -> _Found:
     """The step as written first; a step built by make_train_step may then be
     restructured (remat, micro-batches), in order of expected cost, until a plan fits.
     `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat). The pipelined
@@ -278,7 +286,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
                                      num_devices_exact=options.num_devices,
                                      micro_batches=rung.micro_batches, offload=options.offload,
-                                     mesh=options.mesh, allowed=options.allowed,
+                                     mesh=options.mesh, allowed=rules,
                                      replicas=options.replicas)
         try:
             result = searcher(ctx.budget)
@@ -295,7 +303,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         best = result.results[result.best]
         ver = None
         if not best.fits:
-            error = _nothing_fits(result, ctx.budget, B)
+            error = nothing_fits(result, ctx.budget, B, rules, ctx.params)
         else:
             error = None
             if options.verify:
@@ -306,7 +314,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
                     result, ver = _tighten(result, ver, searcher, verifier, ctx.budget,
                                            timing, notes)
                 if ver.best < 0:
-                    error = _nothing_fits_compiled(ver, result, ctx.budget, B)
+                    error = nothing_fits_compiled(ver, result, ctx.budget, B)
         if error is None:
             return _Found(rung, fn_v, graph, result, ver)
         first_error = first_error or error
@@ -326,7 +334,7 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         # counts whose activations alone, estimated from the step as written, leave no
         # layout within the budget are not traced (5% margin for the estimate)
         floor = functools.partial(micro_batch_floor, plain_graph[0], ctx.cluster, usable,
-                                  offload=options.offload, allowed=options.allowed,
+                                  offload=options.offload, allowed=rules,
                                   num_devices_exact=options.num_devices, mesh=options.mesh)
         while lo < hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
             tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
@@ -415,31 +423,6 @@ def _tighten(result: SearchResult, ver: Verification,
 def _variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
     """The step restructured as `variant` says (None: the step as written)."""
     return None if variant.is_plain else restructured(fn, variant)
-
-
-def _nothing_fits(result: SearchResult, budget: float, batch: int | None) -> str:
-    best = result.results[result.best]
-    mesh = " x ".join(f"{a}={n}" for a, n in best.mesh)
-    return (f"no candidate plan fits the memory budget of {si(budget, 'B')} per device: the "
-            f"smallest, mesh {mesh}, needs "
-            f"{si(best.predicted.peak_memory_bytes, 'B')} per device. Use more devices, a "
-            f"smaller batch (now {batch}), a smaller model, or a larger memory_budget=.")
-
-
-def _nothing_fits_compiled(ver: Verification, result: SearchResult, budget: float,
-                           batch: int | None) -> str:
-    if not ver.figures:
-        errors = "; ".join(f"{result.results[i].d}x{result.results[i].m}: {e}"
-                           for i, e in list(ver.failed.items())[:3])
-        return f"no candidate plan compiled: {errors}"
-    i = min(ver.figures, key=lambda i: ver.figures[i].memory_bytes)
-    r = result.results[i]
-    mesh = " x ".join(f"{a}={n}" for a, n in r.mesh)
-    return (f"no candidate plan fits the memory budget of {si(budget, 'B')} per device by "
-            f"XLA's own memory analysis: the smallest compiled, mesh {mesh}, "
-            f"needs {si(ver.figures[i].memory_bytes, 'B')} per device (the model predicted "
-            f"{si(r.predicted.peak_memory_bytes, 'B')}). Use more devices, a smaller batch "
-            f"(now {batch}), a smaller model, or a larger memory_budget=.")
 
 
 __all__ = ["MEMORY_HEADROOM", "Planned", "make_plan", "memory_budget", "node_major",

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .chain import chain_dp, flat_costs
+from .constraints import LayoutRules
 from .cost import mesh_costs, predict
 from .fitting import memory_floor, micro_batch_floor, repair
 from .graph import Graph
@@ -34,7 +35,7 @@ from .hardware import Cluster
 from .meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
 from .objective import Objective
 from .records import DATA, MODEL, REPLICA, STAGE, Prediction, StepVariant, Strategy
-from .strategies import param_strategies, restrict
+from .strategies import param_strategies, pins_hold, restrict
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
 
@@ -85,7 +86,7 @@ class SearchResult:
 
 
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
-               offload: bool = True, allowed: frozenset[str] | None = None,
+               offload: bool = True, allowed: LayoutRules | None = None,
                r: int = 1) -> MeshResult:
     """The best layout on a (d, m) mesh; with r replicas (HSDP), the data axis split
     into r replicas across nodes of d/r devices each, over which parameters shard."""
@@ -123,14 +124,20 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
            budget: float, num_devices_exact: int | None = None,
            micro_batches: int = 1, offload: bool = True, mesh: tuple[int, int] | None = None,
-           allowed: frozenset[str] | None = None, replicas: int = 1) -> SearchResult:
+           allowed: LayoutRules | None = None, replicas: int = 1) -> SearchResult:
     """Every mesh worth trying (or only `mesh`, hybrid-sharded over `replicas` when more
-    than 1), each with its best layout of the `allowed` strategy families, and hybrid
-    sharding (HSDP) tried on the best (`_hybrids`, not when `mesh` fixes the mesh),
-    ranked by the objective."""
+    than 1), each with its best layout of the `allowed` strategy families and pins (a
+    mesh where a pin cannot hold is skipped), and hybrid sharding (HSDP) tried on the
+    best (`_hybrids`, not when `mesh` fixes the mesh), ranked by the objective."""
     node = cluster.node_size if cluster.num_nodes > 1 else None
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                                   micro_batches, mesh, node)
+    unpinned = [(dm, pins_hold(graph, allowed, *dm, offload)) for dm in shapes]
+    shapes = [dm for dm, why in unpinned if why is None]
+    if unpinned and not shapes:
+        where = "the mesh asked for" if mesh else "any usable mesh"
+        raise ValueError(f"constraints cannot hold on {where}: {unpinned[-1][1]}")
+    skipped += [f"{d}x{m}: {why}" for (d, m), why in unpinned if why is not None]
     if not shapes:
         if mesh is not None:
             asked = (f"replica={replicas} x data={mesh[0] // replicas} x model={mesh[1]}"
@@ -146,21 +153,22 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
                             prune=num_devices > EXHAUSTIVE_DEVICES)
     if mesh is None:
         results += _hybrids(graph, cluster, objective, results, budget, offload, allowed)
-    if allowed is not None and "replicate" not in allowed:
+    if allowed is not None and allowed.forced:
         # a forced split must happen: a mesh where it cannot is no candidate
-        kept = [r for r in results if any(s.families <= allowed for s in r.strategies)]
-        skipped += [f"{r.describe()}: no parameter can take the strategies "
-                    f"{', '.join(sorted(allowed))} on it" for r in results if r not in kept]
+        families = ", ".join(sorted(allowed.families or ()))
+        kept = [r for r in results if any(allowed.admits(s) for s in r.strategies)]
+        skipped += [f"{r.describe()}: no parameter can take the strategies {families} on it"
+                    for r in results if r not in kept]
         if not kept:
-            raise ValueError(f"no mesh lets any parameter use the strategies "
-                             f"{', '.join(sorted(allowed))} ({'; '.join(skipped[-6:])})")
+            raise ValueError(f"no mesh lets any parameter use the strategies {families} "
+                             f"({'; '.join(skipped[-6:])})")
         results = kept
     rank = functools.partial(objective.rank, max_watts=cluster.device.max_watts,
                              num_devices_available=cluster.num_devices)
     # Plain data parallelism (every parameter replicated) is what a user would write by
     # hand; its best mesh is kept as a candidate of its own so verification can always
-    # weigh the plan against it on XLA's figures (unless the strategies forbid it).
-    replicate_ok = allowed is None or "replicate" in allowed
+    # weigh the plan against it on XLA's figures (unless the strategies or pins forbid it).
+    replicate_ok = allowed is None or not (allowed.forced or allowed.pins)
     dp = [data_parallel(graph, cluster, d, budget) for d, m in shapes
           if m == 1 and replicate_ok]
     dp = [r for r in dp if r.fits]
@@ -212,7 +220,7 @@ class _Bound:
 
 def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
              results: Sequence[MeshResult], budget: float, offload: bool,
-             allowed: frozenset[str] | None) -> list[MeshResult]:
+             allowed: LayoutRules | None) -> list[MeshResult]:
     """Each fitting mesh whose data axis spans nodes and whose step waits for gradient
     communication, hybrid-sharded (HSDP): its layout's data-sharded parameters sharded
     over the d/r data devices inside each node, r replicas across the nodes, so FSDP's
@@ -225,7 +233,8 @@ def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
     where a search of a 4096-device mesh takes most of a second) and kept where it still
     fits; the best of them by the objective is also searched in full.
     `mesh_shape={"replica": r, ...}` searches a hybrid mesh in full."""
-    if cluster.num_nodes <= 1 or not (allowed is None or {"fsdp", "zero1"} & allowed):
+    if cluster.num_nodes <= 1 or not (allowed is None or allowed.families is None
+                                      or {"fsdp", "zero1"} & allowed.families):
         return []
     eligible = []
     for res in results:
@@ -263,7 +272,7 @@ HYBRID_EXPOSED = 0.01
 
 def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
                   shapes: Sequence[tuple[int, int, int]], budget: float, offload: bool,
-                  allowed: frozenset[str] | None, skipped: list[str], prune: bool
+                  allowed: LayoutRules | None, skipped: list[str], prune: bool
                   ) -> list[MeshResult]:
     """`solve_mesh` on every shape, in the shapes' order. With `prune` (a large cluster),
     branch and bound: meshes are solved from the most promising bound, and one whose best
@@ -293,8 +302,8 @@ def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
         r = solve_mesh(graph, cluster, d, m, budget, offload, allowed, reps)
         solved[i] = r
         if r.fits and uses_model_axis(r) and (
-                allowed is None or "replicate" in allowed
-                or any(s.families <= allowed for s in r.strategies)):
+                allowed is None or not allowed.forced
+                or any(allowed.admits(s) for s in r.strategies)):
             best = min(best, objective.scores([r.predicted], **kw)[0])
     return [solved[i] for i in sorted(solved)]
 

@@ -9,6 +9,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .constraints import LayoutRules
 from .graph import Graph
 from .records import Strategy
 
@@ -28,20 +29,36 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
 
 
 def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
-                     allowed: frozenset[str] | None = None,
+                     rules: LayoutRules | None = None,
                      layers: Mapping[int, Any] | None = None) -> tuple[Strategy, ...]:
     """Replicate; column / row over model; each also with its optimizer state sharded over
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
-    optimizer state, each of those with the state kept in host memory. `allowed` keeps
-    only the layouts whose families it holds (see `restrict`). `layers` maps parameter
-    index to its layer, when the caller has it at hand."""
+    optimizer state, each of those with the state kept in host memory. `rules` keeps
+    only the layouts whose families it allows (see `restrict`) and, for a parameter it
+    pins, those its constraint allows (`LayoutRules.apply`: empty where the pin cannot
+    hold on this mesh). `layers` maps parameter index to its layer, when the caller has
+    it at hand."""
     layer = layers.get(j) if layers is not None else \
         next((L for L in graph.layers if L.param == j), None)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
     granules = (graph.tp_granule.get((j, "col"), 0), graph.tp_granule.get((j, "row"), 0))
-    return _strategies_for(tuple(graph.params[j].shape), dims,
-                           bool(graph.resident_bytes[j] > 0), d, m, offload, allowed,
-                           int(graph.stacked_dim[j]), granules)
+    # a pinned parameter chooses among every layout, not only the families allowed
+    pin = None if rules is None else rules.pin(j)
+    out = _strategies_for(tuple(graph.params[j].shape), dims,
+                          bool(graph.resident_bytes[j] > 0), d, m, offload,
+                          None if rules is None or pin is not None else rules.families,
+                          int(graph.stacked_dim[j]), granules)
+    return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer)
+
+
+def pins_hold(graph: Graph, rules: LayoutRules | None, d: int, m: int, offload: bool = True
+              ) -> str | None:
+    """Why `rules`' pins cannot all hold on a (d, m) mesh, or None (also without rules)."""
+    if rules is None or not rules.pins:
+        return None
+    layers = {L.param: L for L in graph.layers}
+    return rules.why_not(graph.params, d, m, layers, lambda j: param_strategies(
+        graph, j, d, m, offload, LayoutRules(), layers))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -93,4 +110,4 @@ def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
     return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
-__all__ = ["param_strategies", "restrict"]
+__all__ = ["param_strategies", "pins_hold", "restrict"]

@@ -1,0 +1,143 @@
+"""User constraints (`constraints=`): pinned parameters keep the layout asked for, the
+planner searches the rest around them, the step still equals the unsharded one (f32,
+rtol 2e-5), and a pin that cannot hold raises naming the parameter, its shape, the spec
+and the reason. Flax logical partitioning metadata becomes constraints through
+`jaxwap.logical_constraints`."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxwap
+
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def _loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["up"]["kernel"] + params["up"]["bias"])
+    return jnp.mean((h @ params["down"]["kernel"] - batch["y"]) ** 2)
+
+
+def _setup():
+    rng = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.3, jnp.float32)  # noqa: E731
+    # 36 hidden units: divisible by a model axis of 2 or 4, not of 8
+    params = {"up": {"kernel": f(32, 36), "bias": f(36)}, "down": {"kernel": f(36, 16)}}
+    batch = {"x": f(16, 32), "y": f(16, 16)}
+    return params, batch
+
+
+def _by_path(plan):
+    return {"/".join(p.path): p for p in plan.params}
+
+
+def test_a_pinned_spec_is_kept_and_the_rest_is_searched_and_equals_the_unsharded_step():
+    step = jaxwap.make_train_step(_loss, optax.adam(1e-2))
+    params, batch = _setup()
+    opt = step.init(params)
+    want = jax.jit(step)(params, opt, batch)
+    sharded = jaxwap.auto_shard(step, cache=False, verify=1, mesh_shape={"data": 2, "model": 4},
+                                constraints={"up/kernel": P(None, "model")})
+    got = sharded(params, opt, batch)
+    placed = _by_path(sharded.plan)
+    assert placed["up/kernel"].spec == (None, "model")
+    assert placed["up/kernel"].strategy.endswith("pinned")
+    assert not placed["down/kernel"].strategy.endswith("pinned")
+    assert "pinned" in sharded.plan.explain()
+    assert any("constraints pin up/kernel to P(None, 'model')" in n
+               for n in sharded.plan.notes)
+    assert got[0]["up"]["kernel"].sharding.spec == P(None, "model")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+def test_a_spec_the_search_would_not_offer_is_pinned_as_given():
+    """Row-parallel is not what the search offers for `down/kernel` on a model axis it
+    splits the other way; pinned, it is taken as given and priced as a row split."""
+    step = jaxwap.make_train_step(_loss, optax.adam(1e-2))
+    params, batch = _setup()
+    plan = jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                       mesh_shape={"data": 4, "model": 2},
+                       constraints={"down/kernel": P("model", "data")})
+    p = _by_path(plan)["down/kernel"]
+    assert p.spec == ("model", "data") and p.strategy.endswith("pinned")
+
+
+def test_a_pinned_family_restricts_that_parameter_only():
+    step = jaxwap.make_train_step(_loss, optax.adam(1e-2))
+    params, batch = _setup()
+    plan = jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                       num_devices=8, constraints={"kernel": "fsdp"})
+    placed = _by_path(plan)
+    for path in ("up/kernel", "down/kernel"):
+        assert "fsdp" in placed[path].strategy and placed[path].strategy.endswith("pinned")
+        assert "data" in placed[path].spec
+    assert not placed["up/bias"].strategy.endswith("pinned")
+
+
+def test_constraints_that_cannot_hold_name_the_parameter_shape_spec_and_reason():
+    step = jaxwap.make_train_step(_loss, optax.adam(1e-2))
+    params, batch = _setup()
+    opt = step.init(params)
+
+    def plan(**kw):
+        return jaxwap.plan(step, params, opt, batch, cache=False, verify=0, **kw)
+
+    with pytest.raises(ValueError, match=r"pattern 'nope/kernel' matches no parameter"):
+        plan(constraints={"nope/kernel": P()})
+    with pytest.raises(ValueError, match=r"axis 'stage' is not in jaxwap's mesh"):
+        jaxwap.PlanOptions(constraints={"up/kernel": P("stage", None)})
+    with pytest.raises(ValueError, match=r"a strategy name must be one of"):
+        jaxwap.PlanOptions(constraints={"up/kernel": "megatron"})
+    # 36 columns over a model axis of 8: not divisible
+    with pytest.raises(ValueError, match=r"up/kernel with shape \(32, 36\), constraint "
+                                         r"P\(None, 'model'\): dim 1 \(36\) is not divisible "
+                                         r"by the model axis of size 8"):
+        plan(mesh_shape={"data": 1, "model": 8}, constraints={"up/kernel": P(None, "model")})
+    # the bias is no layer's feature dim: a model split of it cannot be priced
+    with pytest.raises(ValueError, match=r"up/bias with shape \(36,\).*not a feature dim"):
+        plan(mesh_shape={"data": 2, "model": 4}, constraints={"up/bias": P("model")})
+    # pinned replicated, no layout fits 6 kB a device: the error names the pin
+    with pytest.raises(MemoryError, match=r"pins \(up/kernel with shape \(32, 36\) as "
+                                          r"'replicate'\)"):
+        plan(num_devices=8, memory_budget=6e3, constraints={"up/kernel": "replicate"})
+
+
+class _Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(64, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")),
+                     name="up")(x)
+        return nn.Dense(16, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")),
+                        name="down")(jnp.tanh(h))
+
+
+def test_flax_logical_partitioning_becomes_constraints_under_the_rules():
+    model = _Mlp()
+    x = jnp.ones((16, 32))
+    boxed = model.init(jax.random.key(0), x)["params"]
+    rules = (("embed", None), ("mlp", "model"))
+    cons = jaxwap.logical_constraints(boxed, rules)
+    assert cons == {"^up/kernel$": (None, "model"), "^down/kernel$": ("model", None)}
+    params = nn.unbox(boxed)
+
+    def loss(p, batch):
+        return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+    step = jaxwap.make_train_step(loss, optax.sgd(0.1))
+    batch = {"x": x, "y": jnp.zeros((16, 16))}
+    plan = jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                       mesh_shape={"data": 2, "model": 4}, constraints=cons)
+    placed = _by_path(plan)
+    assert placed["up/kernel"].spec == (None, "model")
+    assert placed["down/kernel"].spec == ("model", None)
+    with pytest.raises(ValueError, match=r"logical axis 'mlp' maps to 'mlp', not a jaxwap "
+                                         r"mesh axis"):
+        jaxwap.logical_constraints(boxed, (("embed", None),))
