@@ -222,7 +222,9 @@ def logical_constraints(params: Any, rules: Sequence[tuple[str, Any]] | None = N
                                  f"to {axis!r}, not a jaxwap mesh axis {_AXES}; add it to the "
                                  f"rules (e.g. ({name!r}, 'model') or ({name!r}, None))")
             axes.append(axis)
-        out["^" + re.escape(path_string([key_token(k) for k in path])) + "$"] = tuple(axes)
+        # an NNX state's leaves sit one key deeper, at the variable's "value"
+        out["^" + re.escape(path_string([key_token(k) for k in path])) + "(/value)?$"] = \
+            tuple(axes)
     return out
 
 

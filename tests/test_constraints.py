@@ -125,7 +125,8 @@ def test_flax_logical_partitioning_becomes_constraints_under_the_rules():
     boxed = model.init(jax.random.key(0), x)["params"]
     rules = (("embed", None), ("mlp", "model"))
     cons = jaxwap.logical_constraints(boxed, rules)
-    assert cons == {"^up/kernel$": (None, "model"), "^down/kernel$": ("model", None)}
+    assert cons == {"^up/kernel(/value)?$": (None, "model"),
+                    "^down/kernel(/value)?$": ("model", None)}
     params = nn.unbox(boxed)
 
     def loss(p, batch):
@@ -141,3 +142,32 @@ def test_flax_logical_partitioning_becomes_constraints_under_the_rules():
     with pytest.raises(ValueError, match=r"logical axis 'mlp' maps to 'mlp', not a jaxwap "
                                          r"mesh axis"):
         jaxwap.logical_constraints(boxed, (("embed", None),))
+
+
+def test_nnx_sharding_metadata_becomes_constraints_under_the_rules():
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(
+                init, ("embed", "mlp")), rngs=rngs)
+            self.down = nnx.Linear(64, 16, kernel_init=nnx.with_partitioning(
+                init, ("mlp", "embed")), rngs=rngs)
+
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(Mlp(nnx.Rngs(0)), nnx.Param)
+    cons = jaxwap.logical_constraints(state, (("embed", None), ("mlp", "model")))
+
+    def loss(p, batch):
+        m = nnx.merge(graphdef, p)
+        return jnp.mean((m.down(jnp.tanh(m.up(batch["x"]))) - batch["y"]) ** 2)
+
+    step = jaxwap.make_train_step(loss, optax.sgd(0.1))
+    batch = {"x": jnp.ones((16, 32)), "y": jnp.zeros((16, 16))}
+    plan = jaxwap.plan(step, state, step.init(state), batch, cache=False, verify=0,
+                       mesh_shape={"data": 2, "model": 4}, constraints=cons)
+    placed = _by_path(plan)
+    assert placed["up/kernel/value"].spec == (None, "model")
+    assert placed["down/kernel/value"].spec == ("model", None)
+    assert placed["up/kernel/value"].strategy.endswith("pinned")
