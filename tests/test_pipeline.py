@@ -191,8 +191,7 @@ def _mlp(w, h):
     return h + jnp.tanh(h @ w["up"]) @ w["down"]
 
 
-@pytest.mark.parametrize("repeats", [1, 2])
-@pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.parametrize("repeats, fsdp", [(1, False), (2, True)])
 def test_layers_split_over_the_model_axis_inside_a_stage_equal_the_scan(repeats, fsdp):
     """Tensor parallelism inside a stage: the loop is manual over stage and data only,
     so a stage's share split over the model axis (column then row, Megatron's MLP) stays

@@ -198,12 +198,13 @@ def test_stage_specs_are_checked_and_kept_as_tuples():
         jaxwap.StepVariant(stage_specs=(("data",),))
 
 
-@pytest.mark.parametrize("repeats", [1, 2])
-def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step(repeats):
+def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step():
     """Stage x data x model = 2 x 2 x 2, forced through the public knobs (a fixed stage
-    mesh, tensor-parallel layouts only): the stacked weights stay split over the model
-    axis inside the loop, where XLA partitions each layer (Megatron's all-reduce of the
-    activations over the model axis alone), and the step equals the unsharded one."""
+    mesh, tensor-parallel layouts only), circular with 2 rounds (GPipe with a model axis:
+    `test_pipeline.py`): the stacked weights stay split over the model axis inside the
+    loop, where XLA partitions each layer (Megatron's all-reduce of the activations over
+    the model axis alone), and the step equals the unsharded one."""
+    repeats = 2
     step = _step()
     params, batch = _setup()
     opt = step.init(params)
