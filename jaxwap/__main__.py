@@ -1,7 +1,7 @@
-"""`python -m jaxwap calibrate`: the command line, also installed as `jaxwap`."""
+"""`python -m jaxwap COMMAND`: the command line (`jaxwap.cli`), also installed as `jaxwap`."""
 
 import sys
 
-from .calibrate import main
+from .cli import main
 
 sys.exit(main())

@@ -100,18 +100,21 @@ class AutoShardedStep:
     @property
     def plan(self) -> Plan:
         """The plan of the most recent call (or plan_for)."""
-        if self._current is None:
-            raise RuntimeError("no plan yet: call the step, or step.plan_for(*args), first")
-        return self._current.plan
+        return self._require("step.plan").plan
 
     @property
     def mesh(self) -> Mesh:
-        d, m, r = mesh_dims(self.plan.mesh_shape)
-        return make_mesh(d, m, self._require().devices, r, mesh_stages(self.plan.mesh_shape))
+        planned = self._require("step.mesh")
+        d, m, r = mesh_dims(planned.plan.mesh_shape)
+        return make_mesh(d, m, planned.devices, r, mesh_stages(planned.plan.mesh_shape))
 
-    def _require(self) -> Planned:
+    def _require(self, what: str) -> Planned:
+        """The current plan; `what` (the caller) is named in the error when there is none,
+        since every layout this step gives out is the plan's."""
         if self._current is None:
-            raise RuntimeError("no plan yet: call the step, or step.plan_for(*args), first")
+            raise RuntimeError(f"{what} needs the step's plan, and there is no plan yet: "
+                               f"call the step, or step.plan_for(params, opt_state, batch) "
+                               f"(arrays or jax.ShapeDtypeStruct), first")
         return self._current
 
     # ------------------------------------------------------------------ compile
@@ -141,25 +144,70 @@ class AutoShardedStep:
         out = ex.compiled(*placed)
         return jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)
 
-    def shard(self, tree: Any) -> Any:
-        """Place a pytree the way the current plan wants (params and their mirrors on the
-        params' shardings, batch-leading leaves over the data axis, the rest replicated)."""
-        planned = self._require()
-        mesh = self.mesh
-        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        leaves = [leaf for _, leaf in flat]
-        # with several processes the tree holds this process's slice of the batch
+    def _leaf_shardings(self, trees: Sequence[Any], what: str
+                        ) -> tuple[list[Any], list[Any], list[jax.ShapeDtypeStruct],
+                                   tuple[NamedSharding, ...]]:
+        """The one rule for where a pytree's leaves go under the current plan, shared by
+        `shard` and `abstract_state` so placing data and restoring it cannot disagree:
+        params and their mirrors on the params' (and optimizer state's) shardings,
+        batch-leading leaves over the data axis, the rest replicated. Each tree is its own
+        root, so `(params, opt_state)` given as two trees tells the parameters from their
+        moments by path. Returns (treedefs, leaves, global avals, shardings), the last
+        three flat over all trees."""
+        planned = self._require(what)
+        if not trees:
+            raise TypeError(f"{what} takes one or more pytrees, got none")
+        entries, treedefs, leaves = [], [], []
+        for i, tree in enumerate(trees):
+            flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+            treedefs.append(treedef)
+            entries += [(f"trees[{i}]", path, leaf) for path, leaf in flat]
+            leaves += [leaf for _, leaf in flat]
+        # with several processes the trees hold this process's slice of the batch
         batch = planned.layout.inputs.batch_size
         local_batch = batch // jax.process_count() if batch else None
-        table = globalize(
-            classify_leaves([("tree", p, leaf) for p, leaf in flat], planned.layout.params,
-                            batch_size=local_batch, infer_batch=False, by_path=True), leaves)
+        table = globalize(classify_leaves(entries, planned.layout.params,
+                                          batch_size=local_batch, infer_batch=False,
+                                          by_path=True), leaves)
         d, _, r = mesh_dims(planned.plan.mesh_shape)
         layouts = leaf_specs(table, planned.plan.params, d, r,
                              mesh_stages(planned.plan.mesh_shape))
-        placed = [place(leaf, sh, aval) for leaf, sh, aval
-                  in zip(leaves, shardings(mesh, layouts), table.avals, strict=True)]
-        return jax.tree_util.tree_unflatten(treedef, placed)
+        return treedefs, leaves, list(table.avals), shardings(self.mesh, layouts)
+
+    @staticmethod
+    def _unflatten(treedefs: Sequence[Any], flat: Sequence[Any]) -> Any:
+        """The trees back from their leaves in order: one tree for one, else a tuple."""
+        out, at = [], 0
+        for treedef in treedefs:
+            out.append(jax.tree_util.tree_unflatten(treedef, flat[at:at + treedef.num_leaves]))
+            at += treedef.num_leaves
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def shard(self, *trees: Any) -> Any:
+        """Place pytrees the way the current plan wants (params and their mirrors on the
+        params' shardings, batch-leading leaves over the data axis, the rest replicated).
+        One tree gives one tree back, several a tuple: pass params and optimizer state as
+        separate trees (`shard(params, opt_state)`), not as one tuple, whose first element
+        would not be recognised as the parameters by its path."""
+        treedefs, leaves, avals, shs = self._leaf_shardings(trees, "step.shard")
+        return self._unflatten(treedefs, [place(leaf, sh, aval) for leaf, sh, aval
+                                          in zip(leaves, shs, avals, strict=True)])
+
+    def abstract_state(self, *trees: Any) -> Any:
+        """The trees (arrays or jax.ShapeDtypeStruct) as jax.ShapeDtypeStructs carrying the
+        current plan's shardings, the ones `shard` would give; no data is read or allocated.
+
+        Made as a checkpoint's restore target: orbax reads each device's shard straight
+        onto the plan's layout (`ocp.StandardCheckpointer().restore(path, target)`), so a
+        checkpoint saved under one plan resumes under another (another mesh, fewer devices)
+        with no full copy of the state on any one device, and the step runs on it without
+        resharding. One tree gives one tree back, several a tuple; pass params and
+        optimizer state as separate trees: `abstract_state(params, opt_state)`."""
+        treedefs, _, avals, shs = self._leaf_shardings(trees, "step.abstract_state")
+        return self._unflatten(treedefs, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh,
+                                 weak_type=getattr(a, "weak_type", False))
+            for a, sh in zip(avals, shs, strict=True)])
 
     def __repr__(self) -> str:
         name = getattr(self.train_step, "__name__", repr(self.train_step))

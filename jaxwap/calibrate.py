@@ -19,6 +19,7 @@ NVML, links with one device) keeps the built-in profile's value and says so in t
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -276,18 +277,15 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     return cal
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`jaxwap calibrate [--quick] [--fresh] [--coordinator HOST:PORT --num-processes N
-    --process-id I [--timeout S]]`: measure, cache and print the profile.
-
-    With a coordinator, this process first joins a jax.distributed cluster (run the same
-    command once per process); when the cluster cannot start within the timeout it says
-    why and calibrates its own devices instead (exit status 0)."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("calibrate", help="measure the device profile and cache it")
+def add_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `jaxwap calibrate` to a command line's subparsers (`add_subparsers()`'s
+    result) and return its parser. Its options are defined here once: `main` below and
+    the full command line (`jaxwap.cli`) both build the command from this. The parsed
+    arguments carry `run`, the command's implementation."""
+    c = subparsers.add_parser("calibrate", help="measure the device profile and cache it",
+                              description="Measure this machine's device profile (matmul "
+                              "rates, memory bandwidth, kernel overhead, links, power) and "
+                              "cache it; planning for the devices present then uses it.")
     c.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
     c.add_argument("--fresh", action="store_true", help="ignore a cached calibration")
     c.add_argument("--coordinator", metavar="HOST:PORT", help="a cluster: process 0's address")
@@ -295,7 +293,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
     c.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="give up on the cluster after this long (default 60)")
+    c.set_defaults(run=lambda args: run(args, c))
+    return c
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`jaxwap calibrate [--quick] [--fresh] [--coordinator HOST:PORT --num-processes N
+    --process-id I [--timeout S]]`: measure, cache and print the profile.
+
+    `argv` starts with the command's name, "calibrate", as on the command line. The whole
+    command line, with its other commands, is `jaxwap.cli.main`; this entry point stays
+    for callers that run calibration alone (a cluster's worker processes)."""
+    p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
+    add_command(p.add_subparsers(dest="command", required=True))
     args = p.parse_args(argv)
+    return args.run(args)
+
+
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """The calibrate command on parsed `args` (see `add_command`); `p` reports misuse.
+
+    With a coordinator, this process first joins a jax.distributed cluster (run the same
+    command once per process); when the cluster cannot start within the timeout it says
+    why and calibrates its own devices instead (exit status 0)."""
     cluster = (args.coordinator, args.num_processes, args.process_id)
     notes: list[str] = []
     started = False
