@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import jaxwap
+from jaxwap.constraints import LayoutRules
 from jaxwap.graph import Graph
 from jaxwap.solve import MeshResult, solve_mesh
 
@@ -28,5 +29,6 @@ def variant_candidate(graph: Graph | None, r: MeshResult, variant: str,
         return r
     assert graph is not None, "forced layouts need the analysed graph (not a cached plan)"
     budget = cluster.device.memory_bytes * 0.9
-    return dataclasses.replace(solve_mesh(graph, cluster, r.d, r.m, budget, allowed=allowed),
+    return dataclasses.replace(solve_mesh(graph, cluster, r.d, r.m, budget,
+                                          allowed=LayoutRules(allowed)),
                                variant=variant)

@@ -179,6 +179,7 @@ def _forced_candidate(family: str, d: int = 4):
     """The planner's own candidate on a (d, 1) mesh with `family` forced, and with every
     parameter replicated, compiled by `verify.compile_candidate` (the function verification,
     the benchmarks and `auto_shard` compile a candidate through)."""
+    from jaxwap.constraints import LayoutRules
     from jaxwap.planner import make_plan
     from jaxwap.solve import solve_mesh
     from jaxwap.verify import compile_candidate
@@ -190,7 +191,8 @@ def _forced_candidate(family: str, d: int = 4):
                                                    strategies=(family,)))
     out = {}
     for name in (family, "replicate"):
-        r = solve_mesh(planned.graph, H100X8, d, 1, 1e12, allowed=frozenset({name}))
+        r = solve_mesh(planned.graph, H100X8, d, 1, 1e12,
+                       allowed=LayoutRules(frozenset({name})))
         assert {s.name for s in r.strategies} == {name}, r.strategies
         figs, cs = compile_candidate(step, planned.layout, r, jax.devices(), H100X8)
         out[name] = (cs, figs)
