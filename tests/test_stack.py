@@ -131,13 +131,15 @@ def _mesh(stages, data):
 
 
 def _assert_close(got, want):
-    """float32 tolerance, except for the stacked weight cast through bf16: its gradient is
-    rounded to bf16 on the way back, so a different summation order may land one bf16
-    step (2**-8 relative) away."""
+    """float32 tolerance (5e-5 relative: the pipelined loop sums the micro-batches'
+    gradients in another order than the scan, and unvectorised CPU code, as the suite
+    compiles it, rounds a few elements 2e-5 apart), except for the stacked weight cast
+    through bf16: its gradient is rounded to bf16 on the way back, so a different
+    summation order may land one bf16 step (2**-8 relative) away."""
     def check(path, a, b):
         bf16 = jax.tree_util.keystr(path).endswith("['blocks']['w']")
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6,
-                                   rtol=2.0 ** -7 if bf16 else 1e-5)
+                                   rtol=2.0 ** -7 if bf16 else 5e-5)
     jax.tree_util.tree_map_with_path(check, got, want)
 
 
