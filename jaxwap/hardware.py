@@ -416,7 +416,10 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         small_input_conv_flops=None if spec.small_input_conv_flops is None
         else spec.small_input_conv_flops * share,
         memory_bytes=float(host_memory) / max(local, 1),
-        idle_watts=spec.idle_watts * share, efficiency_half_flops=None)
+        idle_watts=spec.idle_watts * share,
+        # the efficiency curve's knee is a time (its flops over the peak): a share of the
+        # host's peak reaches it at that share of the flops
+        efficiency_half_flops=(spec.efficiency_half_flops or 0.0) * share)
 
 
 def device_memory_limit(device: Any) -> int | None:

@@ -23,6 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .compile import make_mesh
+from .flatten import flatten
+from .primitives import roofline_rules
 from .progress import Progress
 
 
@@ -50,20 +52,47 @@ def fit_line(x: Sequence[float], y: Sequence[float],
 
 
 # --------------------------------------------------------------------------- measurements
+def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
+               reps: int, repeats: int = 7) -> float:
+    """Seconds one repetition of an op takes inside a compiled program: `make(r)` builds a
+    function that applies the op r times in a dependent chain, and the difference between
+    r = reps + 1 and r = 1, over reps, is what each repetition adds. A training step runs
+    its ops back to back inside one program, so this, not the time of a call of its own,
+    is what an op costs there: a call of its own also pays the dispatch and the wake-up
+    of the host's thread pool (about 50 us each on a 2-core CPU, far more than a small
+    matmul)."""
+    one, many = jax.jit(make(1)), jax.jit(make(reps + 1))
+    t1 = time_it(lambda: jax.block_until_ready(one(*args)), repeats)
+    tr = time_it(lambda: jax.block_until_ready(many(*args)), repeats)
+    return max((tr - t1) / reps, 1e-9)
+
+
+def _chain(r: int) -> Callable[[Any, Any], Any]:
+    def f(v: Any, w: Any) -> Any:
+        for _ in range(r):
+            v = v @ w
+        return v
+    return f
+
+
 def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
                   progress: Progress) -> dict[str, Any]:
-    """Seconds per n x n x n matmul: slope = 1 / peak, intercept = w_half / peak + launch."""
+    """Seconds per n x n x n matmul inside a program (`in_program`: a chain of them, the
+    weight all 1/n so the values stay 1): slope = 1 / peak, intercept = w_half / peak +
+    launch. Each size is repeated until it holds about twice the largest size's work."""
     works, times = [], []
+    target = 4.0 * float(sizes[-1]) ** 3
     for n in sizes:
-        a = jax.device_put(jnp.ones((n, n), dtype), device)
-        f = jax.jit(lambda x: x @ x)
-        t = time_it(lambda f=f, a=a: f(a).block_until_ready())
-        works.append(2.0 * n ** 3)
-        times.append(t)
+        w = jax.device_put(jnp.full((n, n), 1.0 / n, dtype), device)
+        work = 2.0 * n ** 3
+        reps = int(min(64, max(2, target // work)))
+        works.append(work)
+        times.append(in_program(_chain, (w, w), reps))
         progress.step(f"matmul {np.dtype(dtype).name} {n}")
     slope, intercept = fit_line(works, times)
     best = max(w / t for w, t in zip(works, times, strict=True))
     return {"sizes": list(sizes), "work_flops": works, "seconds": times,
+            "timed": "in a program: a chain of matmuls, per matmul",
             "peak_flops": 1.0 / slope if slope > 0 else best, "intercept_s": intercept}
 
 
@@ -100,15 +129,28 @@ def _conv(x: Any, w: Any) -> Any:
 # gradients: the layers of a small CNN, maps larger than the window
 CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
 # 3x3 convolutions over a 2x2 map (the window larger than the input) at the usual CNN
-# widths: on XLA:CPU's generic loop the rate swings with the channel count (a power of
-# two aliases in cache), so the rate is their total work over their total time
-SMALL_INPUT_CONVS = ((8, 2, 128, 128), (8, 2, 256, 256), (8, 2, 512, 512))
+# widths. On XLA:CPU's generic loop the rate (per tap that lands on the input) is about
+# flat from 64 to 384 channels, and 512 -> 512 runs 3x slower than its neighbours (seen
+# on this project's 2-core EPYC: the kernel's 2 KiB rows alias in cache); the median rate
+# is kept, so one such width does not set the rate of all the others
+SMALL_INPUT_CONVS = ((8, 2, 128, 128), (8, 2, 256, 256), (8, 2, 384, 384), (8, 2, 512, 512))
+
+
+def _conv_flops(fn: Callable[..., Any], *args: Any) -> float:
+    """Flops of the convolutions `fn` runs, by jax's roofline rule: the figure the cost
+    model divides by the rates measured here (it counts only the window taps that land on
+    the input, 4 of 9 for a 3x3 window over a 2x2 map), so rate and work agree."""
+    rules = roofline_rules()
+    prog = flatten(jax.make_jaxpr(fn)(*args))
+    return sum((rules.cost(op.eqn) or (0.0, 0.0))[0] * op.repeat for op in prog.ops
+               if op.prim == "conv_general_dilated")
 
 
 def conv_rates(device: Any, f32: dict[str, Any], quick: bool) -> tuple[float, float]:
     """(conv_efficiency, small_input_conv_flops): convolutions (forward and both
     gradients, f32) against what the fitted f32 matmul curve gives the same work, and the
-    flop/s of a convolution whose window is larger than its input."""
+    flop/s of a convolution whose window is larger than its input. Work is counted as the
+    cost model counts it (`_conv_flops`)."""
     slope, intercept = 1.0 / f32["peak_flops"], f32["intercept_s"]
     as_matmul = measured = 0.0
     for b, h, c, k in CONV_SHAPES[:2] if quick else CONV_SHAPES:
@@ -116,15 +158,15 @@ def conv_rates(device: Any, f32: dict[str, Any], quick: bool) -> tuple[float, fl
         w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
         f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
         measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
-        as_matmul += 3 * (2.0 * b * h * h * c * k * 9 * slope + intercept)
-    work = seconds = 0.0
+        as_matmul += _conv_flops(f, x, w) * slope + 3 * intercept
+    rates = []
     g = jax.jit(_conv)
     for b, h, c, k in SMALL_INPUT_CONVS[:1] if quick else SMALL_INPUT_CONVS:
         x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
         w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
-        seconds += time_it(lambda x=x, w=w: g(x, w).block_until_ready(), 3)
-        work += 2.0 * b * h * h * c * k * 9
-    return min(as_matmul / measured, 1.0), work / seconds
+        rates.append(_conv_flops(_conv, x, w)
+                     / time_it(lambda x=x, w=w: g(x, w).block_until_ready(), 3))
+    return min(as_matmul / measured, 1.0), float(np.median(rates))
 
 
 def kernel_overhead(device: Any, chain: int = 64) -> float:
@@ -136,12 +178,9 @@ def kernel_overhead(device: Any, chain: int = 64) -> float:
             for _ in range(k):
                 v = jnp.tanh(v @ v)
             return v
-        return jax.jit(f)
+        return f
 
-    f1, fk = chained(1), chained(chain)
-    t1 = time_it(lambda: f1(x).block_until_ready(), 9)
-    tk = time_it(lambda: fk(x).block_until_ready(), 9)
-    return max((tk - t1) / (chain - 1), 1e-7)
+    return in_program(chained, (x,), chain - 1, repeats=9)
 
 
 def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
@@ -224,4 +263,4 @@ def power(devices: Sequence[Any], load: Callable[[], Any]) -> tuple[float, float
 
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
            "conv_rates", "cpu_bandwidth_bytes", "fit_line", "kernel_overhead", "link_sizes",
-           "matmul_curve", "power", "time_it"]
+           "in_program", "matmul_curve", "power", "time_it"]

@@ -1,0 +1,211 @@
+"""Where a step's time goes on this CPU, by XLA's own per-operation timing, beside the model.
+
+    .venv/bin/python benchmarks/op_profile.py                  # the four CI-sized zoo models
+    .venv/bin/python benchmarks/op_profile.py --models gpt2 --fresh
+
+The step-time table of `measured.py` says how far the prediction is from the measured step;
+this says which part of the model is off. For each CI-sized model of `benchmarks/zoo.py` on
+one CPU device (one process, XLA on both cores):
+
+- predicted: jaxwap's per-op times (`cost.op_times`, the compute part of the step time
+  `auto_shard` plans with), with the profile `jaxwap.calibrate` measures here (cached, or
+  measured again with ``--fresh``), summed by kind of op;
+- measured: the step compiled by `jax.jit` (state donated, as `auto_shard` compiles it) and
+  run under `jax.profiler.trace`. XLA:CPU records every operation it runs (each thunk, on
+  whichever thread of its pool ran it); their durations are summed per step by the same
+  kinds. The step's wall time is timed apart, without the profiler.
+
+Kinds: matmuls and convolutions together (XLA's `dot`, its convolutions, and the YNNPACK
+fusions that carry either: their names do not say which), fused elementwise work and
+reductions (`fusion`),
+layout changes XLA inserts that the jaxpr does not have (`copy`, `reverse`, `transpose`;
+the model has no term for them), and the rest. jaxpr ops and XLA operations are not one to
+one (XLA fuses and rewrites), so the comparison is by kind, not by op.
+
+Writes `benchmarks/results/op_profile_cpu.json` and `op_profile_cpu.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import zoo  # noqa: E402
+
+import jaxwap  # noqa: E402
+from jaxwap.calibrate import calibrate_full  # noqa: E402
+from jaxwap.cost import op_times  # noqa: E402
+from jaxwap.hardware import detect_cluster  # noqa: E402
+from jaxwap.planner import make_plan  # noqa: E402
+
+MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")
+KINDS = ("matmul and convolution", "fused elementwise/reduce",
+         "layout (copy, reverse, transpose)", "other")
+# XLA:CPU's bookkeeping events: not operations of the step
+_BOOKKEEPING = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")
+
+
+def xla_kind(name: str) -> str:
+    """The kind of an XLA:CPU operation, by the name its thunk event carries."""
+    base = re.sub(r"\.\d+$", "", name)
+    if base == "dot" or base.startswith(("ynn_fusion", "conv")):
+        return "matmul and convolution"   # YNNPACK's fusions carry matmuls and convolutions
+    if base == "fusion" or base.endswith("_fusion"):
+        return "fused elementwise/reduce"
+    if base in ("copy", "wrapped_reverse", "wrapped_transpose", "transpose", "reverse"):
+        return "layout (copy, reverse, transpose)"
+    return "other"
+
+
+def predicted_by_kind(graph: Any, times: np.ndarray) -> dict[str, float]:
+    """The model's per-op seconds summed by the same kinds (kernel launches included)."""
+    out = dict.fromkeys(KINDS, 0.0)
+    for k, t in enumerate(times):
+        if graph.conv[k] or graph.is_matmul[k]:
+            kind = "matmul and convolution"
+        elif graph.flops[k] or graph.bytes[k] or graph.kernels[k]:
+            kind = "fused elementwise/reduce"
+        else:
+            kind = "other"
+        out[kind] += float(t)
+    return out
+
+
+def profile_step(run: Any, steps: int) -> tuple[dict[str, float], float]:
+    """Seconds per step of each kind of XLA operation, from a profiler trace of `steps`
+    runs (XLA:CPU's thunk events, summed over every thread that ran them), and how many
+    operations a step runs."""
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                run()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            raise RuntimeError(f"jax.profiler.trace wrote no xplane file under {d}")
+        data = ProfileData.from_file(files[0])
+    out = dict.fromkeys(KINDS, 0.0)
+    count = 0
+    for plane in data.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if line.name == "python":   # the host's own calls, not XLA's operations
+                continue
+            for e in line.events:
+                if not e.name.startswith(_BOOKKEEPING):
+                    out[xla_kind(e.name)] += e.duration_ns * 1e-9 / steps
+                    count += 1
+    return out, count / steps
+
+
+def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
+    w = zoo.small(name)
+    planned = make_plan(w.step, w.args, {}, params=w.params,
+                        options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+    times = op_times(planned.graph, cluster, 1.0)
+    data = w.synthetic(0)
+    f = jax.jit(w.step, donate_argnums=tuple(range(len(data) - 1)))
+    state = [jax.device_put(x) for x in data]
+
+    def run() -> None:
+        out = jax.block_until_ready(f(*state))
+        state[: len(state) - 1] = out[:-1]   # the batch comes last; the rest is state
+
+    for _ in range(2):
+        run()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        walls.append(time.perf_counter() - t0)
+    by_kind, ops = profile_step(run, 3)
+    return {"model": w.name, "predicted_s": predicted_by_kind(planned.graph, times),
+            "measured_s": by_kind, "operations_per_step": ops,
+            "predicted_kernels": float(planned.graph.kernels.sum()),
+            "predicted_step_s": float(times.sum()), "measured_step_s": float(np.median(walls))}
+
+
+def markdown(record: dict[str, Any]) -> str:
+    cal = record["profile"]
+    lines = [f"Measured on this machine's CPU ({record['cpu']}), one device, "
+             f"{record['date_utc']}: XLA:CPU's own per-operation times from "
+             f"`jax.profiler.trace`, summed by kind per step, beside jaxwap's predicted "
+             f"per-op times (profile calibrated here: f32 matmul "
+             f"{cal['peak_flops_f32'] / 1e9:.0f} Gflop/s, half-efficiency at "
+             f"{cal['efficiency_half_flops'] / 1e6:.1f} Mflop, "
+             f"{cal['memory_bandwidth'] / 1e9:.0f} GB/s, kernel "
+             f"{cal['kernel_overhead_s'] * 1e6:.1f} us, convolutions at "
+             f"{cal['conv_efficiency']:.2f} of the matmul rate, generic loop "
+             f"{(cal['small_input_conv_flops'] or 0) / 1e9:.2f} Gflop/s). Command: "
+             f"`{record['command']}`.", "",
+             "The op times are summed over both threads of XLA's pool, so their sum may "
+             "exceed the wall time where independent operations overlap.", ""]
+    for row in record["rows"]:
+        p, m = row["predicted_s"], row["measured_s"]
+        lines += [f"**{row['model']}**: step predicted {row['predicted_step_s'] * 1e3:.2f} ms, "
+                  f"measured {row['measured_step_s'] * 1e3:.2f} ms wall "
+                  f"({row['predicted_step_s'] / row['measured_step_s'] - 1:+.0%}); "
+                  f"its {row['operations_per_step']:.0f} XLA operations (the model counts "
+                  f"{row['predicted_kernels']:.0f} kernels) sum to "
+                  f"{sum(m.values()) * 1e3:.2f} ms", "",
+                  "| kind | predicted ms | measured ms (XLA profile) |", "|---|---|---|"]
+        lines += [f"| {k} | {p[k] * 1e3:.2f} | {m[k] * 1e3:.2f} |" for k in KINDS
+                  if p[k] or m[k]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--steps", type=int, default=10, help="timed steps for the wall time")
+    ap.add_argument("--fresh", action="store_true", help="calibrate again, not from cache")
+    args = ap.parse_args()
+    devices = jax.devices()[:1]
+    cal = calibrate_full(devices, progress=False, use_cache=not args.fresh)
+    cluster, _ = detect_cluster(devices, cal)
+    rows = []
+    for name in args.models.split(","):
+        row = measure(name, cluster, args.steps)
+        rows.append(row)
+        print(f"{row['model']:15s} predicted {row['predicted_step_s'] * 1e3:8.2f} ms  "
+              f"measured {row['measured_step_s'] * 1e3:8.2f} ms, "
+              f"{row['operations_per_step']:.0f} operations summing to "
+              f"{sum(row['measured_s'].values()) * 1e3:.2f} ms", flush=True)
+        for k in KINDS:
+            p, m = row["predicted_s"][k], row["measured_s"][k]
+            print(f"    {k:36s} {p * 1e3:9.2f} {m * 1e3:9.2f}")
+    record = {"command": "python benchmarks/op_profile.py " + " ".join(sys.argv[1:]),
+              "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores",
+              "basis": "predicted = jaxwap's per-op model with the profile calibrated here; "
+                       "measured = XLA:CPU's per-operation times from jax.profiler",
+              "profile": cluster.device.to_dict(), "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "op_profile_cpu.json").write_text(json.dumps(record, indent=1) + "\n")
+    (RESULTS / "op_profile_cpu.md").write_text(markdown(record) + "\n")
+    print(f"wrote {RESULTS / 'op_profile_cpu.md'}")
+
+
+if __name__ == "__main__":
+    main()
