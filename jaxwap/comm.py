@@ -251,20 +251,22 @@ def tp_group_cost(group: Sequence[Layer], prev: str, kinds: Sequence[str], d: fl
     input is gathered once; each column-parallel sibling's input gradient is a partial sum
     of its own, all-reduced (XLA:CPU combines them into one collective, bytes unchanged).
     A group in a loop (scanned layers, micro-batches) pays it in each of its `repeat`
-    iterations, on one iteration's activations."""
+    iterations, on one iteration's activations. A model axis wider than a node (a cluster
+    of one device per node) pays the network's links."""
     if m <= 1:
         return 0.0, 0.0
     a_in = group[0].act_in_bytes / d
+    inner = cluster.devices_in_node(m)   # the model axis is the innermost
     parts: list[tuple[float, float]] = []
     if prev == "col" and any(k != "row" for k in kinds):
-        parts.append(all_gather(a_in, m, cluster))
+        parts.append(all_gather(a_in, m, cluster, inner=inner))
     for layer, kind in zip(group, kinds, strict=True):
         if kind == "col" and layer.needs_input_grad:
-            parts.append(all_reduce(a_in, m, cluster))
+            parts.append(all_reduce(a_in, m, cluster, inner=inner))
         elif kind == "row":
-            parts.append(all_reduce(layer.act_out_bytes / d, m, cluster))
+            parts.append(all_reduce(layer.act_out_bytes / d, m, cluster, inner=inner))
             if prev != "col" and layer.needs_input_grad:
-                parts.append(all_gather(a_in, m, cluster))
+                parts.append(all_gather(a_in, m, cluster, inner=inner))
     return repeat * sum(p[0] for p in parts), repeat * sum(p[1] for p in parts)
 
 
@@ -281,7 +283,7 @@ def tp_final_cost(layer: Layer, kind: str, d: float, m: int,
     each of its `repeat` loop iterations)."""
     if m <= 1 or kind != "col":
         return 0.0, 0.0
-    t, b = all_gather(layer.act_out_bytes / d, m, cluster)
+    t, b = all_gather(layer.act_out_bytes / d, m, cluster, inner=cluster.devices_in_node(m))
     return repeat * t, repeat * b
 
 

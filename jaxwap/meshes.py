@@ -37,7 +37,9 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
     micro-batches, each micro-batch must split evenly over the data axis); only `mesh`
     when the caller fixes it. With nodes of `node_size` devices, the model axis stays
     inside a node (its size divides the node's), so tensor parallelism never crosses the
-    network; the data axis spans the nodes."""
+    network; the data axis spans the nodes. Nodes of one device have no inside: there
+    the model axis may span nodes, priced on the network's links (`comm.tp_group_cost`),
+    or such a cluster could never split a layer."""
     shapes, skipped = [], []
     ns = [num_devices_exact] if num_devices_exact else device_counts(num_devices, node_size)
     if mesh is not None:
@@ -47,7 +49,7 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
             if n % d or (mesh is not None and d != mesh[0]):
                 continue
             m = n // d
-            if node_size is not None and (m > node_size or node_size % m):
+            if node_size is not None and node_size > 1 and (m > node_size or node_size % m):
                 skipped.append(f"{d}x{m}: the model axis of {m} would cross nodes of "
                                f"{node_size} devices")
                 continue

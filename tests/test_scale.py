@@ -96,6 +96,28 @@ def test_model_axis_never_crosses_a_node():
     assert all(d * m <= 8 or (d * m) % 8 == 0 for d, m in shapes)
 
 
+def test_nodes_of_one_device_may_split_layers_over_the_network_at_its_price():
+    # a cluster of one device per node (the two-process CPU cluster) has no inside of a
+    # node: the model axis may span nodes, and its collectives then pay the network
+    from jaxwap.comm import tp_group_cost
+
+    step, params, opt, data = abstract_setup((512, 512, 512, 16), 256, 512)
+    graph = analyze(*_analysis_inputs(step, params, opt, data))
+    shapes, skipped = mesh_shapes(2, 256, graph, node_size=1)
+    assert (1, 2) in shapes and (2, 1) in shapes and not skipped
+    group = graph.layer_groups[0]
+    nodes = jaxwap.Cluster("cpu", 2, devices_per_node=1, inter_node_bandwidth=1e9,
+                           inter_node_latency=1e-3)
+    flat = jaxwap.Cluster("cpu", 2, link_bandwidth=1e10, link_latency=5e-6)
+    # a row-parallel first layer all-reduces its output over the model axis
+    t_nodes, b_nodes = tp_group_cost(group, "none", ["row"], 1.0, 2, nodes)
+    t_flat, b_flat = tp_group_cost(group, "none", ["row"], 1.0, 2, flat)
+    assert b_nodes == b_flat > 0
+    out = group[0].act_out_bytes
+    assert t_nodes == pytest.approx(out / 1e9 + 2 * 1e-3)   # the ring of 2 over the network
+    assert t_flat < t_nodes / 5
+
+
 def test_large_clusters_enumerate_powers_of_two_and_whole_nodes():
     counts = device_counts(4096, 8)
     assert counts[-1] == 4096 and len(counts) <= 14
