@@ -22,6 +22,7 @@ from .measure import measure_finalists
 from .options import PlanOptions, split_options
 from .plan import Plan
 from .planner import Planned, make_plan, record_measurements
+from .power_limit import PowerLimitGuard
 from .records import mesh_dims, mesh_stages
 from .state import abstract_entries, classify_leaves
 from .trace import flat_leaves, globalize, is_process_local, leaf_entries
@@ -58,6 +59,9 @@ class AutoShardedStep:
         # plan for the hardware described even where its devices are not present
         # (`jaxwap.plan`); a step that runs plans for the devices it runs on
         self._for_hardware = False
+        # power_limit="apply": the limit set on this process's devices, and for what
+        self._guard: PowerLimitGuard | None = None
+        self._guarded: tuple[Any, ...] | None = None
         functools.update_wrapper(self, train_step)
 
     # ------------------------------------------------------------------ planning
@@ -141,8 +145,45 @@ class AutoShardedStep:
         ex = self._compile(key, planned)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
-        out = ex.compiled(*placed)
+        self._power_limit(planned)
+        try:
+            out = ex.compiled(*placed)
+        except BaseException:
+            self.close()   # never leave a GPU capped behind a failed step
+            raise
         return jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)
+
+    # ------------------------------------------------------------------ power limit
+    def _power_limit(self, planned: Planned) -> None:
+        """With `power_limit="apply"`, hold the plan's power limit on this process's
+        devices of the plan (set once, kept while the plan runs, restored when the plan
+        changes to another limit); otherwise change nothing."""
+        watts = planned.plan.power_limit_w
+        if self.options.power_limit != "apply" or watts is None:
+            self.close()
+            return
+        mine = tuple(d for d in planned.devices if d.process_index == jax.process_index())
+        want = (watts, *mine)
+        if self._guarded == want:
+            return
+        self.close()
+        guard = PowerLimitGuard(mine, watts)
+        guard.apply()   # refused: it warns once and the step runs uncapped
+        self._guard, self._guarded = guard, want
+
+    def close(self) -> None:
+        """Put back the power limits `power_limit="apply"` set (also done when the step
+        is garbage collected, at interpreter exit and after a step raises); the step
+        sets them again on its next call."""
+        guard, self._guard, self._guarded = self._guard, None, None
+        if guard is not None:
+            guard.restore()
+
+    def __enter__(self) -> AutoShardedStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _leaf_shardings(self, trees: Sequence[Any], what: str
                         ) -> tuple[list[Any], list[Any], list[jax.ShapeDtypeStruct],
@@ -232,7 +273,9 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
       options: a `jaxwap.PlanOptions`; its fields may also be given as keywords
         (`objective=`, `hardware=`, `devices=`, `memory_budget=`, `num_devices=`,
         `verify=`, `donate=`, `compiler_options=`, `cache=`, `batch_size=`, `measure=`,
-        `offload=`), which replace the record's. `PlanOptions` documents each one.
+        `offload=`, `power_limit=`, ...), which replace the record's. `PlanOptions`
+        documents each one. `power_limit="apply"` sets the plan's chosen GPU power limit
+        while the step lives (`AutoShardedStep.close()` or `with` puts it back).
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """

@@ -26,7 +26,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from . import probes
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
+from .power import PowerProfile, curve_from_points
+from .power_limit import limit_range_w, measure_clock_curve
 from .progress import Progress
 
 # 2: num_processes, and measurements["link"] says what was timed (1 is still read)
@@ -80,6 +82,42 @@ class Calibration:
 
 # --------------------------------------------------------------------------- storage
 @functools.lru_cache(maxsize=1)
+def _power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory_w: float,
+                   compute: Callable[[], Any], notes: list[str]) -> PowerProfile | None:
+    """The device's power profile: the phases' power as measured (the communication
+    phase keeps the built-in profile's share of the dynamic range: no probe isolates it),
+    the limits NVML says it accepts, and the clock each limit leaves a compute-bound
+    kernel, measured by setting them. Without NVML: the built-in profile; without the
+    right to set limits: the built-in curve, and the notes say why."""
+    prior = base.power_profile()
+    if watts is None:
+        return base.power
+    idle, hot = watts
+    dyn = max(hot - idle, 1e-9)
+    share = (prior.comm_watts - base.idle_watts) / max(base.max_watts - base.idle_watts, 1e-9)
+    limits = limit_range_w(dev)
+    curve = prior.clock_curve
+    if limits is None:
+        notes.append("power limits not read (NVML gives no range): the device is planned "
+                     "uncapped")
+    else:
+        lo, hi, default = limits
+        tried = [float(w) for w in np.linspace(lo, default, 6)[:-1]]
+        got = measure_clock_curve(dev, tried, compute)
+        if isinstance(got, str):
+            notes.append(f"power-limit curve not measured ({got}): kept the built-in "
+                         f"profile's")
+        else:
+            curve = curve_from_points(got)
+    return PowerProfile(
+        matmul_watts=hot, memory_watts=memory_w if not math.isnan(memory_w)
+        else prior.memory_watts, comm_watts=idle + share * dyn,
+        limit_range_w=None if limits is None else (limits[0], limits[1]),
+        default_limit_w=None if limits is None else limits[2], clock_curve=curve,
+        source="measured by jaxwap calibrate (NVML)"
+        + ("" if curve is not prior.clock_curve else "; published clock curve"))
+
+
 def _driver_version() -> str:
     try:
         import pynvml
@@ -199,9 +237,21 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if link is None:
         notes_.append("one device: link bandwidth and latency are the built-in profile's")
     power = None
+    big = jax.device_put(jnp.ones((sizes[-1],) * 2, jnp.bfloat16 if not on_cpu
+                                  else jnp.float32), dev)
+    square = jax.jit(lambda x: x @ x)
+
+    def compute() -> Any:
+        return jax.block_until_ready(square(big))
+
+    stream = jax.jit(lambda v: v * 1.0001 + 1.0)
+
+    @functools.cache
+    def vec() -> Any:   # made only when NVML is there to measure its load
+        return jax.device_put(jnp.ones((bw_bytes // 4,), jnp.float32), dev)
+
     try:
-        power = probes.power(local, lambda: jax.block_until_ready(
-            jax.jit(lambda x: x @ x)(jax.device_put(jnp.ones((sizes[-1],) * 2), dev))))
+        power = probes.power(local, compute, lambda: jax.block_until_ready(stream(vec())))
     except Exception as e:  # noqa: BLE001 - power is optional; the profile says so
         notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
@@ -220,7 +270,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
            "link_latency_s": link["latency_s"] if link else nan,
            "link_buffer_latency_s": buffer_latency,
-           "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan}
+           "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan,
+           "memory_watts": power[2] if power and power[2] is not None else nan}
     per_process = None
     if procs > 1:
         fig, per_process = process_median(fig)
@@ -253,7 +304,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         link_bandwidth=fig["link_bandwidth"] if linked else base.link_bandwidth,
         link_latency_s=max(fig["link_latency_s"], 0.0) if linked else base.link_latency_s,
         link_buffer_latency_s=fig["link_buffer_latency_s"] if linked
-        else base.link_buffer_latency_s)
+        else base.link_buffer_latency_s,
+        power=_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_))
     topology = {"processes": procs, "devices": len(devs), "devices_per_process": len(local),
                 "written_by_process": me}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .assemble import at_power_limit
+from .frontier import pareto_front
 from .hardware import Cluster
 from .objective import Objective, Ranking
 from .plan import Candidate, ParamPlacement, Plan
@@ -25,6 +27,7 @@ from .records import (
     PREDICTED,
     Judged,
     Measurement,
+    Prediction,
     StepVariant,
     judge,
 )
@@ -52,44 +55,112 @@ class PlanContext:
     notes: tuple[str, ...] = ()
 
 
-def rank_measured(ctx: PlanContext, search: SearchResult, ver: Verification | None,
-                  measured: Mapping[int, Measurement]) -> Ranking:
-    """The objective's ranking of the measured candidates on what they did."""
-    preds = ver.predictions if ver is not None else {}
-    return ctx.objective.rank(
-        [judge(r.predicted, preds.get(i), measured[i]) if i in measured else None
-         for i, r in enumerate(search.results)],
-        max_watts=ctx.cluster.device.max_watts, num_devices_available=ctx.cluster.num_devices)
+@dataclass(frozen=True)
+class _Point:
+    """One (candidate, power limit) the decision weighs: the search's candidate `base`
+    under `predicted.power_limit_w` (None: the board default), with its figures of every
+    tier it reached. A power limit is not measured: a capped point has no measurement."""
+
+    base: int
+    predicted: Prediction
+    verified: Prediction | None
+    measured: Measurement | None
+
+    @property
+    def judged(self) -> Judged:
+        return judge(self.predicted, self.verified, self.measured)
+
+
+def _points(ctx: PlanContext, search: SearchResult, ver: Verification | None,
+            measured: Mapping[int, Measurement]) -> list[_Point]:
+    """Every candidate at the board default, then every fitting one under each power
+    limit its devices accept (`PowerProfile.limits`) where the limit changes its figures.
+    "throughput" never caps: a limit can only slow a step."""
+    vpreds = ver.predictions if ver is not None else {}
+    points = [_Point(i, r.predicted, vpreds.get(i), measured.get(i))
+              for i, r in enumerate(search.results)]
+    limits = ctx.cluster.device.power_profile().limits()
+    if ctx.objective.kind == "throughput" or not limits:
+        return points
+    batch = ctx.batch_size or 1
+    for i, r in enumerate(search.results):
+        if not r.fits:
+            continue
+        for w in limits:
+            pred = at_power_limit(r.predicted, ctx.cluster, batch, w)
+            if pred.energy_per_step_j >= r.predicted.energy_per_step_j * (1 - 1e-9):
+                continue   # the limit binds on nothing: it saves nothing
+            v = vpreds.get(i)
+            points.append(_Point(i, pred, None if v is None else at_power_limit(
+                v, ctx.cluster, batch, w), None))
+    return points
+
+
+def _tiers(ctx: PlanContext, search: SearchResult, ver: Verification | None,
+           points: list[_Point]) -> dict[str, Ranking]:
+    """The objective's ranking of the points on each tier's figures: the model's (every
+    candidate the search found eligible), the model fed XLA's (those that compiled and fit
+    by XLA's analysis), what was measured."""
+    kw = {"max_watts": ctx.cluster.device.max_watts,
+          "num_devices_available": ctx.cluster.num_devices}
+    rank = ctx.objective.rank
+    eligible = [search.results[p.base].fits and uses_model_axis(search.results[p.base])
+                for p in points]
+    got = rank([p.predicted if e else None for p, e in zip(points, eligible, strict=True)],
+               **kw)
+    # nothing fits: the search's pick (the least memory) stands, to say so
+    tiers = {PREDICTED: got if got.best >= 0 else Ranking(
+        search.scores + (float("inf"),) * (len(points) - len(search.scores)), search.best)}
+    if ver is not None:
+        figs = ver.figures
+        tiers[COMPILED] = rank([
+            judge(p.predicted, p.verified) if p.verified is not None and p.base in figs
+            and figs[p.base].memory_bytes <= ctx.budget else None for p in points], **kw)
+    if any(p.measured is not None for p in points):
+        tiers[MEASURED] = rank([p.judged if p.measured is not None else None
+                                for p in points], **kw)
+    return tiers
+
+
+def chosen_result(plan: Plan) -> int:
+    """The index in the search's results of the candidate the plan runs (a power-limited
+    point runs the layout of the candidate it caps)."""
+    i = next(i for i, c in enumerate(plan.candidates) if c.chosen)
+    return plan.candidates[i].of if plan.candidates[i].of is not None else i
 
 
 def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None = None,
                measured: Mapping[int, Measurement] | None = None) -> Plan:
-    """The Plan: the best candidate of the highest tier reached (measured, else compiled,
-    else predicted), every candidate with its figures, score and verdict."""
+    """The Plan: the best (candidate, power limit) of the highest tier reached (measured,
+    else compiled, else predicted), every candidate with its figures, score and verdict,
+    and the power-limited points on the time/energy frontier."""
     measured = dict(measured or {})
-    tiers: dict[str, Ranking] = {PREDICTED: Ranking(tuple(search.scores), search.best)}
-    if ver is not None:
-        tiers[COMPILED] = ver.ranking
-    if measured:
-        tiers[MEASURED] = rank_measured(ctx, search, ver, measured)
+    points = _points(ctx, search, ver, measured)
+    tiers = _tiers(ctx, search, ver, points)
     top = next(t for t in (MEASURED, COMPILED, PREDICTED) if t in tiers)
     chosen = tiers[top].best
     figs = ver.figures if ver is not None else {}
-    vpreds = ver.predictions if ver is not None else {}
-    best = search.results[chosen]
-    decision = _Decision(search, ver, tiers, top, chosen, ctx.budget,
-                         judge(best.predicted, vpreds.get(chosen), measured.get(chosen)))
+    best = search.results[points[chosen].base]
+    decision = _Decision(search, ver, tiers, top, chosen, ctx.budget, points[chosen].judged)
+    n = len(search.results)
+    fitting = [k for k in range(n, len(points)) if tiers[points[k].judged.basis].scores[k]
+               != float("inf")]
+    front = {fitting[i] for i in pareto_front([
+        (points[k].judged.step_time_s, points[k].judged.energy_per_step_j) for k in fitting])}
     cands = []
-    for i, r in enumerate(search.results):
-        j = judge(r.predicted, vpreds.get(i), measured.get(i))
-        score = tiers[j.basis].scores[i]
-        fits = r.fits and (i not in figs or figs[i].memory_bytes <= ctx.budget)
+    for k, p in enumerate(points):
+        if k >= n and k != chosen and k not in front:
+            continue   # a capped point another point beats on both time and energy
+        r = search.results[p.base]
+        j = p.judged
+        score = tiers[j.basis].scores[k]
+        fits = r.fits and (p.base not in figs or figs[p.base].memory_bytes <= ctx.budget)
         counts = Counter(s.name for s in r.strategies)
         cands.append(Candidate(
-            r.mesh, r.predicted, float(score), fits, i == chosen,
-            decision.verdict(i, j, score), tuple(sorted(counts.items())),
-            compiled=figs.get(i), verified=vpreds.get(i), variant=r.variant,
-            measured=measured.get(i)))
+            r.mesh, p.predicted, float(score), fits, k == chosen,
+            decision.verdict(k, p.base, j, score), tuple(sorted(counts.items())),
+            compiled=figs.get(p.base), verified=p.verified, variant=r.variant,
+            measured=p.measured, of=p.base if k >= n else None))
     placements = tuple(
         ParamPlacement(p.path, p.keystr, p.shape, p.dtype, s.spec, s.name, s.state_spec,
                        s.offload)
@@ -100,12 +171,16 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
             and present:
         notes.append("optimizer state planned for host memory: XLA:CPU compiles memory kinds "
                      "to nothing, so the saving is modelled, not verified, on this backend")
+    if top == MEASURED and len(points) > n:
+        notes.append("power limits are not measured: the measured choice is at the board's "
+                     "default limit")
+    pick = points[chosen]
     return Plan(
         mesh_shape=dict(best.mesh),
         device_ids=_device_ids(ctx, best.num_devices),
-        params=placements, objective=ctx.objective, predicted=best.predicted,
-        candidates=tuple(cands), compiled=figs.get(chosen), verified=vpreds.get(chosen),
-        measured=measured.get(chosen), hardware=ctx.cluster, batch_size=ctx.batch_size,
+        params=placements, objective=ctx.objective, predicted=pick.predicted,
+        candidates=tuple(cands), compiled=figs.get(pick.base), verified=pick.verified,
+        measured=pick.measured, hardware=ctx.cluster, batch_size=ctx.batch_size,
         memory_budget_bytes=ctx.budget, planning_time_s=dict(ctx.timing),
         notes=tuple(notes), version=__version__, step=best.step or ctx.step,
         _treedef=ctx.params_treedef)
@@ -132,16 +207,17 @@ class _Decision:
     ver: Verification | None
     tiers: Mapping[str, Ranking]
     top: str                 # the highest tier reached, which chose
-    chosen: int
+    chosen: int              # of the points
     budget: float
-    ref: Judged              # the chosen candidate's figures
+    ref: Judged              # the chosen point's figures
 
-    def verdict(self, i: int, j: Judged, score: float) -> str:
-        """Why candidate i (judged `j`, scored `score` in its own tier) is not the plan."""
+    def verdict(self, k: int, i: int, j: Judged, score: float) -> str:
+        """Why point k, of the search's candidate i (judged `j`, scored `score` in its own
+        tier), is not the plan."""
         r = self.search.results[i]
         ver, budget = self.ver, self.budget
         figs = ver.figures if ver is not None else {}
-        if i == self.chosen:
+        if k == self.chosen:
             return "chosen"
         if ver is not None and i in ver.failed:
             return f"did not compile: {ver.failed[i]}"
@@ -163,4 +239,4 @@ class _Decision:
                 f"{j.energy_per_step_j / self.ref.energy_per_step_j:.2f}x energy")
 
 
-__all__ = ["PlanContext", "build_plan", "rank_measured"]
+__all__ = ["PlanContext", "build_plan", "chosen_result"]

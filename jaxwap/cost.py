@@ -13,7 +13,8 @@ reduction that backward compute cannot hide:
   many devices.
 - communication: ring collectives (`comm.py`); the gradient reduction overlaps the
   backward pass except its tail (`exposed_comm`, the one exposure rule).
-- energy: each used device draws `idle + (max - idle) * utilization` for the step.
+- energy: each used device draws each phase's power for that phase's time
+  (`power.step_energy`), under the board's default power limit or a chosen one.
 
 Everything here is a prediction; the verification stage compares it with XLA's own
 analysis of the compiled step.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .assemble import StepParts, assemble
 from .comm import (
     all_reduce_latency,
     batch_reduce_comm,
@@ -40,20 +42,19 @@ from .hardware import Cluster
 from .model_split import TP_KINDS
 from .records import MODEL, CompiledFigures, Prediction, Strategy
 
-# Share of the backward pass in a step's batched compute (backward ~ 2x forward).
-BACKWARD_SHARE = 2.0 / 3.0
-# Utilization credited while a device launches kernels or runs collectives.
-SIDE_UTILIZATION = 0.3
-
 
 # --------------------------------------------------------------------------- compute
-def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
-             speed: float = 1.0, data: np.ndarray | float = 1.0) -> np.ndarray:
-    """Per-op seconds when op k's work is divided by split[k] on devices running `speed`
-    times their profile (see Cluster.shared_compute), `data` of those ways by splitting
-    the batch: what a batched op moves whole whatever its batch share
-    (`Graph.fixed_bytes`: the weights it reads, the gradients it writes) is divided by the
-    other split[k] / data[k] ways alone (the model axis)."""
+def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
+             speed: float = 1.0, data: np.ndarray | float = 1.0
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-op (seconds, compute-bound seconds, compute-bound work) when op k's work is
+    divided by split[k] on devices running `speed` times their profile (see
+    Cluster.shared_compute), `data` of those ways by splitting the batch: what a batched
+    op moves whole whatever its batch share (`Graph.fixed_bytes`: the weights it reads,
+    the gradients it writes) is divided by the other split[k] / data[k] ways alone (the
+    model axis). An op is compute-bound where its flops, not its bytes, set its roofline
+    time; its work is that time at the full rate (no efficiency loss): what the power
+    model and a power limit act on."""
     dev = cluster.device
     f = graph.flops / split
     b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
@@ -67,11 +68,22 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         slow = graph.conv == 2
         rate = np.where(slow, dev.small_input_conv_flops * speed, rate)
         eff = np.where(slow, 1.0, eff)
-    busy = np.maximum(f / (rate * np.maximum(eff, 1e-9)), b / (dev.memory_bandwidth * speed))
+    flop_t = f / (rate * np.maximum(eff, 1e-9))
+    byte_t = b / (dev.memory_bandwidth * speed)
+    busy = np.maximum(flop_t, byte_t)
+    bound = flop_t > byte_t
     if graph.host_transfer.any():
         # residuals a remat policy offloads cross the host link, not device memory
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
-    return busy + graph.kernels * dev.kernel_overhead_s
+        bound &= ~graph.host_transfer
+    return (busy + graph.kernels * dev.kernel_overhead_s, np.where(bound, busy, 0.0),
+            np.where(bound, f / rate, 0.0))
+
+
+def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
+             speed: float = 1.0, data: np.ndarray | float = 1.0) -> np.ndarray:
+    """Per-op seconds (`op_parts`'s first)."""
+    return op_parts(graph, cluster, split, speed, data)[0]
 
 
 def op_model_split(graph: Graph, strategies: Sequence[Strategy], m: int) -> np.ndarray:
@@ -93,10 +105,11 @@ class MeshCosts:
     `base` is the time of ops no parameter's strategy changes; `param_time[j][s]` the
     time of param j's ops under its strategy s (`*_busy`: their roofline part, `*_flops`:
     their flops per device, split exactly as their time is; `*_batched`: the part of the
-    time spent in batched ops, which hides gradient reduction); `grad_comm[j][s]` the
-    (seconds, bytes) of its gradient reduction over the data axis; `host[j][s]` the
-    seconds to move its offloaded optimizer state one way between host and device (0 when
-    not offloaded).
+    time spent in batched ops, which hides gradient reduction; `*_bound`: the busy time
+    of their compute-bound ops, `*_work` that work at the full rate, `op_parts`);
+    `grad_comm[j][s]` the (seconds, bytes) of its gradient reduction over the data axis;
+    `host[j][s]` the seconds to move its offloaded optimizer state one way between host
+    and device (0 when not offloaded).
     """
 
     d: int
@@ -113,6 +126,10 @@ class MeshCosts:
     grad_comm: tuple[tuple[tuple[float, float], ...], ...]
     host: tuple[tuple[float, ...], ...]
     r: int = 1   # replicas: the data axis's part across nodes (HSDP), 1 for none
+    base_bound: float = 0.0
+    base_work: float = 0.0
+    param_bound: tuple[tuple[float, ...], ...] = ()
+    param_work: tuple[tuple[float, ...], ...] = ()
 
 
 def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
@@ -133,15 +150,16 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     ds = d // r   # how many ways the data axis shards parameters
     speed = cluster.speedup_when_using(d * m)
     inner = cluster.devices_in_node(d, m)   # of the data axis: the model axis is innermost
-    per_split: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    per_split: dict[int, tuple[np.ndarray, ...]] = {}
 
-    def at(split: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-op (seconds, busy seconds, flops) with the work divided `split` ways."""
+    def at(split: int) -> tuple[np.ndarray, ...]:
+        """Per-op (seconds, busy seconds, flops, compute-bound seconds, their work) with
+        the work divided `split` ways."""
         if split not in per_split:
             # every batched op's split includes the data axis; the rest move no fixed bytes
-            t = op_times(graph, cluster, float(split), speed, data=float(d))
+            t, bound, work = op_parts(graph, cluster, float(split), speed, data=float(d))
             per_split[split] = (t, t - graph.kernels * dev.kernel_overhead_s,
-                                graph.flops / split)
+                                graph.flops / split, bound, work)
         return per_split[split]
 
     batched, owner, tp = graph.batched, graph.owner, graph.tp_param
@@ -149,8 +167,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     fixed_b = batched & (tp < 0) & (tp_op < 0)
     fixed_o = ~batched & (owner < 0)
     at_d, at_1 = at(d), at(1)
-    base, base_busy, base_flops = (float(x_d[fixed_b].sum() + x_1[fixed_o].sum())
-                                   for x_d, x_1 in zip(at_d, at_1, strict=True))
+    base, base_busy, base_flops, base_bound, base_work = (
+        float(x_d[fixed_b].sum() + x_1[fixed_o].sum()) for x_d, x_1 in zip(at_d, at_1, strict=True))
     base_batched = float(at_d[0][fixed_b].sum())
 
     P = len(graph.params)
@@ -166,7 +184,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     sums: dict[tuple[str, int], np.ndarray] = {}
 
     def summed(group: str, split: int) -> np.ndarray:
-        """[3, P]: per parameter, the group's (seconds, busy, flops) at this split."""
+        """[5, P]: per parameter, the group's `at` sums at this split."""
         if (group, split) not in sums:
             mask, who = groups[group]
             sums[group, split] = np.stack([np.bincount(who[mask], x[mask], minlength=P)
@@ -194,15 +212,15 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     splits = np.concatenate([splits, np.array(
         [[d * m if st.tp == name else d for name in TP_KINDS] for _, st in pairs],
         np.int64).reshape(len(pairs), len(TP_KINDS))], axis=1)
-    vals = np.zeros((len(pairs), 4))   # seconds, busy, flops, batched seconds
+    vals = np.zeros((len(pairs), 6))   # seconds, busy, flops, bound, work, batched seconds
     for g, group in enumerate(("tp", "w", "s", *TP_KINDS)):
         col = splits[:, g]
         for split in np.unique(col):
             sel = col == split
             got = summed(group, int(split))[:, J[sel]].T
-            vals[sel, :3] += got
+            vals[sel, :5] += got
             if group not in ("w", "s"):
-                vals[sel, 3] += got[:, 0]
+                vals[sel, 5] += got[:, 0]
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
@@ -237,7 +255,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
 
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
-                     table(3), tuple(g_comm), tuple(host), r)
+                     table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
+                     table(3), table(4))
 
 
 # --------------------------------------------------------------------------- memory
@@ -272,75 +291,6 @@ def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
     return float(per_point[k]), k
 
 
-# --------------------------------------------------------------------------- one step
-@dataclass(frozen=True)
-class StepParts:
-    """What a step's time and energy are assembled from (seconds per device, unless
-    stated): the model's own figures, or the model's figures with XLA's put in."""
-
-    compute: float
-    busy: float                 # the roofline part of compute
-    blocking: float             # communication nothing overlaps (tensor parallelism)
-    grad_comm: float            # gradient reduction, which the backward pass can hide
-    tail_comm: float            # ... except this much, produced last (the first layer's)
-    batched_time: float         # compute of batched ops (backward is most of it)
-    host_one_way: float         # offloaded state moved host <-> device, each way
-    comm_bytes: float
-    memory: float
-    flops: float
-    loop_flops_ratio: float = 1.0
-    bubble: float = 0.0         # of `compute`: a pipeline's bubble, devices idle
-    sends: float = 0.0          # of `blocking`: a pipeline's stage-to-stage sends
-
-
-def exposed_comm(grad_comm: float, tail: float, batched_time: float,
-                 overlaps: bool = True) -> float:
-    """The gradient reduction the step waits for: what the backward pass (its share of
-    the batched compute) cannot hide, and never less than the tail, whose gradient is
-    produced last; all of it on a backend that runs collectives in line (`overlaps`
-    False). The one exposure rule, for the model's figures and for XLA's."""
-    if not overlaps:
-        return grad_comm
-    return max(grad_comm - BACKWARD_SHARE * batched_time, min(tail, grad_comm), 0.0)
-
-
-def exposed_host(one_way: float, batched_time: float) -> float:
-    """Seconds of host transfer the step cannot hide: offloaded state comes in while the
-    forward and backward passes run (prefetch), but the new state goes out after the
-    update, at the end of the step, with nothing left to overlap it."""
-    return max(one_way - batched_time, 0.0) + one_way
-
-
-def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts) -> Prediction:
-    """A step's time and energy from its parts: compute, blocking communication, and the
-    gradient reduction and host transfers the step does not hide. Each of the n devices
-    draws idle + (max - idle) x utilization, where launches and collectives count partly.
-    The one place a `Prediction` is made."""
-    dev = cluster.device
-    comm = exposed_comm(parts.grad_comm, parts.tail_comm, parts.batched_time,
-                        dev.overlaps_collectives)
-    host = exposed_host(parts.host_one_way, parts.batched_time)
-    step = parts.compute + parts.blocking + comm + host
-    # launches and collectives draw part of the active power; a pipeline's bubble none
-    side = SIDE_UTILIZATION * (parts.compute - parts.bubble - parts.busy + parts.blocking
-                               + comm + host)
-    util = min(1.0, (parts.busy + side) / step) if step > 0 else 0.0
-    power = (dev.idle_watts + (dev.max_watts - dev.idle_watts) * util) \
-        * cluster.speedup_when_using(n)
-    energy = n * power * step
-    return Prediction(
-        step_time_s=step, samples_per_s=batch / step if step else float("inf"),
-        energy_per_step_j=energy, energy_per_sample_j=energy / batch, avg_power_w=n * power,
-        peak_memory_bytes=parts.memory, comm_bytes=parts.comm_bytes,
-        compute_time_s=parts.compute, tp_comm_time_s=parts.blocking,
-        grad_comm_time_s=parts.grad_comm, exposed_comm_time_s=comm,
-        flops_per_device=parts.flops, utilization=util, num_devices=n,
-        busy_time_s=parts.busy, batched_time_s=parts.batched_time,
-        host_transfer_time_s=2 * parts.host_one_way, loop_flops_ratio=parts.loop_flops_ratio,
-        tail_comm_time_s=parts.tail_comm, exposed_host_time_s=host,
-        bubble_time_s=parts.bubble, send_time_s=parts.sends)
-
-
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
     """The full prediction for a mesh's costs and a strategy index per parameter."""
     d, m = mc.d, mc.m
@@ -363,7 +313,9 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         comm_bytes=sum(g[1] for g in grads) + red_b + tp_b,
         memory=peak_memory(graph, d, m, strats, mc.r)[0],
         flops=mc.base_flops + sum(mc.param_flops[j][s] for j, s in picked),
-        loop_flops_ratio=loop_flops_ratio(graph))
+        loop_flops_ratio=loop_flops_ratio(graph),
+        bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
+        bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
 
 
@@ -387,7 +339,8 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
         blocking=blocking, grad_comm=overlappable, tail_comm=pred.tail_comm_time_s,
         batched_time=pred.batched_time_s * scale, host_one_way=pred.host_transfer_time_s / 2,
         comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,
-        flops=figs.flops / pred.loop_flops_ratio, loop_flops_ratio=pred.loop_flops_ratio)
+        flops=figs.flops / pred.loop_flops_ratio, loop_flops_ratio=pred.loop_flops_ratio,
+        bound=pred.compute_bound_time_s * scale, bound_work=pred.compute_bound_work_s * scale)
     return assemble(cluster, pred.num_devices, batch_size, parts)
 
 
@@ -412,6 +365,5 @@ def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Clust
     return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 
-__all__ = ["BACKWARD_SHARE", "MeshCosts", "StepParts", "assemble", "exposed_comm",
-           "exposed_host", "mesh_costs", "op_model_split", "peak_memory", "predict",
+__all__ = ["MeshCosts", "mesh_costs", "op_model_split", "op_parts", "peak_memory", "predict",
            "with_compiled"]

@@ -68,6 +68,37 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
+def nvml_handle(nvml: Any, device: Any) -> tuple[Any, str]:
+    """NVML handle for a jax GPU device, and a note saying how the two were matched.
+
+    PCI bus id is the only identifier shared by CUDA and NVML without ambiguity, so it is
+    preferred; jax devices do not currently expose it, so the fallback is the CUDA ordinal
+    (``local_hardware_id``, else ``id``) translated through ``CUDA_VISIBLE_DEVICES``. That
+    assumes CUDA and NVML enumerate in the same (PCI) order, which the note records. Shared by
+    the energy meter and the power-limit guard so both always address the same physical GPU.
+    """
+    bus = getattr(device, "pci_bus_id", None)
+    if bus and hasattr(nvml, "nvmlDeviceGetHandleByPciBusId"):
+        return nvml.nvmlDeviceGetHandleByPciBusId(bus), "devices matched to NVML by PCI bus id"
+    ordinal = getattr(device, "local_hardware_id", None)
+    attr = "local_hardware_id"
+    if ordinal is None:
+        ordinal, attr = int(getattr(device, "id", 0)), "id"
+    note = (
+        f"devices matched to NVML by {attr} (jax exposes no PCI bus id; assumes CUDA and "
+        "NVML enumerate in the same order)"
+    )
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    visible = [v for v in visible if v]
+    if visible and 0 <= ordinal < len(visible):
+        entry = visible[ordinal]
+        if entry.isdigit():
+            ordinal = int(entry)
+        elif hasattr(nvml, "nvmlDeviceGetHandleByUUID"):
+            return nvml.nvmlDeviceGetHandleByUUID(entry), note
+    return nvml.nvmlDeviceGetHandleByIndex(int(ordinal)), note
+
+
 class EnergyMeter:
     """Context manager measuring the energy the given devices use between enter and exit.
 
@@ -173,7 +204,10 @@ class EnergyMeter:
         try:
             nvml.nvmlInit()
             self._initialised = True
-            self._handles = [self._handle_for(d) for d in self.devices]
+            self._handles = []
+            for d in self.devices:
+                handle, self._mapping_note = nvml_handle(nvml, d)
+                self._handles.append(handle)
         except errors as err:
             self._fail(f"NVML unavailable ({_describe(err)})")
             return
@@ -195,37 +229,6 @@ class EnergyMeter:
             )
             self._thread.start()
         self.available = True
-
-    def _handle_for(self, device: Any) -> Any:
-        """NVML handle for a jax GPU device.
-
-        PCI bus id is the only identifier shared by CUDA and NVML without ambiguity, so it is
-        preferred; jax devices do not currently expose it, so the fallback is the CUDA ordinal
-        (``local_hardware_id``, else ``id``) translated through ``CUDA_VISIBLE_DEVICES``. That
-        assumes CUDA and NVML enumerate in the same (PCI) order, which the note records.
-        """
-        nvml = self._nvml
-        bus = getattr(device, "pci_bus_id", None)
-        if bus and hasattr(nvml, "nvmlDeviceGetHandleByPciBusId"):
-            self._mapping_note = "devices matched to NVML by PCI bus id"
-            return nvml.nvmlDeviceGetHandleByPciBusId(bus)
-        ordinal = getattr(device, "local_hardware_id", None)
-        attr = "local_hardware_id"
-        if ordinal is None:
-            ordinal, attr = int(getattr(device, "id", 0)), "id"
-        self._mapping_note = (
-            f"devices matched to NVML by {attr} (jax exposes no PCI bus id; assumes CUDA and "
-            "NVML enumerate in the same order)"
-        )
-        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
-        visible = [v for v in visible if v]
-        if visible and 0 <= ordinal < len(visible):
-            entry = visible[ordinal]
-            if entry.isdigit():
-                ordinal = int(entry)
-            elif hasattr(nvml, "nvmlDeviceGetHandleByUUID"):
-                return nvml.nvmlDeviceGetHandleByUUID(entry)
-        return nvml.nvmlDeviceGetHandleByIndex(int(ordinal))
 
     def _power_w(self, handle: Any) -> float:
         return float(self._nvml.nvmlDeviceGetPowerUsage(handle)) / 1000.0

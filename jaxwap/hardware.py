@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .power import A100_SXM, H100_SXM, H200_SXM, PowerProfile, default_profile
 from .units import si
 
 if TYPE_CHECKING:  # the record only: calibration sits above hardware in the layers
@@ -70,6 +71,8 @@ class DeviceSpec:
         (its share of the node's network adapters), bytes/s: a `Cluster` of several nodes
         takes it unless given `inter_node_bandwidth`.
       network_latency_s: default latency of one step between nodes.
+      power: what the device draws in each phase of a step and the power limits it
+        accepts (`jaxwap.power`); None: modelled from idle and board power, no limits.
     """
 
     name: str
@@ -90,6 +93,7 @@ class DeviceSpec:
     overlaps_collectives: bool = True
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
+    power: PowerProfile | None = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -123,11 +127,20 @@ class DeviceSpec:
             return self.peak_flops
         return self.peak_flops_f32 if self.peak_flops_f32 is not None else self.peak_flops / 2
 
+    def power_profile(self) -> PowerProfile:
+        """The profile the power model uses: the device's own, else modelled."""
+        return self.power or default_profile(self.idle_watts, self.max_watts)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["power"] = None if self.power is None else self.power.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
+        d = dict(d)
+        if isinstance(d.get("power"), dict):
+            d["power"] = PowerProfile.from_dict(d["power"])
         return cls(**d)
 
 
@@ -135,25 +148,25 @@ _BUILTIN: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
         DeviceSpec("h100-sxm", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=70,
+                   memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=79,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM),
         DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=75,
+                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=79,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=55,
+                   memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB),
+                   host_bandwidth=25 * GB, power=A100_SXM),
         DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=50,
+                   memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB),
+                   host_bandwidth=25 * GB, power=A100_SXM),
         DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,

@@ -25,6 +25,8 @@ from .objective import Objective
 from .plan import Plan
 from .records import DATA, MODEL, REPLICA, STRATEGY_FAMILIES, mesh_dims
 
+# What `power_limit=` may say: report the chosen limit, or set it while the step lives.
+POWER_LIMIT_MODES = ("recommend", "apply")
 # Steps measured per finalist by `measure=True`.
 DEFAULT_MEASURE_STEPS = 5
 
@@ -85,6 +87,12 @@ class PlanOptions:
         planning: a plan made ahead of time for the cluster, by `jaxwap.plan(...,
         hardware=Cluster(...))` on another machine. The cluster it was made for must be
         the devices present (same count), and the step's parameters the plan's.
+      power_limit: what to do with the power limit the plan chooses (`Plan.power_limit_w`)
+        "recommend" (the default): report it, change nothing; "apply": set it through
+        NVML on the devices the plan uses while the step object lives, and put the
+        previous limits back when it is closed, garbage collected, at interpreter exit
+        and after a step raises. Where setting limits is not permitted it warns once and
+        runs uncapped. Not part of the plan's cache key: it does not change the plan.
     """
 
     objective: Objective = field(default_factory=Objective)
@@ -104,6 +112,7 @@ class PlanOptions:
     plan: Plan | str | os.PathLike | None = None
     pipeline: bool | Mapping[str, int] | None = None
     constraints: Any = None
+    power_limit: str = field(default="recommend", compare=False)
 
     def __post_init__(self) -> None:
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -152,6 +161,9 @@ class PlanOptions:
         if self.constraints is not None:
             put("constraints", parse_constraints(self.constraints))
         put("pipeline", _pipeline(self.pipeline))
+        if self.power_limit not in POWER_LIMIT_MODES:
+            raise ValueError(f"power_limit must be one of {POWER_LIMIT_MODES}, got "
+                             f"{self.power_limit!r}")
         if self.plan is not None and not isinstance(self.plan, Plan):
             if not isinstance(self.plan, (str, os.PathLike)):
                 raise TypeError(f"plan must be a jaxwap.Plan or the path of a plan's JSON, "

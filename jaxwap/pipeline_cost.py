@@ -69,8 +69,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .assemble import StepParts, assemble
 from .comm import all_gather, all_reduce, fsdp_comm, send, tp_chain_cost
-from .cost import StepParts, assemble, op_model_split, op_times
+from .cost import op_model_split, op_parts
 from .graph import Graph
 from .hardware import Cluster
 from .records import Prediction, StepVariant, Strategy
@@ -119,14 +120,17 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     mask = stack_ops(graph, layers_per_stage)
     over = graph.kernels * cluster.device.kernel_overhead_s
     model = op_model_split(graph, strategies, m)     # a tensor-parallel op's model split
-    whole = op_times(graph, cluster, d * model, speed, data=float(d))
+    whole, whole_bound, whole_work = op_parts(graph, cluster, d * model, speed, data=float(d))
     # the graph's batched ops ran on batch / p rows; a micro-batch has batch / (d mb) of
     # them per device, and its weights are read (their gradients written) once each
     split = np.where(graph.batched, d * mb / p, float(d))
-    micro = op_times(graph, cluster, split * model, speed, data=split) * mb
+    micro, micro_bound, micro_work = (x * mb for x in op_parts(graph, cluster, split * model,
+                                                                 speed, data=split))
     loop = float(micro[mask].sum())                       # the stack, fwd + bwd, per stage
     delta = loop - float(whole[mask].sum())
     delta_busy = float((micro - over * mb)[mask].sum() - (whole - over)[mask].sum())
+    delta_bound = float(micro_bound[mask].sum() - whole_bound[mask].sum())
+    delta_work = float(micro_work[mask].sum() - whole_work[mask].sum())
     bubble = loop * (p - 1) / (mb * rr)           # idle: in the step time, not busy
 
     # every loop step, bubble or not, the backward pass hands out the chunk's weight
@@ -196,7 +200,9 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         tail_comm=stage.tail_comm_time_s, batched_time=stage.batched_time_s * ratio + delta,
         host_one_way=stage.host_transfer_time_s / 2, comm_bytes=comm_bytes, memory=memory,
         flops=stage.flops_per_device, loop_flops_ratio=stage.loop_flops_ratio,
-        bubble=bubble, sends=sends + io_t)
+        bubble=bubble, sends=sends + io_t,
+        bound=stage.compute_bound_time_s * ratio + delta_bound,
+        bound_work=stage.compute_bound_work_s * ratio + delta_work)
     return assemble(cluster, n, batch, parts)
 
 

@@ -22,7 +22,7 @@ import jax
 
 from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .calibrate import load_calibration
-from .choose import PlanContext, build_plan
+from .choose import PlanContext, build_plan, chosen_result
 from .compile import CompiledStep
 from .constraints import LayoutRules, path_string
 from .fitting import micro_batch_floor
@@ -180,9 +180,10 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     plan = build_plan(ctx, found.search, found.verification)
     if store is not None and key is not None and not options.measure:
         store.put(key, plan)
-    return Planned(plan, layout, ctx, found.graph, found.search, found.verification,
-                   found.verification.compiled_best if found.verification else None,
-                   None if found.rung.is_plain else found.fn, key)
+    ver = found.verification
+    return Planned(plan, layout, ctx, found.graph, found.search, ver,
+                   ver.compiled_best if ver is not None and chosen_result(plan) == ver.best
+                   else None, None if found.rung.is_plain else found.fn, key)
 
 
 def _given_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], params: Any,
@@ -233,7 +234,7 @@ def record_measurements(planned: Planned, measured: Mapping[int, Measurement],
         ctx = dataclasses.replace(planned.context,
                                   timing={**planned.context.timing, "measure": seconds})
         plan = build_plan(ctx, planned.search, planned.verification, measured)
-        chosen = next(i for i, c in enumerate(plan.candidates) if c.chosen)
+        chosen = chosen_result(plan)
         ver = planned.verification
         planned = dataclasses.replace(
             planned, plan=plan, context=ctx,

@@ -247,8 +247,12 @@ def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
             "bandwidth_Bps": bw, "latency_s": intercept / (2 * (n - 1))}
 
 
-def power(devices: Sequence[Any], load: Callable[[], Any]) -> tuple[float, float, str] | None:
-    """(idle W, loaded W) per device from NVML, or None without it."""
+def power(devices: Sequence[Any], compute: Callable[[], Any],
+          memory: Callable[[], Any] | None = None
+          ) -> tuple[float, float, float | None, str] | None:
+    """(idle W, compute-bound W, memory-bound W or None, source) per device from NVML,
+    each the average over a window of at least a second of that load, or None without
+    NVML: the power model's phases, measured."""
     from .energy import EnergyMeter, measure_energy
 
     with EnergyMeter(devices) as meter:
@@ -256,9 +260,11 @@ def power(devices: Sequence[Any], load: Callable[[], Any]) -> tuple[float, float
     idle = meter.reading
     if idle is None or idle.source == "modeled":
         return None
-    loaded, _ = measure_energy(load, devices, min_window_s=1.0)
     n = len(devices)
-    return idle.avg_power_w / n, loaded.avg_power_w / n, loaded.source
+    loaded, _ = measure_energy(compute, devices, min_window_s=1.0)
+    streamed = measure_energy(memory, devices, min_window_s=1.0)[0] if memory else None
+    return (idle.avg_power_w / n, loaded.avg_power_w / n,
+            streamed.avg_power_w / n if streamed else None, loaded.source)
 
 
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",

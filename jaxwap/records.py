@@ -128,6 +128,14 @@ class Prediction:
     # padding), and seconds of stage-to-stage sends and the stack's entry and exit
     bubble_time_s: float = 0.0
     send_time_s: float = 0.0
+    # of busy at the board's default limit: compute-bound kernels (a power limit
+    # stretches them), and their work at the device's full rate
+    compute_bound_time_s: float = 0.0
+    compute_bound_work_s: float = 0.0
+    # the power limit per device the figures are for (None: the board default), and the
+    # seconds it adds to compute (in compute_time_s and busy_time_s)
+    power_limit_w: float | None = None
+    power_stretch_s: float = 0.0
 
     @property
     def flops_as_xla_counts(self) -> float:

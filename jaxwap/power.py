@@ -1,0 +1,271 @@
+"""Power that follows what a step does, and what a power limit does to it.
+
+A device does not draw its board power whenever it is busy. Tensor-core work at full rate
+draws the most, memory-bound work (elementwise ops, normalisations, optimizer updates)
+markedly less, a device waiting on a collective or launching kernels little more than
+idle. `PowerProfile` gives the power of each phase; `step_energy` weighs them by the
+time the cost model gives each phase.
+
+A power limit is the second energy knob (Zeus, NSDI'23): the GPU's firmware lowers the
+SM clock until the board draws no more than the limit. Compute-bound time stretches as
+the clock falls; memory-bound time barely moves (the memory clock is not lowered), so a
+cap costs a memory-bound step almost nothing while it saves on a compute-bound one.
+`clock_curve` says what sustained clock a compute-bound load keeps under each limit; a
+load that draws less than that reference is slowed as if the limit were proportionally
+higher (its dynamic power has more headroom under the same cap).
+
+Every figure here is per device. Nothing imports the rest of jaxwap: the hardware
+profiles hold a `PowerProfile`, the cost model calls `step_energy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+# Dynamic power ~ C V^2 f, and over the DVFS range the voltage rises with the clock:
+# power above idle grows about as the clock's cube. Used where no measured curve exists.
+DVFS_EXPONENT = 3.0
+# No sustained clock below this share of the default (the lowest DVFS states).
+MIN_CLOCK_FRACTION = 0.2
+
+
+@dataclass(frozen=True)
+class PowerProfile:
+    """What one device draws in each phase of a step, and the limits it accepts.
+
+    Attributes:
+      matmul_watts: drawn while compute-bound kernels run at the device's full rate; a
+        compute-bound phase at a lower achieved rate (small matmuls) draws idle plus that
+        share of the dynamic part.
+      memory_watts: drawn while memory-bound kernels stream at full bandwidth.
+      comm_watts: drawn while the device launches kernels, waits on or runs collectives
+        and host transfers.
+      limit_range_w: (min, max) power limits the device accepts; None: it cannot be capped
+        (a CPU, or a GPU whose range is unknown).
+      default_limit_w: the board's default limit (None: the range's max).
+      clock_curve: (limit W, sustained clock as a share of the clock at the default
+        limit) for a compute-bound load drawing `matmul_watts` uncapped, by rising limit;
+        empty: the DVFS model (`DVFS_EXPONENT`).
+      source: where the figures come from ("published: ...", "measured: ...", "modelled").
+    """
+
+    matmul_watts: float
+    memory_watts: float
+    comm_watts: float
+    limit_range_w: tuple[float, float] | None = None
+    default_limit_w: float | None = None
+    clock_curve: tuple[tuple[float, float], ...] = ()
+    source: str = "modelled"
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_watts", "memory_watts", "comm_watts"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
+                raise ValueError(f"PowerProfile {name} must be a finite number > 0, got {v!r}")
+        if self.limit_range_w is not None:
+            lo, hi = (float(x) for x in self.limit_range_w)
+            if not 0 < lo <= hi:
+                raise ValueError(f"PowerProfile limit_range_w must be (min, max) with "
+                                 f"0 < min <= max, got {self.limit_range_w!r}")
+            object.__setattr__(self, "limit_range_w", (lo, hi))
+        curve = tuple((float(w), float(c)) for w, c in self.clock_curve)
+        if any(not 0 < c <= 1 for _, c in curve) or any(
+                b[0] <= a[0] or b[1] < a[1] for a, b in zip(curve, curve[1:], strict=False)):
+            raise ValueError("PowerProfile clock_curve must be (limit W, clock share in "
+                             "(0, 1]) points with rising limits and non-falling clocks, got "
+                             f"{self.clock_curve!r}")
+        object.__setattr__(self, "clock_curve", curve)
+
+    @property
+    def default_w(self) -> float | None:
+        """The limit the board runs at unless told otherwise."""
+        if self.default_limit_w is not None:
+            return float(self.default_limit_w)
+        return self.limit_range_w[1] if self.limit_range_w is not None else None
+
+    def check_limit(self, limit: float, device: str = "device") -> float:
+        """`limit` as a float, or a ValueError naming the device and its accepted range."""
+        if self.limit_range_w is None:
+            raise ValueError(f"{device} accepts no power limit (its profile has no "
+                             f"limit range)")
+        lo, hi = self.limit_range_w
+        if not (isinstance(limit, (int, float)) and lo <= float(limit) <= hi):
+            raise ValueError(f"power limit {limit!r} W is outside {device}'s accepted range "
+                             f"{lo:g}-{hi:g} W")
+        return float(limit)
+
+    def limits(self, count: int = 10) -> tuple[float, ...]:
+        """The caps worth planning with: `count` limits evenly from the accepted minimum
+        up to (not including) the default, rounded to 5 W; () for a device that cannot be
+        capped."""
+        default = self.default_w
+        if self.limit_range_w is None or default is None:
+            return ()
+        lo = self.limit_range_w[0]
+        if default <= lo:
+            return ()
+        got = {float(5 * round(w / 5)) for w in np.linspace(lo, default, count + 1)[:-1]}
+        return tuple(sorted(w for w in got if lo <= w < default))
+
+    def clock_at(self, limit: float | None, load_watts: float, idle_watts: float) -> float:
+        """The sustained clock share of a load that draws `load_watts` at the default
+        limit, under `limit` (None: the default)."""
+        if limit is None or load_watts <= limit:
+            return 1.0
+        dyn_ref = max(self.matmul_watts - idle_watts, 1e-9)
+        dyn = max(load_watts - idle_watts, 1e-9)
+        # the reference load under the limit this load's headroom amounts to
+        ref_limit = idle_watts + max(limit - idle_watts, 0.0) * dyn_ref / dyn
+        if self.clock_curve:
+            w = [p[0] for p in self.clock_curve]
+            c = [p[1] for p in self.clock_curve]
+            if ref_limit >= self.matmul_watts and ref_limit >= w[-1]:
+                return 1.0
+            got = float(np.interp(ref_limit, w + [max(self.matmul_watts, w[-1] + 1.0)],
+                                  c + [1.0]))
+        else:
+            got = (max(ref_limit - idle_watts, 0.0) / dyn_ref) ** (1.0 / DVFS_EXPONENT)
+        return float(min(1.0, max(got, MIN_CLOCK_FRACTION)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: tuples as lists, as they come back from a file."""
+        d = asdict(self)
+        if self.limit_range_w is not None:
+            d["limit_range_w"] = list(self.limit_range_w)
+        d["clock_curve"] = [list(p) for p in self.clock_curve]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PowerProfile:
+        d = dict(d)
+        if d.get("limit_range_w") is not None:
+            d["limit_range_w"] = tuple(d["limit_range_w"])
+        d["clock_curve"] = tuple(tuple(p) for p in d.get("clock_curve", ()))
+        return cls(**d)
+
+
+def default_profile(idle_watts: float, max_watts: float) -> PowerProfile:
+    """A device with only idle and board power known: the phases split its dynamic range
+    as the built-in H100 profile does (`H100_SXM`), and it cannot be capped."""
+    dyn = max_watts - idle_watts
+    ref = H100_SXM
+    share = {name: (getattr(ref, name) - H100_IDLE_W) / (ref.matmul_watts - H100_IDLE_W)
+             for name in ("memory_watts", "comm_watts")}
+    return PowerProfile(
+        matmul_watts=max_watts, memory_watts=idle_watts + share["memory_watts"] * dyn,
+        comm_watts=idle_watts + share["comm_watts"] * dyn,
+        source="modelled: idle and board power only, phases split as the H100 profile's")
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds per device a step spends in each phase the power model tells apart.
+
+    `bound_work` is the compute-bound phase's work at the device's full rate (seconds), at
+    most `bound`: their ratio is how hard the compute units are driven."""
+
+    bound: float      # compute-bound kernels (roofline: flops dominate)
+    bound_work: float
+    memory: float     # memory-bound kernels
+    side: float       # launches, collectives, host transfers
+    idle: float       # a pipeline's bubble (waiting, as the side phase)
+
+
+@dataclass(frozen=True)
+class StepEnergy:
+    """One device's step under a power limit: the seconds the limit adds (the phases it
+    slows), the joules drawn, and the compute-bound phase's sustained clock share."""
+
+    extra_time_s: float
+    energy_j: float
+    clock: float
+
+
+def step_energy(profile: PowerProfile, idle_watts: float, phases: PhaseTimes,
+                limit: float | None = None) -> StepEnergy:
+    """Per device: the energy of a step's phases at their powers. Under `limit` the
+    compute-bound phase runs at the clock the limit allows and draws at most the limit;
+    a memory-bound phase that would draw more than the limit is slowed until it does not
+    (its energy unchanged: a cap saves nothing there, it only costs time); launches,
+    communication and a pipeline's bubble draw the waiting power (the device is in its
+    working state with the job's memory allocated, not idle)."""
+    cap = float("inf") if limit is None else float(limit)
+    activity = min(1.0, phases.bound_work / phases.bound) if phases.bound > 0 else 0.0
+    bound_w = idle_watts + (profile.matmul_watts - idle_watts) * activity
+    clock = profile.clock_at(limit, bound_w, idle_watts)
+    bound_t = phases.bound / clock
+    memory_t = phases.memory * max(1.0, profile.memory_watts / cap)
+    energy = (min(bound_w, cap) * bound_t + profile.memory_watts * phases.memory
+              + min(profile.comm_watts, cap) * (phases.side + phases.idle))
+    return StepEnergy(bound_t - phases.bound + memory_t - phases.memory, energy, clock)
+
+
+def curve_from_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """A measured (limit, clock share) list made a valid `clock_curve`: sorted by limit,
+    clock shares clipped to (0, 1] and made non-falling (measurement noise)."""
+    out: list[tuple[float, float]] = []
+    for w, c in sorted((float(w), float(c)) for w, c in points):
+        c = min(1.0, max(c, 1e-3))
+        if out and w == out[-1][0]:
+            continue
+        out.append((w, max(c, out[-1][1]) if out else c))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------- built-in profiles
+# Published figures, not measured here (`jaxwap calibrate` measures them where NVML is).
+# - Limits accepted: `nvidia-smi -q` of a 700 W Hopper SXM part, "Min Power Limit 200.00 W,
+#   Max Power Limit 700.00 W, Default 700.00 W" (github.com/stackhpc/ansible-slurm-
+#   appliance/pull/975); A100-SXM4-80GB and -40GB, "Min 100.00 W, Max 400.00 W, Default
+#   400.00 W" (github.com/NVIDIA/DCGM/issues/152, github.com/NVIDIA/nvidia-docker/issues/1648).
+# - Idle: the same Hopper part idle at 78.8 W (stackhpc #975); A100-80GB idle 59-62 W
+#   between runs (github.com/chuyishang/inference-energy, results_paste.md).
+# - Waiting in a job (launch gaps, collectives): an H100 80GB HBM3 at P0 with 72 GB
+#   allocated and 0-4% utilisation draws 140-145 W (github.com/wilicc/gpu-burn/issues/114).
+# - Memory-bound: LLM decode, which streams HBM at full bandwidth, draws 137-300 W on a
+#   700 W H200 (Ma et al., "The Illusion of Power Capping in LLM Decode", arXiv
+#   2605.11999): its top, 300 W, for the H100 and H200.
+# - Compute-bound: Hopper matmuls are power limited at the 700 W default (H. He,
+#   "Strangely, matrix multiplications on GPUs run faster when given predictable data";
+#   a GEMM's clock falls from 1980 to 1575 MHz when it reaches the limit,
+#   github.com/deepseek-ai/DeepGEMM/issues/120): they draw the limit.
+# - Not found in reach: a published table of clock or throughput at each limit for the
+#   H100, H200 or A100 (Ujeniya et al., arXiv 2604.11391, and Mayr et al., arXiv
+#   2603.16164, measured such curves; only their abstracts could be read), and an A100's
+#   memory-bound or waiting power. So the clock curve is the DVFS model (`DVFS_EXPONENT`)
+#   and the A100's memory and waiting power take the H100's shares of the dynamic range;
+#   `source` says so, and `benchmarks/power.py` sets the model against the one published
+#   cap-versus-GEMM figure found (a GB300).
+H100_IDLE_W = 79.0
+HOPPER_SOURCE = ("published: limits, idle, waiting and memory-bound power (jaxwap.power "
+                 "cites each); clock under a limit modelled (DVFS)")
+H100_SXM = PowerProfile(matmul_watts=700.0, memory_watts=300.0, comm_watts=145.0,
+                        limit_range_w=(200.0, 700.0), default_limit_w=700.0,
+                        source=HOPPER_SOURCE)
+H200_SXM = H100_SXM
+A100_IDLE_W = 60.0
+
+
+def _a100() -> PowerProfile:
+    """The A100's waiting and memory-bound power: the H100's shares of the dynamic range
+    (no published A100 figure found), over its published idle and 400 W limit."""
+    share = {k: (getattr(H100_SXM, k) - H100_IDLE_W) / (H100_SXM.matmul_watts - H100_IDLE_W)
+             for k in ("memory_watts", "comm_watts")}
+    dyn = 400.0 - A100_IDLE_W
+    return PowerProfile(matmul_watts=400.0,
+                        memory_watts=round(A100_IDLE_W + share["memory_watts"] * dyn),
+                        comm_watts=round(A100_IDLE_W + share["comm_watts"] * dyn),
+                        limit_range_w=(100.0, 400.0), default_limit_w=400.0,
+                        source="published: limits and idle; memory-bound and waiting "
+                               "power as the H100's shares (modelled); clock under a limit "
+                               "modelled (DVFS)")
+
+
+A100_SXM = _a100()
+
+__all__ = ["A100_SXM", "DVFS_EXPONENT", "H100_SXM", "H200_SXM", "PhaseTimes", "PowerProfile",
+           "StepEnergy", "curve_from_points", "default_profile", "step_energy"]
