@@ -80,8 +80,6 @@ class Calibration:
                    tuple(d["notes"]), int(d.get("num_processes", 1)))
 
 
-# --------------------------------------------------------------------------- storage
-@functools.lru_cache(maxsize=1)
 def _power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory_w: float,
                    compute: Callable[[], Any], notes: list[str]) -> PowerProfile | None:
     """The device's power profile: the phases' power as measured (the communication
@@ -118,6 +116,8 @@ def _power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory
         + ("" if curve is not prior.clock_curve else "; published clock curve"))
 
 
+# --------------------------------------------------------------------------- storage
+@functools.lru_cache(maxsize=1)
 def _driver_version() -> str:
     try:
         import pynvml
