@@ -143,8 +143,9 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
     best = search.results[points[chosen].base]
     decision = _Decision(search, ver, tiers, top, chosen, ctx.budget, points[chosen].judged)
     n = len(search.results)
-    fitting = [k for k in range(n, len(points)) if tiers[points[k].judged.basis].scores[k]
-               != float("inf")]
+    # the capped points kept: those on the frontier of every eligible point, capped or not
+    fitting = [k for k, p in enumerate(points)
+               if tiers[p.judged.basis].scores[k] != float("inf")]
     front = {fitting[i] for i in pareto_front([
         (points[k].judged.step_time_s, points[k].judged.energy_per_step_j) for k in fitting])}
     cands = []
