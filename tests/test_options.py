@@ -33,7 +33,7 @@ def test_every_option_is_accepted_by_plan_and_auto_shard():
                  devices=jax.devices(), memory_budget=1e9, num_devices=2, verify=0,
                  donate=False, compiler_options={}, cache=False, batch_size=16,
                  measure=0, offload=False, mesh_shape={"data": 2}, strategies=("replicate",),
-                 pipeline=False, constraints={".*": "replicate"})
+                 pipeline=False, constraints={".*": "replicate"}, power_limit="recommend")
     # `plan=` replaces planning altogether: tested below and in test_scale.py
     assert set(every) | {"plan"} == {f.name for f in dataclasses.fields(jaxwap.PlanOptions)}
     plan = jaxwap.plan(step, params, opt, batch, **every)
