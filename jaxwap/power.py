@@ -20,6 +20,7 @@ profiles hold a `PowerProfile`, the cost model calls `step_energy`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -148,6 +149,7 @@ class PowerProfile:
         return cls(**d)
 
 
+@functools.lru_cache(maxsize=64)   # assemble asks for it per prediction
 def default_profile(idle_watts: float, max_watts: float) -> PowerProfile:
     """A device with only idle and board power known: the phases split its dynamic range
     as the built-in H100 profile does (`H100_SXM`), and it cannot be capped."""
