@@ -39,7 +39,7 @@ from . import probes
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
-from .power import PowerProfile, curve_from_points
+from .power import PowerProfile, curve_from_points, dynamic_shares
 from .power_limit import limit_range_w, measure_clock_curve
 from .progress import Progress
 
@@ -92,7 +92,7 @@ def _power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory
         return base.power
     idle, hot = watts
     dyn = max(hot - idle, 1e-9)
-    share = (prior.comm_watts - base.idle_watts) / max(base.max_watts - base.idle_watts, 1e-9)
+    share = dynamic_shares(prior, base.idle_watts)[1]
     limits = limit_range_w(dev)
     curve = prior.clock_curve
     if limits is None:

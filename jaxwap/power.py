@@ -149,17 +149,22 @@ class PowerProfile:
         return cls(**d)
 
 
+def dynamic_shares(ref: PowerProfile, idle_watts: float) -> tuple[float, float]:
+    """`ref`'s memory-bound and waiting power as shares of its dynamic range (from
+    `idle_watts` up to `matmul_watts`): how a profile known only in part borrows them."""
+    dyn = max(ref.matmul_watts - idle_watts, 1e-9)
+    return (ref.memory_watts - idle_watts) / dyn, (ref.comm_watts - idle_watts) / dyn
+
+
 @functools.lru_cache(maxsize=64)   # assemble asks for it per prediction
 def default_profile(idle_watts: float, max_watts: float) -> PowerProfile:
     """A device with only idle and board power known: the phases split its dynamic range
     as the built-in H100 profile does (`H100_SXM`), and it cannot be capped."""
     dyn = max_watts - idle_watts
-    ref = H100_SXM
-    share = {name: (getattr(ref, name) - H100_IDLE_W) / (ref.matmul_watts - H100_IDLE_W)
-             for name in ("memory_watts", "comm_watts")}
+    memory, comm = dynamic_shares(H100_SXM, H100_IDLE_W)
     return PowerProfile(
-        matmul_watts=max_watts, memory_watts=idle_watts + share["memory_watts"] * dyn,
-        comm_watts=idle_watts + share["comm_watts"] * dyn,
+        matmul_watts=max_watts, memory_watts=idle_watts + memory * dyn,
+        comm_watts=idle_watts + comm * dyn,
         source="modelled: idle and board power only, phases split as the H100 profile's")
 
 
@@ -255,12 +260,10 @@ A100_IDLE_W = 60.0
 def _a100() -> PowerProfile:
     """The A100's waiting and memory-bound power: the H100's shares of the dynamic range
     (no published A100 figure found), over its published idle and 400 W limit."""
-    share = {k: (getattr(H100_SXM, k) - H100_IDLE_W) / (H100_SXM.matmul_watts - H100_IDLE_W)
-             for k in ("memory_watts", "comm_watts")}
+    memory, comm = dynamic_shares(H100_SXM, H100_IDLE_W)
     dyn = 400.0 - A100_IDLE_W
-    return PowerProfile(matmul_watts=400.0,
-                        memory_watts=round(A100_IDLE_W + share["memory_watts"] * dyn),
-                        comm_watts=round(A100_IDLE_W + share["comm_watts"] * dyn),
+    return PowerProfile(matmul_watts=400.0, memory_watts=round(A100_IDLE_W + memory * dyn),
+                        comm_watts=round(A100_IDLE_W + comm * dyn),
                         limit_range_w=(100.0, 400.0), default_limit_w=400.0,
                         source="published: limits and idle; memory-bound and waiting "
                                "power as the H100's shares (modelled); clock under a limit "
@@ -270,4 +273,5 @@ def _a100() -> PowerProfile:
 A100_SXM = _a100()
 
 __all__ = ["A100_SXM", "DVFS_EXPONENT", "H100_SXM", "H200_SXM", "PhaseTimes", "PowerProfile",
-           "StepEnergy", "curve_from_points", "default_profile", "step_energy"]
+           "StepEnergy", "curve_from_points", "default_profile", "dynamic_shares",
+           "step_energy"]
