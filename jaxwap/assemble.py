@@ -40,6 +40,7 @@ class StepParts:
     sends: float = 0.0          # of `blocking`: a pipeline's stage-to-stage sends
     bound: float = 0.0          # of `busy`: compute-bound ops (what a power limit slows)
     bound_work: float = 0.0     # their work at the full rate (how hard they drive it)
+    fresh: float = 0.0          # not in `compute`: scratch memory mapped afresh each step
 
 
 def exposed_comm(grad_comm: float, tail: float, batched_time: float,
@@ -73,14 +74,15 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
     memory = max(parts.busy - parts.bound, 0.0)
     stretch = step_energy(profile, dev.idle_watts, PhaseTimes(
         parts.bound, parts.bound_work, memory, 0.0, 0.0), power_limit).extra_time_s
-    compute = parts.compute + stretch
+    compute = parts.compute + parts.fresh + stretch
     # the backward pass, slowed with the rest, hides more of the gradient reduction
     active = parts.compute - parts.bubble
     batched = parts.batched_time + (stretch * parts.batched_time / active if active > 0 else 0.0)
     comm = exposed_comm(parts.grad_comm, parts.tail_comm, batched, dev.overlaps_collectives)
     host = exposed_host(parts.host_one_way, batched)
     step = compute + parts.blocking + comm + host
-    side = max(parts.compute - parts.bubble - parts.busy, 0.0) + parts.blocking + comm + host
+    side = max(parts.compute - parts.bubble - parts.busy, 0.0) + parts.fresh + parts.blocking \
+        + comm + host
     got = step_energy(profile, dev.idle_watts, PhaseTimes(
         parts.bound, parts.bound_work, memory, side, parts.bubble), power_limit)
     # devices of one shared pool (simulated CPU devices) draw the share of those left out
@@ -99,7 +101,8 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
         tail_comm_time_s=parts.tail_comm, exposed_host_time_s=host,
         bubble_time_s=parts.bubble, send_time_s=parts.sends,
         compute_bound_time_s=parts.bound, compute_bound_work_s=parts.bound_work,
-        power_limit_w=power_limit, power_stretch_s=stretch)
+        power_limit_w=power_limit, power_stretch_s=stretch,
+        fresh_memory_time_s=parts.fresh)
 
 
 def parts_of(pred: Prediction) -> StepParts:
@@ -110,14 +113,14 @@ def parts_of(pred: Prediction) -> StepParts:
     if s > 0 and active > 0:
         batched = batched * (active - s) / active
     return StepParts(
-        compute=pred.compute_time_s - s, busy=pred.busy_time_s - s,
+        compute=pred.compute_time_s - s - pred.fresh_memory_time_s, busy=pred.busy_time_s - s,
         blocking=pred.tp_comm_time_s, grad_comm=pred.grad_comm_time_s,
         tail_comm=pred.tail_comm_time_s, batched_time=batched,
         host_one_way=pred.host_transfer_time_s / 2, comm_bytes=pred.comm_bytes,
         memory=pred.peak_memory_bytes, flops=pred.flops_per_device,
         loop_flops_ratio=pred.loop_flops_ratio, bubble=pred.bubble_time_s,
         sends=pred.send_time_s, bound=pred.compute_bound_time_s,
-        bound_work=pred.compute_bound_work_s)
+        bound_work=pred.compute_bound_work_s, fresh=pred.fresh_memory_time_s)
 
 
 def at_power_limit(pred: Prediction, cluster: Cluster, batch: int,

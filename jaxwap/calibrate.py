@@ -132,6 +132,13 @@ def _driver_version() -> str:
         return "none"
 
 
+def _table(fig: dict[str, float], prefix: str) -> tuple[tuple[float, float], ...]:
+    """The (size, value) pairs a figure table was flattened to (`prefix` + size keys),
+    the entries no process measured (NaN) left out."""
+    return tuple(sorted((float(k[len(prefix):]), v) for k, v in fig.items()
+                        if k.startswith(prefix) and not math.isnan(v)))
+
+
 def calibration_path(device: Any, directory: Path | None = None,
                      num_processes: int | None = None) -> Path:
     """Where the calibration of this device kind, driver, jax version and process count
@@ -219,7 +226,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if quick and not on_cpu:
         sizes = [512, 1024, 2048]
     bw_bytes = probes.cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
-    steps = 2 * len(sizes) + 5
+    steps = 2 * len(sizes) + 6
     bar = Progress(steps, progress, "jaxwap calibrate")
     notes_: list[str] = list(notes)
     base = builtin_for_kind(dev.device_kind, dev.platform)
@@ -229,8 +236,11 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
     bar.step("kernel overhead")
-    conv_eff, small_conv = probes.conv_rates(dev, f32, quick)
+    conv_eff, small_conv, small_by_width = probes.conv_rates(dev, f32, quick)
+    tiny_s, tiny_flops = probes.tiny_conv(dev)
     bar.step("convolutions")
+    fresh = probes.fresh_memory(dev, probes.fresh_memory_sizes(on_cpu, quick))
+    bar.step("fresh memory")
     link = probes.all_reduce(devs, probes.link_sizes(on_cpu, quick), repeats=5 if quick else 20)
     buffer_latency = probes.buffer_latency(devs) if link is not None else float("nan")
     bar.step("all-reduce")
@@ -263,15 +273,22 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     half = float(np.median([main["peak_flops"] * (t - overhead) - w for w, t in
                             zip(main["work_flops"], main["seconds"], strict=True)]))
     half = max(half, main["peak_flops"] * 1e-7)
+    # what a tiny convolution takes beyond its work at the convolution rate and a launch
+    conv_rate = conv_eff * f32["peak_flops"]
+    conv_overhead = max(tiny_s - (tiny_flops + half) / conv_rate - overhead, 0.0)
     fig = {"peak_flops": bf16["peak_flops"], "peak_flops_f32": f32["peak_flops"],
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
+           "conv_overhead_s": conv_overhead,
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
            "link_latency_s": link["latency_s"] if link else nan,
            "link_buffer_latency_s": buffer_latency,
            "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan,
-           "memory_watts": power[2] if power and power[2] is not None else nan}
+           "memory_watts": power[2] if power and power[2] is not None else nan,
+           # tables as one figure per entry, so processes agree on each by its median
+           **{f"small_conv_flops@{c}": r for c, r in small_by_width.items()},
+           **{f"fresh_s_per_byte@{n}": c for n, c in fresh}}
     per_process = None
     if procs > 1:
         fig, per_process = process_median(fig)
@@ -289,16 +306,18 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     peak16 = fig["peak_flops"]
     half = fig["efficiency_half_flops"]
     linked = not math.isnan(fig["link_bandwidth"] + fig["link_latency_s"])
+    small_conv = fig["small_input_conv_flops"]
+    # a generic-loop convolution far below the library's rate is a backend's slow path
+    # (XLA:CPU); where it is not slower, the backend has no such path
+    slow_convs = small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
-        conv_efficiency=fig["conv_efficiency"],
-        # a generic-loop convolution far below the library's rate is a backend's slow
-        # path (XLA:CPU); where it is not slower, the backend has no such path
-        small_input_conv_flops=fig["small_input_conv_flops"]
-        if fig["small_input_conv_flops"] < 0.5 * fig["conv_efficiency"]
-        * fig["peak_flops_f32"] else None,
+        conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
+        small_input_conv_flops=small_conv if slow_convs else None,
+        small_input_conv_rates=_table(fig, "small_conv_flops@") if slow_convs else (),
+        fresh_memory_cost=_table(fig, "fresh_s_per_byte@"),
         idle_watts=watts[0] if watts else base.idle_watts,
         max_watts=max(watts) if watts else base.max_watts,
         link_bandwidth=fig["link_bandwidth"] if linked else base.link_bandwidth,
@@ -314,7 +333,10 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                        "bandwidth_Bps": fig["memory_bandwidth"],
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],
-                       "small_input_conv_flops": fig["small_input_conv_flops"], "link": link,
+                       "conv_overhead_s": fig["conv_overhead_s"],
+                       "small_input_conv_flops": fig["small_input_conv_flops"],
+                       "small_input_conv_rates": _table(fig, "small_conv_flops@"),
+                       "fresh_memory_cost": _table(fig, "fresh_s_per_byte@"), "link": link,
                        "link_buffer_latency_s": fig["link_buffer_latency_s"],
                        "power_w": watts, "topology": topology, "per_process": per_process},
                       tuple(notes_), procs)

@@ -64,9 +64,12 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, per_kernel / (per_kernel + half), 1.0)
     if dev.small_input_conv_flops is not None:
-        # the backend's generic convolution loop: no library, no efficiency curve
+        # the backend's generic convolution loop: no library, no efficiency curve, a rate
+        # that depends on the width
         slow = graph.conv == 2
-        rate = np.where(slow, dev.small_input_conv_flops * speed, rate)
+        rate = rate.astype(float)
+        for k in np.flatnonzero(slow).tolist():
+            rate[k] = dev.small_conv_rate(int(graph.conv_width[k])) * speed
         eff = np.where(slow, 1.0, eff)
     flop_t = f / (rate * np.maximum(eff, 1e-9))
     byte_t = b / (dev.memory_bandwidth * speed)
@@ -76,7 +79,8 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         # residuals a remat policy offloads cross the host link, not device memory
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
         bound &= ~graph.host_transfer
-    return (busy + graph.kernels * dev.kernel_overhead_s, np.where(bound, busy, 0.0),
+    launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
+    return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
             np.where(bound, f / rate, 0.0))
 
 
@@ -284,11 +288,13 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
 
 
 def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
-                r: int = 1) -> tuple[float, int]:
-    """(peak live bytes per device, index of the peak point)."""
+                r: int = 1) -> tuple[float, int, float]:
+    """(peak live bytes per device, index of the peak point, scratch bytes: the peak
+    over what is live when the step starts, its state and batch; what a step allocates
+    for itself, as XLA's temp allocation holds it)."""
     per_point = graph.live_at(memory_weights(graph, d, strats, m, r))
     k = int(np.argmax(per_point))
-    return float(per_point[k]), k
+    return float(per_point[k]), k, float(per_point[k] - per_point[0])
 
 
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
@@ -301,6 +307,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
     # the loss, metrics and batch statistics are partial sums over the batch too
     red_t, red_b = batch_reduce_comm(graph, d, cluster, cluster.devices_in_node(d, m))
+    peak, _, scratch = peak_memory(graph, d, m, strats, mc.r)
     parts = StepParts(
         compute=mc.base + sum(mc.param_time[j][s] for j, s in picked),
         busy=mc.base_busy + sum(mc.param_busy[j][s] for j, s in picked),
@@ -311,11 +318,12 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         batched_time=mc.base_batched + sum(mc.param_batched[j][s] for j, s in picked),
         host_one_way=sum(mc.host[j][s] for j, s in picked),
         comm_bytes=sum(g[1] for g in grads) + red_b + tp_b,
-        memory=peak_memory(graph, d, m, strats, mc.r)[0],
+        memory=peak,
         flops=mc.base_flops + sum(mc.param_flops[j][s] for j, s in picked),
         loop_flops_ratio=loop_flops_ratio(graph),
         bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
-        bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked))
+        bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked),
+        fresh=cluster.device.fresh_memory_s(scratch))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
 
 
@@ -334,14 +342,17 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
             overlappable += t
         else:
             blocking += t
+    # the stretch of a power limit is re-applied by `assemble`; scratch is XLA's own
     parts = StepParts(
-        compute=pred.compute_time_s * scale, busy=pred.busy_time_s * scale,
+        compute=(pred.compute_time_s - pred.power_stretch_s - pred.fresh_memory_time_s)
+        * scale, busy=(pred.busy_time_s - pred.power_stretch_s) * scale,
         blocking=blocking, grad_comm=overlappable, tail_comm=pred.tail_comm_time_s,
         batched_time=pred.batched_time_s * scale, host_one_way=pred.host_transfer_time_s / 2,
         comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,
         flops=figs.flops / pred.loop_flops_ratio, loop_flops_ratio=pred.loop_flops_ratio,
-        bound=pred.compute_bound_time_s * scale, bound_work=pred.compute_bound_work_s * scale)
-    return assemble(cluster, pred.num_devices, batch_size, parts)
+        bound=pred.compute_bound_time_s * scale, bound_work=pred.compute_bound_work_s * scale,
+        fresh=cluster.device.fresh_memory_s(figs.temp_bytes))
+    return assemble(cluster, pred.num_devices, batch_size, parts, pred.power_limit_w)
 
 
 def loop_flops_ratio(graph: Graph) -> float:

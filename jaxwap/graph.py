@@ -37,7 +37,7 @@ from .dataflow import Dataflow, dataflow, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
 from .model_split import TP_KINDS, ModelSplit, model_splits
-from .opcost import conv_kind, op_costs, unbatched_bytes
+from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
 from .primitives import (
     FREE,
     HEAVY,
@@ -134,6 +134,9 @@ class Graph:
     # [ops] of `bytes`, what a batched op moves whole whatever the batch split (weights
     # read, weight gradients written: `opcost.unbatched_bytes`); left out, none
     fixed_bytes: np.ndarray | None = field(default=None)
+    # [ops] the input feature count of each convolution (`opcost.conv_width`), 0 for other
+    # ops: what a backend's generic-loop rate depends on; left out, all 0
+    conv_width: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -142,6 +145,8 @@ class Graph:
             object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
         if self.fixed_bytes is None:
             object.__setattr__(self, "fixed_bytes", np.zeros(len(self.flops)))
+        if self.conv_width is None:
+            object.__setattr__(self, "conv_width", np.zeros(len(self.flops), np.int64))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
@@ -213,6 +218,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
+        conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),

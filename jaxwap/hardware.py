@@ -1,15 +1,10 @@
-"""Device and link profiles: what the cost model knows about the hardware.
+"""Clusters: what the cost model knows about the devices a step runs on together.
 
-A plan is a prediction, so the hardware it is made for must be explicit. A `DeviceSpec`
-describes one accelerator (how fast it computes and moves memory, how much memory it has,
-how much power it draws idle and flat out, what one kernel launch costs); a `Cluster`
-is N of them joined by links of a given bandwidth and latency. Planning for hardware
-that is not present is a feature: tests ask what the planner would choose on 8 H100s
-while the chosen mesh still runs on simulated CPU devices.
-
-Figures for the built-ins are vendor datasheet numbers (dense, no sparsity) except
-`efficiency_half_flops` and `kernel_overhead_s`, which are typical values until the
-calibration stage measures them on the real device.
+A plan is a prediction, so the hardware it is made for must be explicit. A `Cluster` is
+N devices (each a `device.DeviceSpec`, re-exported here) in nodes, joined by links of a
+given bandwidth and latency. Planning for hardware that is not present is a feature:
+tests ask what the planner would choose on 8 H100s while the chosen mesh still runs on
+simulated CPU devices. `detect_cluster` builds the cluster of the devices jax sees.
 """
 
 from __future__ import annotations
@@ -22,194 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .power import A100_SXM, H100_SXM, H200_SXM, PowerProfile, default_profile
+from .device import _BUILTIN, _KIND_PATTERNS, DeviceSpec, builtin_device_names, device_spec
 from .units import si
 
 if TYPE_CHECKING:  # the record only: calibration sits above hardware in the layers
     from .calibrate import Calibration
-
-GB = 1e9
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator as the cost model sees it.
-
-    Attributes:
-      name: profile name ("h100-sxm", ...).
-      peak_flops: dense 16-bit (bf16/fp16) matmul peak, flop/s.
-      memory_bandwidth: main-memory bandwidth, bytes/s.
-      memory_bytes: usable memory per device, bytes.
-      idle_watts: power drawn when allocated but idle.
-      max_watts: power at full load (board limit).
-      kernel_overhead_s: fixed cost of one kernel launch; it is what makes many tiny
-        kernels slow whatever the device count.
-      peak_flops_f32: float32 matmul peak (TF32 tensor cores where XLA uses them by
-        default); defaults to peak_flops / 2.
-      efficiency_half_flops: per-kernel work (flops) at which a matmul reaches half the
-        peak; efficiency = w / (w + this), so a matmul costs (w + this) / peak: small
-        ones cannot fill the device, which is why splitting small work stops paying.
-        Defaults to one microsecond of peak work.
-      link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
-      link_latency_s: default per-hop latency of that link.
-      host_bandwidth: per-direction bandwidth between the device and pinned host memory,
-        bytes/s (PCIe for a GPU, effective rather than the link's nominal figure): what
-        keeping optimizer state in host memory costs per step.
-      conv_efficiency: the share of the matmul rate convolutions reach (library
-        convolutions such as cuDNN's come close to 1; XLA:CPU's do not): calibrated.
-      small_input_conv_flops: flop/s of a convolution whose window is larger than its
-        input (a 3x3 kernel over a 2x2 map), which XLA:CPU computes with a generic loop
-        far below its library's rate; None: the backend has no such path.
-      link_buffer_latency_s: latency a combined collective pays for each buffer it
-        carries. NCCL groups the buffers of XLA's combined all-reduce (0); XLA:CPU's gloo
-        collectives reduce each buffer apart, at about a round trip each. Calibrated.
-      overlaps_collectives: whether the backend runs gradient collectives concurrently
-        with the backward pass (XLA:GPU's asynchronous collectives); XLA:CPU runs its
-        collectives in line, so none of their time hides.
-      network_bandwidth: default per-direction bandwidth from one device to another node
-        (its share of the node's network adapters), bytes/s: a `Cluster` of several nodes
-        takes it unless given `inter_node_bandwidth`.
-      network_latency_s: default latency of one step between nodes.
-      power: what the device draws in each phase of a step and the power limits it
-        accepts (`jaxwap.power`); None: modelled from idle and board power, no limits.
-    """
-
-    name: str
-    peak_flops: float
-    memory_bandwidth: float
-    memory_bytes: float
-    idle_watts: float
-    max_watts: float
-    kernel_overhead_s: float = 5e-6
-    peak_flops_f32: float | None = None
-    efficiency_half_flops: float | None = None
-    link_bandwidth: float = 25 * GB
-    link_latency_s: float = 10e-6
-    host_bandwidth: float = 25 * GB
-    conv_efficiency: float = 1.0
-    small_input_conv_flops: float | None = None
-    link_buffer_latency_s: float = 0.0
-    overlaps_collectives: bool = True
-    network_bandwidth: float = 25 * GB
-    network_latency_s: float = 10e-6
-    power: PowerProfile | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
-            if not getattr(self, field) > 0:
-                raise ValueError(f"DeviceSpec {self.name!r}: {field} must be > 0, "
-                                 f"got {getattr(self, field)!r}")
-        for field, low, strict in (("peak_flops_f32", 0.0, True),
-                                   ("efficiency_half_flops", 0.0, True),
-                                   ("kernel_overhead_s", 0.0, False),
-                                   ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
-                                   ("host_bandwidth", 0.0, True),
-                                   ("conv_efficiency", 0.0, True),
-                                   ("small_input_conv_flops", 0.0, True),
-                                   ("link_buffer_latency_s", 0.0, False),
-                                   ("network_bandwidth", 0.0, True),
-                                   ("network_latency_s", 0.0, False)):
-            v = getattr(self, field)
-            if v is not None and not (v > low if strict else v >= low):
-                raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
-                                 f"{'>' if strict else '>='} {low:g}, got {v!r}")
-        if self.efficiency_half_flops is None:
-            object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
-        if self.idle_watts < 0 or self.idle_watts > self.max_watts:
-            raise ValueError(f"DeviceSpec {self.name!r}: idle_watts must be in "
-                             f"[0, max_watts], got {self.idle_watts!r}")
-
-    def flops_rate(self, dtype: Any) -> float:
-        """Peak matmul rate for operands of `dtype` (16-bit types get the tensor-core peak)."""
-        itemsize = np.dtype(dtype).itemsize if dtype is not None else 4
-        if itemsize <= 2:
-            return self.peak_flops
-        return self.peak_flops_f32 if self.peak_flops_f32 is not None else self.peak_flops / 2
-
-    def power_profile(self) -> PowerProfile:
-        """The profile the power model uses: the device's own, else modelled."""
-        return self.power or default_profile(self.idle_watts, self.max_watts)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["power"] = None if self.power is None else self.power.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
-        d = dict(d)
-        if isinstance(d.get("power"), dict):
-            d["power"] = PowerProfile.from_dict(d["power"])
-        return cls(**d)
-
-
-_BUILTIN: dict[str, DeviceSpec] = {
-    spec.name: spec
-    for spec in (
-        DeviceSpec("h100-sxm", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=79,
-                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM),
-        DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=79,
-                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM),
-        DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=60,
-                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM),
-        DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=60,
-                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM),
-        DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
-                   memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
-                   max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
-                   link_bandwidth=150 * GB, link_latency_s=5e-6,
-                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB),
-        # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
-        # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
-        # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
-        DeviceSpec("cpu", peak_flops=5e10, peak_flops_f32=5e10, memory_bandwidth=1e10,
-                   memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
-                   kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
-                   link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
-                   overlaps_collectives=False, network_bandwidth=1.25 * GB,
-                   network_latency_s=50e-6),
-    )
-}
-
-# jax `device_kind` substrings -> built-in profile, most specific first.
-_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("h200", "h200"),
-    ("h100", "h100-sxm"),
-    ("a100-sxm4-80gb", "a100-sxm-80gb"),
-    ("a100 80gb", "a100-sxm-80gb"),
-    ("a100", "a100-sxm-40gb"),
-    ("v100", "v100-sxm2"),
-    ("cpu", "cpu"),
-)
-
-
-def device_spec(name: str | DeviceSpec) -> DeviceSpec:
-    """A built-in profile by name (or the spec itself)."""
-    if isinstance(name, DeviceSpec):
-        return name
-    key = str(name).lower()
-    if key not in _BUILTIN:
-        raise ValueError(f"unknown device profile {name!r}; built-ins are "
-                         f"{sorted(_BUILTIN)} (or pass a jaxwap.DeviceSpec)")
-    return _BUILTIN[key]
-
-
-def builtin_device_names() -> tuple[str, ...]:
-    return tuple(sorted(_BUILTIN))
-
 
 @dataclass(frozen=True)
 class Cluster:
@@ -428,6 +240,9 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         memory_bandwidth=spec.memory_bandwidth * share, max_watts=spec.max_watts * share,
         small_input_conv_flops=None if spec.small_input_conv_flops is None
         else spec.small_input_conv_flops * share,
+        small_input_conv_rates=tuple((w, r * share) for w, r in spec.small_input_conv_rates),
+        # fresh pages are faulted in by the process's one allocator: a per-byte cost, and
+        # a device's scratch is its own, so it is not shared out
         memory_bytes=float(host_memory) / max(local, 1),
         idle_watts=spec.idle_watts * share,
         # the efficiency curve's knee is a time (its flops over the peak): a share of the
@@ -445,3 +260,7 @@ def device_memory_limit(device: Any) -> int | None:
         return None
     limit = stats.get("bytes_limit")
     return int(limit) if limit else None
+
+
+__all__ = ["Cluster", "DeviceSpec", "builtin_device_names", "builtin_for_kind",
+           "detect_cluster", "device_memory_limit", "device_spec"]

@@ -125,4 +125,13 @@ def conv_kind(eqn: Any) -> int:
     return 1
 
 
-__all__ = ["OpCosts", "conv_kind", "eqn_key", "op_costs", "unbatched_bytes"]
+def conv_width(eqn: Any) -> int:
+    """The input feature count of a convolution (its lhs feature dim), 0 for another op:
+    a generic convolution loop's rate depends on it (how its rows sit in cache)."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0
+    lhs = eqn.invars[0].aval.shape
+    return int(lhs[eqn.params["dimension_numbers"].lhs_spec[1]])
+
+
+__all__ = ["OpCosts", "conv_kind", "conv_width", "eqn_key", "op_costs", "unbatched_bytes"]

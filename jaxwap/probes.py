@@ -110,6 +110,36 @@ def bandwidth(device: Any, nbytes: int) -> float:
     return 2.0 * nbytes / time_it(step)
 
 
+def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
+    """[(bytes, seconds per byte)] that an op pays for writing a fresh output of that
+    size over writing it in place (its input donated): the allocator mapping new memory
+    and the OS faulting its pages in. A step pays it for its scratch memory every step;
+    where the allocator keeps a pool (XLA:GPU) it is about 0."""
+    fresh = jax.jit(lambda v: v * 1.0001 + 1.0)
+    donated = jax.jit(lambda v: v * 1.0001 + 1.0, donate_argnums=0)
+    out = []
+    for nbytes in sizes:
+        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+        box = [donated(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))]
+
+        def in_place(box: list[Any] = box) -> None:
+            box[0] = donated(box[0])
+            box[0].block_until_ready()
+
+        t_fresh = time_it(lambda x=x: fresh(x).block_until_ready())
+        out.append((nbytes, max(t_fresh - time_it(in_place), 0.0) / nbytes))
+    return out
+
+
+def fresh_memory_sizes(on_cpu: bool, quick: bool) -> list[int]:
+    """Sizes for `fresh_memory`: on a CPU both sides of glibc's largest mmap threshold
+    (32 MiB: smaller blocks come back from the heap, larger ones are mapped anew)."""
+    if quick:
+        return [2**24, 2**26]
+    return [2**22, 2**24, 3 * 2**23, 2**25, 3 * 2**24, 2**26, 2**27] if on_cpu \
+        else [2**24, 2**26, 2**28]
+
+
 def cpu_bandwidth_bytes() -> int:
     """Bytes for the bandwidth test on a CPU: far past the last-level cache (8x it, at
     least 256 MiB), or the test times the cache rather than the memory a step streams."""
@@ -131,8 +161,9 @@ CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
 # 3x3 convolutions over a 2x2 map (the window larger than the input) at the usual CNN
 # widths. On XLA:CPU's generic loop the rate (per tap that lands on the input) is about
 # flat from 64 to 384 channels, and 512 -> 512 runs 3x slower than its neighbours (seen
-# on this project's 2-core EPYC: the kernel's 2 KiB rows alias in cache); the median rate
-# is kept, so one such width does not set the rate of all the others
+# on this project's 2-core EPYC: the kernel's 2 KiB rows alias in cache); each width's
+# rate is kept (`DeviceSpec.small_input_conv_rates`) and their median stands for widths
+# far from all of them
 SMALL_INPUT_CONVS = ((8, 2, 128, 128), (8, 2, 256, 256), (8, 2, 384, 384), (8, 2, 512, 512))
 
 
@@ -146,11 +177,12 @@ def _conv_flops(fn: Callable[..., Any], *args: Any) -> float:
                if op.prim == "conv_general_dilated")
 
 
-def conv_rates(device: Any, f32: dict[str, Any], quick: bool) -> tuple[float, float]:
-    """(conv_efficiency, small_input_conv_flops): convolutions (forward and both
-    gradients, f32) against what the fitted f32 matmul curve gives the same work, and the
-    flop/s of a convolution whose window is larger than its input. Work is counted as the
-    cost model counts it (`_conv_flops`)."""
+def conv_rates(device: Any, f32: dict[str, Any], quick: bool
+               ) -> tuple[float, float, dict[int, float]]:
+    """(conv_efficiency, small_input_conv_flops, {input features: flop/s}): convolutions
+    (forward and both gradients, f32) against what the fitted f32 matmul curve gives the
+    same work, and the flop/s of a convolution whose window is larger than its input, the
+    median and per width. Work is counted as the cost model counts it (`_conv_flops`)."""
     slope, intercept = 1.0 / f32["peak_flops"], f32["intercept_s"]
     as_matmul = measured = 0.0
     for b, h, c, k in CONV_SHAPES[:2] if quick else CONV_SHAPES:
@@ -159,14 +191,31 @@ def conv_rates(device: Any, f32: dict[str, Any], quick: bool) -> tuple[float, fl
         f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
         measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
         as_matmul += _conv_flops(f, x, w) * slope + 3 * intercept
-    rates = []
+    rates = {}
     g = jax.jit(_conv)
     for b, h, c, k in SMALL_INPUT_CONVS[:1] if quick else SMALL_INPUT_CONVS:
         x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
         w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
-        rates.append(_conv_flops(_conv, x, w)
-                     / time_it(lambda x=x, w=w: g(x, w).block_until_ready(), 3))
-    return min(as_matmul / measured, 1.0), float(np.median(rates))
+        rates[c] = _conv_flops(_conv, x, w) / time_it(
+            lambda x=x, w=w: g(x, w).block_until_ready(), 3)
+    return min(as_matmul / measured, 1.0), float(np.median(list(rates.values()))), rates
+
+
+def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
+    """(seconds, flops) of one tiny 3x3 convolution inside a program, a dependent chain
+    of them (`in_program`): its work is a few microseconds, so the rest is what each
+    convolution costs whatever its size (`DeviceSpec.conv_overhead_s`)."""
+    x = jax.device_put(jnp.ones((8, 8, 8, 16), jnp.float32), device)
+    w = jax.device_put(jnp.ones((3, 3, 16, 16), jnp.float32), device)
+
+    def chained(k: int) -> Callable[[Any, Any], Any]:
+        def f(v: Any, w: Any) -> Any:
+            for _ in range(k):
+                v = jnp.tanh(_conv(v, w))
+            return v
+        return f
+
+    return in_program(chained, (x, w), chain - 1, repeats=9), _conv_flops(_conv, x, w)
 
 
 def kernel_overhead(device: Any, chain: int = 64) -> float:
@@ -185,9 +234,10 @@ def kernel_overhead(device: Any, chain: int = 64) -> float:
 
 def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
     """All-reduce sizes from latency-bound (4 KiB) to bandwidth-bound, so the fit pins
-    both figures; a GPU link needs far larger messages to reach its peak."""
+    both figures; a GPU link needs far larger messages to reach its peak, and a CPU's
+    must pass its last-level cache (64 MiB), as a model's gradients do."""
     if on_cpu:
-        return [2**12, 2**16, 2**20] if quick else [2**12, 2**16, 2**20, 2**22, 2**24]
+        return [2**12, 2**16, 2**20] if quick else [2**12, 2**16, 2**20, 2**22, 2**24, 2**26]
     return [2**12, 2**20, 2**25] if quick else [2**12, 2**20, 2**24, 2**27]
 
 
@@ -268,5 +318,6 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
 
 
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
-           "conv_rates", "cpu_bandwidth_bytes", "fit_line", "kernel_overhead", "link_sizes",
+           "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
+           "kernel_overhead", "link_sizes", "tiny_conv",
            "in_program", "matmul_curve", "power", "time_it"]

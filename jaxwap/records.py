@@ -136,6 +136,9 @@ class Prediction:
     # seconds it adds to compute (in compute_time_s and busy_time_s)
     power_limit_w: float | None = None
     power_stretch_s: float = 0.0
+    # of compute: the host allocator mapping the step's scratch memory afresh
+    # (`DeviceSpec.fresh_memory_cost`)
+    fresh_memory_time_s: float = 0.0
 
     @property
     def flops_as_xla_counts(self) -> float:

@@ -129,3 +129,21 @@ def host_setup(model: nn.Module, x_shape: tuple[int, ...], num_classes: int = 10
     batch = {"x": jnp.asarray(x),
              "y": jnp.asarray(rng.integers(0, num_classes, x_shape[0]).astype(np.int32))}
     return make_step(model, tx), params, jax.jit(tx.init)(params), batch
+
+
+def analyze_step(step: Any, params: Any, *args: Any, batch_size: int | None) -> Any:
+    """`graph.analyze` of `step(params, *args) -> new params` with the roles the planner
+    gives (`jax.make_jaxpr` and `jaxwap.state` alone)."""
+    from jaxwap.graph import analyze
+    from jaxwap.state import classify_leaves, param_infos
+
+    infos, _ = param_infos(params)
+    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(params))}
+    flat, _ = jax.tree_util.tree_flatten_with_path((params, *args))
+    inputs = classify_leaves([("args", p, leaf) for p, leaf in flat], infos,
+                             identity=identity, batch_size=batch_size)
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, *args)
+    out_flat, _ = jax.tree_util.tree_flatten_with_path(out_shape)
+    outputs = classify_leaves([("out", p, leaf) for p, leaf in out_flat], infos,
+                              batch_size=batch_size, infer_batch=False)
+    return analyze(closed, inputs.roles, outputs.roles, infos, batch_size)

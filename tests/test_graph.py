@@ -9,24 +9,10 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from models import analyze_step as _analyze
 
-from jaxwap.graph import Graph, analyze
+from jaxwap.graph import Graph
 from jaxwap.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info, roofline_rules
-from jaxwap.state import classify_leaves, param_infos
-
-
-def _analyze(step, params, *args, batch_size):
-    """analyze() of `step(params, *args) -> new params` with roles as the planner gives."""
-    infos, _ = param_infos(params)
-    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(params))}
-    flat, _ = jax.tree_util.tree_flatten_with_path((params, *args))
-    inputs = classify_leaves([("args", p, leaf) for p, leaf in flat], infos,
-                             identity=identity, batch_size=batch_size)
-    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, *args)
-    out_flat, _ = jax.tree_util.tree_flatten_with_path(out_shape)
-    outputs = classify_leaves([("out", p, leaf) for p, leaf in out_flat], infos,
-                              batch_size=batch_size, infer_batch=False)
-    return analyze(closed, inputs.roles, outputs.roles, infos, batch_size)
 
 
 def _sgd(loss):

@@ -26,6 +26,13 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     # loop a window larger than its input takes, well below it
     assert 0 < s.conv_efficiency <= 1
     assert s.small_input_conv_flops is None or 0 < s.small_input_conv_flops < s.peak_flops_f32
+    # the per-width rates back the median; each convolution's fixed cost; the fresh
+    # memory table at the quick sizes either side of glibc's 32 MiB mapping threshold
+    if s.small_input_conv_flops is not None:
+        assert all(0 < r < s.peak_flops_f32 for _, r in s.small_input_conv_rates)
+    assert s.conv_overhead_s >= 0
+    assert [n for n, _ in s.fresh_memory_cost] == [2**24, 2**26]
+    assert all(c >= 0 for _, c in s.fresh_memory_cost)
     assert cal.measurements["link_buffer_latency_s"] >= 0
     assert cal.measurements["matmul_f32"]["seconds"] and cal.num_devices == len(jax.devices())
     assert cal.measurements["link"] is not None  # 8 devices: an all-reduce was timed

@@ -1,0 +1,121 @@
+"""The device costs calibration found in real steps on XLA:CPU (issue 10): a generic-loop
+convolution's rate by its width, a fixed cost per convolution, and the scratch memory the
+host allocator maps afresh each step; each priced where the model says, and the fresh
+memory of a compiled candidate taken from XLA's own temp allocation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from models import abstract_setup, analyze_step
+
+import jaxwap
+from jaxwap.cost import op_times, with_compiled
+from jaxwap.device import DeviceSpec
+from jaxwap.hardware import Cluster
+from jaxwap.planner import make_plan
+from jaxwap.verify import compile_candidate
+
+MiB = 2**20
+SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
+                  idle_watts=5, max_watts=50, kernel_overhead_s=1e-6,
+                  small_input_conv_flops=2e9,
+                  small_input_conv_rates=((128, 3e9), (256, 2e9), (512, 5e8)),
+                  fresh_memory_cost=((16 * MiB, 0.0), (32 * MiB, 6e-10), (64 * MiB, 6e-10)))
+
+
+def _conv(x, w):
+    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _sgd(loss):
+    def step(params, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+    return step
+
+
+def _small_map_graph(c: int):
+    """A 3x3 convolution over a 2x2 map at width c, with its gradients: the case XLA:CPU
+    computes with its generic loop."""
+    f32 = jax.ShapeDtypeStruct
+    return analyze_step(_sgd(lambda p, x: jnp.sum(_conv(x, p["w"]) ** 2)),
+                        {"w": f32((3, 3, c, c), jnp.float32)}, f32((8, 2, 2, c), jnp.float32),
+                        batch_size=8)
+
+
+def test_small_conv_rate_is_the_nearest_measured_width():
+    assert SPEC.small_conv_rate(512) == 5e8
+    assert SPEC.small_conv_rate(384) == 5e8          # log-nearer 512 than 256
+    assert SPEC.small_conv_rate(300) == 2e9
+    assert SPEC.small_conv_rate(16) == 3e9           # below the table: its first entry
+    assert SPEC.small_conv_rate(0) == 2e9            # unknown width: the median rate
+    bare = dataclasses.replace(SPEC, small_input_conv_rates=())
+    assert bare.small_conv_rate(512) == 2e9
+
+
+def test_fresh_memory_interpolates_in_log_size_and_holds_at_the_ends():
+    assert SPEC.fresh_memory_s(8 * MiB) == 0.0       # below the table: its first entry
+    assert SPEC.fresh_memory_s(64 * MiB) == pytest.approx(64 * MiB * 6e-10)
+    assert SPEC.fresh_memory_s(1024 * MiB) == pytest.approx(1024 * MiB * 6e-10)
+    mid = SPEC.fresh_memory_s(np.sqrt(16 * 32) * MiB) / (np.sqrt(16 * 32) * MiB)
+    assert mid == pytest.approx(3e-10)               # halfway in log size
+    assert dataclasses.replace(SPEC, fresh_memory_cost=()).fresh_memory_s(1e9) == 0.0
+
+
+def test_device_tables_survive_json_and_bad_pairs_are_named():
+    back = DeviceSpec.from_dict(json.loads(json.dumps(SPEC.to_dict())))
+    assert back == SPEC and hash(back.fresh_memory_cost) == hash(SPEC.fresh_memory_cost)
+    with pytest.raises(ValueError, match="fresh_memory_cost"):
+        dataclasses.replace(SPEC, fresh_memory_cost=((0, 1e-9),))
+    with pytest.raises(ValueError, match="conv_overhead_s"):
+        dataclasses.replace(SPEC, conv_overhead_s=-1.0)
+
+
+def test_generic_loop_convolution_is_priced_at_its_widths_rate():
+    cluster = Cluster(SPEC, 1)
+    for c, rate in ((128, 3e9), (512, 5e8)):
+        g = _small_map_graph(c)
+        slow = np.flatnonzero(g.conv == 2)
+        assert len(slow) >= 1 and (g.conv_width[slow] == c).all()
+        t = op_times(g, cluster, 1.0)
+        # a generic-loop op is priced at its width's rate (no efficiency curve) + a launch
+        expect = np.maximum(g.flops[slow] / rate, g.bytes[slow] / SPEC.memory_bandwidth) \
+            + g.kernels[slow] * SPEC.kernel_overhead_s
+        np.testing.assert_allclose(t[slow], expect, rtol=1e-12)
+
+
+def test_each_convolution_pays_the_fixed_conv_overhead():
+    g = _small_map_graph(128)
+    base = op_times(g, Cluster(SPEC, 1), 1.0)
+    more = op_times(g, Cluster(dataclasses.replace(SPEC, conv_overhead_s=4e-5), 1), 1.0)
+    conv = g.conv > 0
+    np.testing.assert_allclose(more[conv] - base[conv], 4e-5 * g.kernels[conv], rtol=1e-9)
+    np.testing.assert_array_equal(more[~conv], base[~conv])
+
+
+def test_fresh_scratch_memory_adds_its_cost_to_the_step():
+    """A step whose scratch is past the table's threshold pays bytes x cost; the plan's
+    prediction says how much, and with XLA's figures the scratch is XLA's temp bytes."""
+    step, params, opt, batch = abstract_setup([2048, 2048, 10], 512, 2048)
+    cheap = Cluster(dataclasses.replace(SPEC, fresh_memory_cost=()), 1)
+    costly = Cluster(dataclasses.replace(SPEC, fresh_memory_cost=((MiB, 1e-9),)), 1)
+    got = {}
+    for name, cluster in (("cheap", cheap), ("costly", costly)):
+        planned = make_plan(step, (params, opt, batch), {}, params=None,
+                            options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+        got[name] = (planned, next(r for r in planned.search.results if r.d == r.m == 1))
+    p0, p1 = got["cheap"][1].predicted, got["costly"][1].predicted
+    assert p0.fresh_memory_time_s == 0.0 and p1.fresh_memory_time_s > 0.0
+    assert p1.step_time_s - p0.step_time_s == pytest.approx(p1.fresh_memory_time_s)
+    # the scratch priced is the peak over the state the step starts with: > 0, < the peak
+    assert 0 < p1.fresh_memory_time_s / 1e-9 < p1.peak_memory_bytes
+    planned, r = got["costly"]
+    figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], costly)
+    compiled = with_compiled(r.predicted, figs, costly, 512)
+    assert compiled.fresh_memory_time_s == pytest.approx(figs.temp_bytes * 1e-9)
