@@ -233,6 +233,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     f32 = probes.matmul_curve(dev, jnp.float32, sizes, bar)
     bf16 = probes.matmul_curve(dev, jnp.bfloat16, sizes, bar)
     bandwidth = probes.bandwidth(dev, bw_bytes)
+    relayout = probes.layout_change(dev, [256, 2048] if quick else [64, 256, 1024, 2048])
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
     bar.step("kernel overhead")
@@ -288,7 +289,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "memory_watts": power[2] if power and power[2] is not None else nan,
            # tables as one figure per entry, so processes agree on each by its median
            **{f"small_conv_flops@{c}": r for c, r in small_by_width.items()},
-           **{f"fresh_s_per_byte@{n}": c for n, c in fresh}}
+           **{f"fresh_s_per_byte@{n}": c for n, c in fresh},
+           **{f"layout_s_per_byte@{n}": c for n, c in relayout}}
     per_process = None
     if procs > 1:
         fig, per_process = process_median(fig)
@@ -315,6 +317,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
+        layout_change_cost=_table(fig, "layout_s_per_byte@"),
         small_input_conv_flops=small_conv if slow_convs else None,
         small_input_conv_rates=_table(fig, "small_conv_flops@") if slow_convs else (),
         fresh_memory_cost=_table(fig, "fresh_s_per_byte@"),
@@ -334,6 +337,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],
                        "conv_overhead_s": fig["conv_overhead_s"],
+                       "layout_change_cost": _table(fig, "layout_s_per_byte@"),
                        "small_input_conv_flops": fig["small_input_conv_flops"],
                        "small_input_conv_rates": _table(fig, "small_conv_flops@"),
                        "fresh_memory_cost": _table(fig, "fresh_s_per_byte@"), "link": link,

@@ -330,9 +330,10 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
 def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
                   batch_size: int, d: int = 1, m: int = 1, r: int = 1) -> Prediction:
     """The same cost model fed XLA's figures: memory is XLA's; compute time scales with
-    XLA's flops over the model's; communication is priced from the collectives XLA
-    actually inserted (data-axis ones overlap backward compute, the rest block); the
-    exposure rule and host transfers are the model's own."""
+    XLA's flops over the model's, plus the layout changes XLA inserted and the scratch
+    memory it allocates (`DeviceSpec.layout_change_s`, `fresh_memory_s`); communication
+    is priced from the collectives XLA actually inserted (data-axis ones overlap backward
+    compute, the rest block); the exposure rule and host transfers are the model's own."""
     counted = pred.flops_as_xla_counts
     scale = figs.flops / counted if counted > 0 and figs.flops > 0 else 1.0
     overlappable = blocking = 0.0
@@ -342,10 +343,12 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
             overlappable += t
         else:
             blocking += t
-    # the stretch of a power limit is re-applied by `assemble`; scratch is XLA's own
+    # the stretch of a power limit is re-applied by `assemble`; scratch is XLA's own, and
+    # so are the layout changes its layout assignment inserted (memory-bound work)
+    relayout = sum(cluster.device.layout_change_s(b) * t for b, t in figs.layout_changes)
     parts = StepParts(
         compute=(pred.compute_time_s - pred.power_stretch_s - pred.fresh_memory_time_s)
-        * scale, busy=(pred.busy_time_s - pred.power_stretch_s) * scale,
+        * scale + relayout, busy=(pred.busy_time_s - pred.power_stretch_s) * scale + relayout,
         blocking=blocking, grad_comm=overlappable, tail_comm=pred.tail_comm_time_s,
         batched_time=pred.batched_time_s * scale, host_one_way=pred.host_transfer_time_s / 2,
         comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,

@@ -22,6 +22,19 @@ GB = 1e9
 GiB = 2**30
 
 
+# the (size, value) tables of a DeviceSpec
+_TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost")
+
+
+def _per_byte(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
+    """A (bytes, seconds per byte) table at `nbytes`: interpolated in log size, held at
+    the ends; 0 for an empty table or no bytes."""
+    if not table or nbytes <= 0:
+        return 0.0
+    sizes, per_byte = zip(*table, strict=True)
+    return float(np.interp(np.log(nbytes), np.log(sizes), per_byte))
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator as the cost model sees it.
@@ -54,6 +67,12 @@ class DeviceSpec:
       conv_overhead_s: fixed seconds each convolution costs beyond a kernel launch (a
         library's set-up per call: about 40 us on XLA:CPU, which is most of a small CNN's
         step there). Calibrated.
+      layout_change_cost: ((array bytes, seconds per byte), ...) that moving an array
+        into another layout adds (a physical transpose XLA's layout assignment inserts,
+        `hlo.layout_changes`): XLA:CPU's loop fusions read one side across rows, about as
+        fast as a plain loop for arrays in cache and 50x slower past it. Interpolated in
+        log size and held at the ends. Empty: read and written at `memory_bandwidth`.
+        Calibrated.
       small_input_conv_rates: ((input features, flop/s), ...) of that generic loop
         measured at several widths: its rate depends on the width (XLA:CPU's 512-wide
         rows alias in cache and run 3x slower than 384-wide ones), so a convolution takes
@@ -93,6 +112,7 @@ class DeviceSpec:
     small_input_conv_flops: float | None = None
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
     conv_overhead_s: float = 0.0
+    layout_change_cost: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     overlaps_collectives: bool = True
@@ -120,7 +140,7 @@ class DeviceSpec:
             if v is not None and not (v > low if strict else v >= low):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
                                  f"{'>' if strict else '>='} {low:g}, got {v!r}")
-        for field in ("small_input_conv_rates", "fresh_memory_cost"):
+        for field in _TABLES:
             pairs = tuple((type(a)(a), float(b)) for a, b in getattr(self, field))
             if any(not (a > 0 and b >= 0) for a, b in pairs):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
@@ -149,11 +169,15 @@ class DeviceSpec:
 
     def fresh_memory_s(self, nbytes: float) -> float:
         """Seconds the step pays for `nbytes` of scratch memory mapped afresh
-        (`fresh_memory_cost`, interpolated in log size)."""
-        if not self.fresh_memory_cost or nbytes <= 0:
-            return 0.0
-        sizes, per_byte = zip(*self.fresh_memory_cost, strict=True)
-        return nbytes * float(np.interp(np.log(nbytes), np.log(sizes), per_byte))
+        (`fresh_memory_cost`)."""
+        return nbytes * _per_byte(self.fresh_memory_cost, nbytes)
+
+    def layout_change_s(self, nbytes: float) -> float:
+        """Seconds moving an array of `nbytes` into another layout adds
+        (`layout_change_cost`)."""
+        if not self.layout_change_cost:
+            return 2.0 * nbytes / self.memory_bandwidth
+        return nbytes * _per_byte(self.layout_change_cost, nbytes)
 
     def power_profile(self) -> PowerProfile:
         """The profile the power model uses: the device's own, else modelled."""
@@ -162,14 +186,14 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["power"] = None if self.power is None else self.power.to_dict()
-        for field in ("small_input_conv_rates", "fresh_memory_cost"):
+        for field in _TABLES:
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DeviceSpec:
         d = dict(d)
-        for field in ("small_input_conv_rates", "fresh_memory_cost"):
+        for field in _TABLES:
             d[field] = tuple(tuple(p) for p in d.get(field, ()))
         if isinstance(d.get("power"), dict):
             d["power"] = PowerProfile.from_dict(d["power"])

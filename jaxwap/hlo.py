@@ -176,6 +176,62 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int],
     return out
 
 
+_OP = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>[a-z][a-z0-9]*)"
+                 r"\[(?P<dims>[0-9,]*)\](?:\{(?P<layout>[0-9,]*)[^}]*\})?\s+"
+                 r"(?P<op>[\w\-]+)\(%(?P<arg>[\w.\-]+)(?P<rest>.*)$")
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+_PERM = re.compile(r"dimensions=\{([0-9,]*)\}")
+
+
+def _physical(dims: Sequence[int], layout: Sequence[int]) -> list[int]:
+    """The dims of an array from major to minor in memory, size-1 dims left out."""
+    return [j for j in reversed(layout) if dims[j] != 1]
+
+
+def layout_changes(hlo_text: str) -> tuple[tuple[float, int], ...]:
+    """((array bytes, times per step), ...) of every array XLA's layout assignment makes
+    the program move into another layout: each `transpose` that is not a bitcast and each
+    `copy` between layouts, in the entry and in the fusions it calls (where XLA:CPU's loop
+    reads one side across rows), run as often as the loops they sit in. The model's own
+    roofline cannot see them (they follow from XLA's layout choices), and a backend
+    without a tiled transpose runs the large ones far below its memory bandwidth
+    (`DeviceSpec.layout_change_cost`)."""
+    lines = [_COMMENT.sub("", line) for line in hlo_text.splitlines()]
+    owner, mult = _loop_multipliers(lines)
+    caller: dict[str, str] = {}
+    shapes: dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+    ops = []
+    for line, comp in zip(lines, owner, strict=True):
+        m = _OP.match(line)
+        if m is None:
+            continue
+        dims = tuple(int(x) for x in m["dims"].split(",") if x)
+        layout = tuple(int(x) for x in m["layout"].split(",") if x) if m["layout"] else None
+        shapes[(comp, m["name"])] = (dims, layout)
+        for called in _CALLS.findall(m["rest"]):
+            caller[called] = comp
+        if m["op"] in ("transpose", "copy") and layout is not None and len(dims) > 1:
+            ops.append((comp, m, dims, layout))
+    out: dict[tuple[float, int], int] = {}
+    for comp, m, dims, layout in ops:
+        src_dims, src_layout = shapes.get((comp, m["arg"]), ((), None))
+        if src_layout is None or len(src_dims) != len(dims):
+            continue
+        out_order = _physical(dims, layout)
+        if m["op"] == "transpose":
+            pm = _PERM.search(m["rest"])
+            if pm is None:
+                continue
+            perm = [int(x) for x in pm.group(1).split(",") if x]
+            out_order = [perm[j] for j in out_order]
+        if out_order == _physical(src_dims, src_layout):
+            continue   # a bitcast: the same bytes in the same order
+        key = (float(np.prod(dims)) * _DTYPE_BYTES.get(m["dtype"], 4),
+               mult.get(comp, mult.get(caller.get(comp, ""), 1)))
+        out[key] = out.get(key, 0) + 1
+    return tuple(sorted((b, t * k) for (b, t), k in out.items()))
+
+
 def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluster,
                      compile_time_s: float = 0.0, host_resident: float = 0.0, r: int = 1,
                      stages: int = 1) -> CompiledFigures:
@@ -206,7 +262,9 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
         temp_bytes=tmp, alias_bytes=alias, flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), comm_bytes=comm,
         collectives=colls, compile_time_s=compile_time_s, host_bytes=host,
-        host_unverified_bytes=unverified)
+        host_unverified_bytes=unverified,
+        layout_changes=layout_changes(compiled.as_text()))
 
 
-__all__ = ["axes_of", "compiled_figures", "parse_collectives", "replica_groups"]
+__all__ = ["axes_of", "compiled_figures", "layout_changes", "parse_collectives",
+           "replica_groups"]

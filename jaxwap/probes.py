@@ -201,6 +201,30 @@ def conv_rates(device: Any, f32: dict[str, Any], quick: bool
     return min(as_matmul / measured, 1.0), float(np.median(list(rates.values()))), rates
 
 
+def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
+    """[(array bytes, seconds per byte)] a layout change adds as training steps run them:
+    inside an elementwise fusion (an update reading a gradient XLA laid out the other
+    way) whose input is read across rows, for n x n float32 arrays of each n in `sizes`
+    (in cache and past it), timed against the same fusion without the transpose, so the
+    figure is what the change adds to the roofline the model already charges."""
+    fused = {"T": lambda v, y: y * 0.9 + 0.1 * v.T, "plain": lambda v, y: y * 0.9 + 0.1 * v}
+    out = []
+    for n in sizes:
+        x = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+        t = {}
+        for name, fn in fused.items():
+            f = jax.jit(fn, donate_argnums=1)
+            box = [f(x, jax.device_put(jnp.ones((n, n), jnp.float32), device))]
+
+            def step(f: Any = f, box: list[Any] = box, x: Any = x) -> None:
+                box[0] = f(x, box[0])
+                box[0].block_until_ready()
+
+            t[name] = time_it(step)
+        out.append((n * n * 4, max(t["T"] - t["plain"], 0.0) / (n * n * 4)))
+    return out
+
+
 def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     """(seconds, flops) of one tiny 3x3 convolution inside a program, a dependent chain
     of them (`in_program`): its work is a few microseconds, so the rest is what each
@@ -319,5 +343,5 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
 
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
            "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
-           "kernel_overhead", "link_sizes", "tiny_conv",
+           "kernel_overhead", "link_sizes", "tiny_conv", "layout_change",
            "in_program", "matmul_curve", "power", "time_it"]

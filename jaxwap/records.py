@@ -181,6 +181,13 @@ class CompiledFigures:
     # state the plan keeps in host memory that this backend's analysis counts on the
     # device (XLA:CPU ignores memory kinds): taken out of memory_bytes, and unverified
     host_unverified_bytes: float = 0.0
+    # ((array bytes, times per step), ...) XLA's layout assignment moves into another
+    # layout (`hlo.layout_changes`)
+    layout_changes: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def layout_bytes(self) -> float:
+        return float(sum(b * t for b, t in self.layout_changes))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -192,6 +199,7 @@ class CompiledFigures:
         d = dict(d)
         d["collectives"] = tuple(Collective(c["kind"], c["bytes"], tuple(c["axes"]),
                                             c["group_size"]) for c in d["collectives"])
+        d["layout_changes"] = tuple((float(b), int(t)) for b, t in d.get("layout_changes", ()))
         return cls(**d)
 
 

@@ -18,6 +18,7 @@ import jaxwap
 from jaxwap.cost import op_times, with_compiled
 from jaxwap.device import DeviceSpec
 from jaxwap.hardware import Cluster
+from jaxwap.hlo import layout_changes
 from jaxwap.planner import make_plan
 from jaxwap.verify import compile_candidate
 
@@ -26,7 +27,8 @@ SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_byt
                   idle_watts=5, max_watts=50, kernel_overhead_s=1e-6,
                   small_input_conv_flops=2e9,
                   small_input_conv_rates=((128, 3e9), (256, 2e9), (512, 5e8)),
-                  fresh_memory_cost=((16 * MiB, 0.0), (32 * MiB, 6e-10), (64 * MiB, 6e-10)))
+                  fresh_memory_cost=((16 * MiB, 0.0), (32 * MiB, 6e-10), (64 * MiB, 6e-10)),
+                  layout_change_cost=((2**14, 1e-10), (2**24, 2e-9)))
 
 
 def _conv(x, w):
@@ -119,3 +121,34 @@ def test_fresh_scratch_memory_adds_its_cost_to_the_step():
     figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], costly)
     compiled = with_compiled(r.predicted, figs, costly, 512)
     assert compiled.fresh_memory_time_s == pytest.approx(figs.temp_bytes * 1e-9)
+
+
+def test_layout_changes_are_read_from_the_compiled_program():
+    """A fused update that reads its input transposed moves that array into another
+    layout; the same update read straight, or a transpose over a size-1 dim (a bitcast),
+    moves nothing."""
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float32)
+    y = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+    moved = jax.jit(lambda a, b: b * 0.9 + 0.1 * a.T).lower(x, y).compile().as_text()
+    assert layout_changes(moved) == ((256 * 512 * 4, 1),)
+    straight = jax.jit(lambda a, b: b * 0.9 + 0.1 * a).lower(x, x).compile().as_text()
+    assert layout_changes(straight) == ()
+    v = jax.ShapeDtypeStruct((1, 512), jnp.float32)
+    bitcast = jax.jit(lambda a: a.T * 2.0).lower(v).compile().as_text()
+    assert layout_changes(bitcast) == ()
+
+
+def test_compiled_prediction_charges_each_layout_change_at_its_size():
+    step, params, opt, batch = abstract_setup([64, 64, 10], 32, 64)
+    cluster = Cluster(SPEC, 1)
+    planned = make_plan(step, (params, opt, batch), {}, params=None,
+                        options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+    r = next(r for r in planned.search.results if r.d == r.m == 1)
+    figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], cluster)
+    changes = ((2**14, 1), (2**24, 2))
+    base = with_compiled(r.predicted, dataclasses.replace(figs, layout_changes=()), cluster, 32)
+    more = with_compiled(r.predicted, dataclasses.replace(figs, layout_changes=changes),
+                         cluster, 32)
+    expect = 2**14 * 1e-10 + 2 * 2**24 * 2e-9
+    assert more.step_time_s - base.step_time_s == pytest.approx(expect, rel=1e-9)
+    assert more.compute_time_s - base.compute_time_s == pytest.approx(expect, rel=1e-9)
