@@ -141,19 +141,24 @@ def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int, r: int = 1
 def collective_cost(c: Collective, cluster: Cluster, d: int = 1,
                     m: int = 1, r: int = 1) -> tuple[float, float]:
     """(seconds, bytes sent per device) of a collective XLA inserted on a (d, m) mesh of r
-    replicas, by the formulas the model uses for its own, on the links its group spans."""
+    replicas, by the formulas the model uses for its own, on the links its group spans;
+    each array past the first a combined collective carries adds the backend's latency
+    per buffer (`buffer_latency`)."""
     n = c.group_size
     inner = axis_inner(cluster, c.axes, d, m, r) if c.axes else None
+    extra = buffer_latency(c.buffers - 1, n, cluster)
     if c.kind == "all-reduce":
-        return all_reduce(c.bytes, n, cluster, inner=inner)
-    if c.kind in ("all-gather", "all-to-all"):
-        return all_gather(c.bytes, n, cluster, inner=inner)
-    if c.kind == "reduce-scatter":
-        return all_gather(c.bytes * n, n, cluster, inner=inner)
-    if n <= 1:  # collective-permute
+        t, b = all_reduce(c.bytes, n, cluster, inner=inner)
+    elif c.kind in ("all-gather", "all-to-all"):
+        t, b = all_gather(c.bytes, n, cluster, inner=inner)
+    elif c.kind == "reduce-scatter":
+        t, b = all_gather(c.bytes * n, n, cluster, inner=inner)
+    elif n <= 1:  # collective-permute
         return 0.0, 0.0
-    bw, lat = _step(cluster, inner is not None and inner < n)
-    return c.bytes / bw + lat, float(c.bytes)
+    else:
+        bw, lat = _step(cluster, inner is not None and inner < n)
+        t, b = c.bytes / bw + lat, float(c.bytes)
+    return t + extra, b
 
 
 def batch_dims(prog: FlatProgram, batch_inputs: Sequence[int]

@@ -164,15 +164,18 @@ def parse_collectives(hlo_text: str, mesh_shape: tuple[int, int],
             continue
         shape = mt.group("shape")
         nbytes = _shape_bytes(shape)
+        buffers = max(len(_ARRAY.findall(shape)), 1)
         if mt.group("start") and shape.startswith("(") and mt.group("kind") != "all-reduce":
             # async start ops return (operand, result[, ...]): count the result
             parts = _ARRAY.findall(shape)
             if len(parts) >= 2:
                 nbytes = _shape_bytes("{}[{}]".format(*parts[1]))
+                buffers = 1
         groups = replica_groups(line)
         size = len(groups[0]) if groups else n_all
         out.append(Collective(mt.group("kind"), nbytes * mult.get(comp, 1),
-                              axes_of(groups, mesh_shape, r, stages), size))
+                              axes_of(groups, mesh_shape, r, stages), size,
+                              buffers * mult.get(comp, 1)))
     return out
 
 

@@ -155,12 +155,14 @@ class Prediction:
 @dataclass(frozen=True)
 class Collective:
     """One collective in a compiled program: its kind, the bytes of its result on one
-    device, the mesh axes its replica groups span, and the size of each group."""
+    device, the mesh axes its replica groups span, the size of each group and how many
+    arrays it carries."""
 
     kind: str
     bytes: int
     axes: tuple[str, ...]
     group_size: int
+    buffers: int = 1   # arrays it carries (XLA's combiner joins many into one tuple)
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,8 @@ class CompiledFigures:
     def from_dict(cls, d: dict[str, Any]) -> CompiledFigures:
         d = dict(d)
         d["collectives"] = tuple(Collective(c["kind"], c["bytes"], tuple(c["axes"]),
-                                            c["group_size"]) for c in d["collectives"])
+                                            c["group_size"], c.get("buffers", 1))
+                                 for c in d["collectives"])
         d["layout_changes"] = tuple((float(b), int(t)) for b, t in d.get("layout_changes", ()))
         return cls(**d)
 

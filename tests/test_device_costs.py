@@ -152,3 +152,21 @@ def test_compiled_prediction_charges_each_layout_change_at_its_size():
     expect = 2**14 * 1e-10 + 2 * 2**24 * 2e-9
     assert more.step_time_s - base.step_time_s == pytest.approx(expect, rel=1e-9)
     assert more.compute_time_s - base.compute_time_s == pytest.approx(expect, rel=1e-9)
+
+
+def test_a_combined_collective_pays_the_buffer_latency_per_extra_array():
+    """gloo reduces each array of XLA's combined all-reduce apart: the compiled program's
+    tuple collective is priced with the calibrated latency for each array past the first
+    (as the analytic model prices its gradient buffers)."""
+    from jaxwap.comm import collective_cost
+    from jaxwap.hlo import parse_collectives
+
+    text = ("ENTRY %main () -> f32[] {\n"
+            "  %all-reduce.1 = (f32[64]{0}, f32[32,4]{1,0}, f32[8]{0}) all-reduce(%a, %b, %c), "
+            "replica_groups={{0,1}}, to_apply=%add\n}\n")
+    (c,) = parse_collectives(text, (2, 1))
+    assert (c.buffers, c.bytes) == (3, (64 + 128 + 8) * 4)
+    cluster = Cluster(dataclasses.replace(SPEC, link_buffer_latency_s=4e-3), 2)
+    one = dataclasses.replace(c, buffers=1)
+    assert collective_cost(c, cluster, 2, 1)[0] - collective_cost(one, cluster, 2, 1)[0] \
+        == pytest.approx(2 * 4e-3)
