@@ -96,18 +96,32 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
             "peak_flops": 1.0 / slope if slope > 0 else best, "intercept_s": intercept}
 
 
+def in_place(fn: Callable[..., Any], first: Any, *rest: Any) -> float:
+    """Seconds of `fn(first, *rest)` run as a training step runs its donated state: the
+    last result is the next call's `first`, donated, so the output takes its memory."""
+    f = jax.jit(fn, donate_argnums=0)
+    box = [f(first, *rest)]
+
+    def step() -> None:
+        box[0] = f(box[0], *rest)
+        box[0].block_until_ready()
+
+    return time_it(step)
+
+
+def _ones(device: Any, *shape: int) -> Any:
+    return jax.device_put(jnp.ones(shape, jnp.float32), device)
+
+
+def _stream(v: Any) -> Any:
+    return v * 1.0001 + 1.0
+
+
 def bandwidth(device: Any, nbytes: int) -> float:
     """Bytes/s of an elementwise op that reads and writes nbytes each, in place (its input
     donated), as a training step with donated state updates it: a fresh output each call
     would time the operating system handing out new pages, not the memory."""
-    f = jax.jit(lambda v: v * 1.0001 + 1.0, donate_argnums=0)
-    box = [f(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))]
-
-    def step() -> None:
-        box[0] = f(box[0])
-        box[0].block_until_ready()
-
-    return 2.0 * nbytes / time_it(step)
+    return 2.0 * nbytes / in_place(_stream, _ones(device, nbytes // 4))
 
 
 def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
@@ -115,19 +129,13 @@ def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     size over writing it in place (its input donated): the allocator mapping new memory
     and the OS faulting its pages in. A step pays it for its scratch memory every step;
     where the allocator keeps a pool (XLA:GPU) it is about 0."""
-    fresh = jax.jit(lambda v: v * 1.0001 + 1.0)
-    donated = jax.jit(lambda v: v * 1.0001 + 1.0, donate_argnums=0)
+    fresh = jax.jit(_stream)
     out = []
     for nbytes in sizes:
-        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
-        box = [donated(jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device))]
-
-        def in_place(box: list[Any] = box) -> None:
-            box[0] = donated(box[0])
-            box[0].block_until_ready()
-
+        x = _ones(device, nbytes // 4)
         t_fresh = time_it(lambda x=x: fresh(x).block_until_ready())
-        out.append((nbytes, max(t_fresh - time_it(in_place), 0.0) / nbytes))
+        t_in_place = in_place(_stream, _ones(device, nbytes // 4))
+        out.append((nbytes, max(t_fresh - t_in_place, 0.0) / nbytes))
     return out
 
 
@@ -207,21 +215,12 @@ def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     way) whose input is read across rows, for n x n float32 arrays of each n in `sizes`
     (in cache and past it), timed against the same fusion without the transpose, so the
     figure is what the change adds to the roofline the model already charges."""
-    fused = {"T": lambda v, y: y * 0.9 + 0.1 * v.T, "plain": lambda v, y: y * 0.9 + 0.1 * v}
     out = []
     for n in sizes:
-        x = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-        t = {}
-        for name, fn in fused.items():
-            f = jax.jit(fn, donate_argnums=1)
-            box = [f(x, jax.device_put(jnp.ones((n, n), jnp.float32), device))]
-
-            def step(f: Any = f, box: list[Any] = box, x: Any = x) -> None:
-                box[0] = f(x, box[0])
-                box[0].block_until_ready()
-
-            t[name] = time_it(step)
-        out.append((n * n * 4, max(t["T"] - t["plain"], 0.0) / (n * n * 4)))
+        x = _ones(device, n, n)
+        t_across = in_place(lambda y, v: y * 0.9 + 0.1 * v.T, _ones(device, n, n), x)
+        t_straight = in_place(lambda y, v: y * 0.9 + 0.1 * v, _ones(device, n, n), x)
+        out.append((n * n * 4, max(t_across - t_straight, 0.0) / (n * n * 4)))
     return out
 
 
@@ -343,5 +342,5 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
 
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
            "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
-           "kernel_overhead", "link_sizes", "tiny_conv", "layout_change",
-           "in_program", "matmul_curve", "power", "time_it"]
+           "in_place", "in_program", "kernel_overhead", "layout_change", "link_sizes",
+           "matmul_curve", "power", "time_it", "tiny_conv"]
