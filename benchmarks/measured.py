@@ -93,10 +93,12 @@ def worker(args: argparse.Namespace) -> None:
     sync("calibrated")
     cal = Calibration.from_dict(json.loads((shared / "calibration.json").read_text()))
     cluster, _ = detect_cluster(devices, cal)
+    # across processes the calibrated link is the one between them (`detect_cluster`)
+    link = (f", link between processes {cal.spec.link_bandwidth / 1e9:.3f} GB/s "
+            f"{cal.spec.link_latency_s * 1e6:.1f} us") if nproc > 1 else ""
     log(f"[{args.setup}] calibrated {cal.spec.name}: f32 {cal.spec.peak_flops_f32 / 1e9:.1f} "
         f"Gflop/s, {cal.spec.memory_bandwidth / 1e9:.2f} GB/s, kernel "
-        f"{cal.spec.kernel_overhead_s * 1e6:.2f} us, link {cluster.link_bandwidth / 1e9:.3f} "
-        f"GB/s {cluster.link_latency * 1e6:.1f} us")
+        f"{cal.spec.kernel_overhead_s * 1e6:.2f} us{link}")
 
     def global_array(host: Any, sharding: Any) -> Any:
         host = np.asarray(host)
