@@ -312,15 +312,17 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
     slow_convs = small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
+    rates, fresh_cost, layout_cost = (_table(fig, prefix) for prefix in (
+        "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@"))
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
-        layout_change_cost=_table(fig, "layout_s_per_byte@"),
+        layout_change_cost=layout_cost,
         small_input_conv_flops=small_conv if slow_convs else None,
-        small_input_conv_rates=_table(fig, "small_conv_flops@") if slow_convs else (),
-        fresh_memory_cost=_table(fig, "fresh_s_per_byte@"),
+        small_input_conv_rates=rates if slow_convs else (),
+        fresh_memory_cost=fresh_cost,
         idle_watts=watts[0] if watts else base.idle_watts,
         max_watts=max(watts) if watts else base.max_watts,
         link_bandwidth=fig["link_bandwidth"] if linked else base.link_bandwidth,
@@ -337,10 +339,10 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],
                        "conv_overhead_s": fig["conv_overhead_s"],
-                       "layout_change_cost": _table(fig, "layout_s_per_byte@"),
+                       "layout_change_cost": layout_cost,
                        "small_input_conv_flops": fig["small_input_conv_flops"],
-                       "small_input_conv_rates": _table(fig, "small_conv_flops@"),
-                       "fresh_memory_cost": _table(fig, "fresh_s_per_byte@"), "link": link,
+                       "small_input_conv_rates": rates,
+                       "fresh_memory_cost": fresh_cost, "link": link,
                        "link_buffer_latency_s": fig["link_buffer_latency_s"],
                        "power_w": watts, "topology": topology, "per_process": per_process},
                       tuple(notes_), procs)

@@ -258,7 +258,8 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
     if isinstance(cost, (list, tuple)):  # older jax: one dict per program
         cost = cost[0] if cost else {}
     cost = cost or {}
-    colls = tuple(parse_collectives(compiled.as_text(), mesh_shape, r, stages))
+    text = compiled.as_text()   # megabytes for a large step: read once
+    colls = tuple(parse_collectives(text, mesh_shape, r, stages))
     comm = sum(collective_cost(c, cluster, *mesh_shape, r=r)[1] for c in colls)
     return CompiledFigures(
         memory_bytes=arg + out + tmp - alias - unverified, argument_bytes=arg, output_bytes=out,
@@ -266,7 +267,7 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), comm_bytes=comm,
         collectives=colls, compile_time_s=compile_time_s, host_bytes=host,
         host_unverified_bytes=unverified,
-        layout_changes=layout_changes(compiled.as_text()))
+        layout_changes=layout_changes(text))
 
 
 __all__ = ["axes_of", "compiled_figures", "layout_changes", "parse_collectives",

@@ -187,10 +187,6 @@ class CompiledFigures:
     # layout (`hlo.layout_changes`)
     layout_changes: tuple[tuple[float, int], ...] = ()
 
-    @property
-    def layout_bytes(self) -> float:
-        return float(sum(b * t for b, t in self.layout_changes))
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["collectives"] = [asdict(c) for c in self.collectives]
