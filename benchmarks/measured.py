@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
             run()
         times: list[float] = []
         t_end = time.perf_counter() + args.min_seconds
-        while len(times) < args.steps or (time.perf_counter() < t_end and len(times) < 50):
+        while len(times) < args.steps or (time.perf_counter() < t_end and len(times) < 500):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
@@ -332,7 +332,7 @@ if __name__ == "__main__":
     p.add_argument("--setup", default="all", choices=["all", "single", "cluster"])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--min-seconds", type=float, default=1.0)
+    p.add_argument("--min-seconds", type=float, default=2.0)
     p.add_argument("--quick", action="store_true", help="quick calibration sizes")
     # worker arguments (set by the orchestrator)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -26,7 +26,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import probes
+from .device import efficiency_table
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
-from .power import PowerProfile, curve_from_points, dynamic_shares
-from .power_limit import limit_range_w, measure_clock_curve
+from .power_limit import measured_power_profile
 from .progress import Progress
 
 # 2: num_processes, and measurements["link"] says what was timed (1 is still read)
@@ -78,42 +78,6 @@ class Calibration:
         return cls(DeviceSpec.from_dict(d["spec"]), d["device_kind"], d["platform"],
                    d["num_devices"], d["jax_version"], d["driver"], d["measurements"],
                    tuple(d["notes"]), int(d.get("num_processes", 1)))
-
-
-def _power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory_w: float,
-                   compute: Callable[[], Any], notes: list[str]) -> PowerProfile | None:
-    """The device's power profile: the phases' power as measured (the communication
-    phase keeps the built-in profile's share of the dynamic range: no probe isolates it),
-    the limits NVML says it accepts, and the clock each limit leaves a compute-bound
-    kernel, measured by setting them. Without NVML: the built-in profile; without the
-    right to set limits: the built-in curve, and the notes say why."""
-    prior = base.power_profile()
-    if watts is None:
-        return base.power
-    idle, hot = watts
-    dyn = max(hot - idle, 1e-9)
-    share = dynamic_shares(prior, base.idle_watts)[1]
-    limits = limit_range_w(dev)
-    curve = prior.clock_curve
-    if limits is None:
-        notes.append("power limits not read (NVML gives no range): the device is planned "
-                     "uncapped")
-    else:
-        lo, hi, default = limits
-        tried = [float(w) for w in np.linspace(lo, default, 6)[:-1]]
-        got = measure_clock_curve(dev, tried, compute)
-        if isinstance(got, str):
-            notes.append(f"power-limit curve not measured ({got}): kept the built-in "
-                         f"profile's")
-        else:
-            curve = curve_from_points(got)
-    return PowerProfile(
-        matmul_watts=hot, memory_watts=memory_w if not math.isnan(memory_w)
-        else prior.memory_watts, comm_watts=idle + share * dyn,
-        limit_range_w=None if limits is None else (limits[0], limits[1]),
-        default_limit_w=None if limits is None else limits[2], clock_curve=curve,
-        source="measured by jaxwap calibrate (NVML)"
-        + ("" if curve is not prior.clock_curve else "; published clock curve"))
 
 
 # --------------------------------------------------------------------------- storage
@@ -226,19 +190,38 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if quick and not on_cpu:
         sizes = [512, 1024, 2048]
     bw_bytes = probes.cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
-    steps = 2 * len(sizes) + 6
+    # the dense-layer curve also between the sizes: a factor 8 in work between points is
+    # too coarse where the efficiency climbs fastest
+    dense_sizes = sizes if quick else sorted({*sizes, *(
+        16 * round((a * b) ** 0.5 / 16) for a, b in zip(sizes, sizes[1:], strict=False))})
+    steps = 2 * len(sizes) + len(dense_sizes) + 6
     bar = Progress(steps, progress, "jaxwap calibrate")
     notes_: list[str] = list(notes)
     base = builtin_for_kind(dev.device_kind, dev.platform)
     f32 = probes.matmul_curve(dev, jnp.float32, sizes, bar)
     bf16 = probes.matmul_curve(dev, jnp.bfloat16, sizes, bar)
+    # the device's fast matmul (bf16 on a GPU; f32 on a CPU, whose bf16 is emulated)
+    main = bf16 if bf16["peak_flops"] > 1.2 * f32["peak_flops"] else f32
+    dense = probes.matmul_training(dev, jnp.bfloat16 if main is bf16 else jnp.float32,
+                                   dense_sizes, bar)
     bandwidth = probes.bandwidth(dev, bw_bytes)
     relayout = probes.layout_change(dev, [256, 2048] if quick else [64, 256, 1024, 2048])
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
     bar.step("kernel overhead")
-    conv_eff, small_conv, small_by_width = probes.conv_rates(dev, f32, quick)
+    # the curve as the model will use it, on this process's own figures, for what is
+    # measured against it (convolutions)
+    curve = dataclasses.replace(base, matmul_efficiency=efficiency_table(
+        dense, main["peak_flops"], overhead))
+    p32 = f32["peak_flops"]
+
+    def matmul_s(w: float) -> float:   # an f32 matmul of w flops, its launch excluded
+        return w / (p32 * float(curve.matmul_eff(w, p32)))
+
+    conv_eff, small_conv, small_by_width = probes.conv_rates(
+        dev, lambda w: matmul_s(w) + overhead, quick)
     tiny_s, tiny_flops = probes.tiny_conv(dev)
+    per_tanh = probes.transcendental(dev)
     bar.step("convolutions")
     fresh = probes.fresh_memory(dev, probes.fresh_memory_sizes(on_cpu, quick))
     bar.step("fresh memory")
@@ -267,20 +250,20 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
     nan = float("nan")  # none: the median over processes is then none too
-    # the efficiency curve of the device's fast matmul (bf16 on a GPU; f32 on a CPU, whose
-    # bf16 is emulated): a matmul of w flops takes (w + w_half) / peak + a launch, so each
-    # size gives w_half = peak * (t - launch) - w; the median over the sizes
-    main = bf16 if bf16["peak_flops"] > 1.2 * f32["peak_flops"] else f32
+    # the fallback curve of the fast matmul: a matmul of w flops takes (w + w_half) / peak
+    # + a launch, so each size gives w_half = peak * (t - launch) - w; the median over them
     half = float(np.median([main["peak_flops"] * (t - overhead) - w for w, t in
                             zip(main["work_flops"], main["seconds"], strict=True)]))
     half = max(half, main["peak_flops"] * 1e-7)
     # what a tiny convolution takes beyond its work at the convolution rate and a launch
-    conv_rate = conv_eff * f32["peak_flops"]
-    conv_overhead = max(tiny_s - (tiny_flops + half) / conv_rate - overhead, 0.0)
+    conv_overhead = max(tiny_s - matmul_s(tiny_flops) / conv_eff - overhead, 0.0)
     fig = {"peak_flops": bf16["peak_flops"], "peak_flops_f32": f32["peak_flops"],
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
+           "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
            "conv_overhead_s": conv_overhead,
+           # a term only where it is slower than the memory it moves (a CPU's polynomials)
+           "transcendental_s": per_tanh if per_tanh > 1.5 * 8 / bandwidth else 0.0,
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
            "link_latency_s": link["latency_s"] if link else nan,
@@ -290,7 +273,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            # tables as one figure per entry, so processes agree on each by its median
            **{f"small_conv_flops@{c}": r for c, r in small_by_width.items()},
            **{f"fresh_s_per_byte@{n}": c for n, c in fresh},
-           **{f"layout_s_per_byte@{n}": c for n, c in relayout}}
+           **{f"layout_s_per_byte@{n}": c for n, c in relayout},
+           **{f"dense_matmul_s@{w:.0f}": t for w, t in dense}}
     per_process = None
     if procs > 1:
         fig, per_process = process_median(fig)
@@ -312,13 +296,16 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
     slow_convs = small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
-    rates, fresh_cost, layout_cost = (_table(fig, prefix) for prefix in (
-        "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@"))
+    rates, fresh_cost, layout_cost, dense = (_table(fig, prefix) for prefix in (
+        "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@"))
+    mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
+        matmul_efficiency=mm_eff,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
+        transcendental_s=fig["transcendental_s"],
         layout_change_cost=layout_cost,
         small_input_conv_flops=small_conv if slow_convs else None,
         small_input_conv_rates=rates if slow_convs else (),
@@ -329,16 +316,18 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         link_latency_s=max(fig["link_latency_s"], 0.0) if linked else base.link_latency_s,
         link_buffer_latency_s=fig["link_buffer_latency_s"] if linked
         else base.link_buffer_latency_s,
-        power=_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_))
+        power=measured_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_))
     topology = {"processes": procs, "devices": len(devs), "devices_per_process": len(local),
                 "written_by_process": me}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,
                       _driver_version(),
                       {"matmul_f32": f32, "matmul_bf16": bf16,
+                       "dense_layer_matmul_flops_s": dense, "matmul_efficiency": mm_eff,
                        "bandwidth_Bps": fig["memory_bandwidth"],
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],
                        "conv_overhead_s": fig["conv_overhead_s"],
+                       "transcendental_s": fig["transcendental_s"],
                        "layout_change_cost": layout_cost,
                        "small_input_conv_flops": fig["small_input_conv_flops"],
                        "small_input_conv_rates": rates,

@@ -8,7 +8,8 @@ reduction that backward compute cannot hide:
   tensor-parallel weight's matmuls also over the model axis, a parameter's own ops
   such as the optimizer update over however the parameter is sharded); each op costs
   its kernel launches plus a roofline `max(flops / (peak * eff), bytes / bandwidth)`,
-  where matmul efficiency `w / (w + w_half)` falls as the per-device work `w` shrinks.
+  where matmul efficiency (the calibrated curve `DeviceSpec.matmul_efficiency`, else
+  `w / (w + w_half)`) falls as the per-device work `w` shrinks.
   That fall, with the fixed launch cost, is what makes a small workload slower on
   many devices.
 - communication: ring collectives (`comm.py`); the gradient reduction overlaps the
@@ -59,10 +60,9 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     f = graph.flops / split
     b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
-    rate = np.where(graph.conv > 0, rate * dev.conv_efficiency, rate)
-    half = float(dev.efficiency_half_flops or 0.0) * speed
     per_kernel = f / graph.repeat  # one scan iteration
-    eff = np.where(graph.is_matmul, per_kernel / (per_kernel + half), 1.0)
+    eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
+    rate = np.where(graph.conv > 0, rate * dev.conv_efficiency, rate)
     if dev.small_input_conv_flops is not None:
         # the backend's generic convolution loop: no library, no efficiency curve, a rate
         # that depends on the width
@@ -71,7 +71,9 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         for k in np.flatnonzero(slow).tolist():
             rate[k] = dev.small_conv_rate(int(graph.conv_width[k])) * speed
         eff = np.where(slow, 1.0, eff)
-    flop_t = f / (rate * np.maximum(eff, 1e-9))
+    # transcendental elements are compute as well: at least their calibrated time each
+    trans_t = graph.transcendentals / split * (dev.transcendental_s / speed)
+    flop_t = np.maximum(f / (rate * np.maximum(eff, 1e-9)), trans_t)
     byte_t = b / (dev.memory_bandwidth * speed)
     busy = np.maximum(flop_t, byte_t)
     bound = flop_t > byte_t
@@ -81,7 +83,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         bound &= ~graph.host_transfer
     launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
     return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
-            np.where(bound, f / rate, 0.0))
+            np.where(bound, np.maximum(f / rate, trans_t), 0.0))
 
 
 def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,

@@ -11,6 +11,7 @@ measures them on the real device. `hardware.Cluster` joins N of them by links.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,20 @@ GiB = 2**30
 
 
 # the (size, value) tables of a DeviceSpec
-_TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost")
+_TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
+           "matmul_efficiency")
+
+
+def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
+                     launch_s: float) -> tuple[tuple[float, float], ...]:
+    """`DeviceSpec.matmul_efficiency` from (flops, seconds) timings of single matmuls at a
+    device's `peak_flops`, `launch_s` of each being the kernel launch the model charges
+    apart: (w / peak, (w / peak) / (t - launch)), kept within (0, 1]."""
+    out = []
+    for w, t in timed:
+        at_peak = w / peak_flops
+        out.append((at_peak, float(min(max(at_peak / max(t - launch_s, 1e-12), 1e-6), 1.0))))
+    return tuple(sorted(out))
 
 
 def _per_byte(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
@@ -53,7 +67,15 @@ class DeviceSpec:
       efficiency_half_flops: per-kernel work (flops) at which a matmul reaches half the
         peak; efficiency = w / (w + this), so a matmul costs (w + this) / peak: small
         ones cannot fill the device, which is why splitting small work stops paying.
-        Defaults to one microsecond of peak work.
+        Defaults to one microsecond of peak work. Used where `matmul_efficiency` is empty.
+      matmul_efficiency: measured (seconds at the peak rate, efficiency) pairs: the share of
+        the peak a matmul whose work takes that long at the peak reaches, timed on the
+        matmuls a dense layer's training step runs (forward, input and weight gradients,
+        token-major). Interpolated in log time; past the longest measured it holds, and
+        below the shortest it follows `t / (t + h)` through the shortest point (a fixed
+        cost h, as `efficiency_half_flops` models it). Keyed on time, not
+        flops, so a device with a share of a host's peak keeps its curve. Calibration
+        measures it; the built-ins have none and use `efficiency_half_flops`.
       link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
       link_latency_s: default per-hop latency of that link.
       host_bandwidth: per-direction bandwidth between the device and pinned host memory,
@@ -67,6 +89,12 @@ class DeviceSpec:
       conv_overhead_s: fixed seconds each convolution costs beyond a kernel launch (a
         library's set-up per call: about 15 us on XLA:CPU, measured on this project's
         2-core VM). Calibrated.
+      transcendental_s: seconds per element of an op that evaluates a transcendental
+        function (exp, tanh, erf, ...: `opcost.TRANSCENDENTAL`), its memory traffic
+        included: the op's time is at least its elements times this. A CPU computes them
+        as polynomials, several times slower than its memory (about 1 ns per element on
+        this project's 2-core VM); a GPU's special-function units keep them memory-bound,
+        so the built-ins have 0 (no term). Calibrated, from tanh.
       layout_change_cost: ((array bytes, seconds per byte), ...) that moving an array
         into another layout adds (a physical transpose XLA's layout assignment inserts,
         `hlo.layout_changes`): XLA:CPU's loop fusions read one side across rows, about as
@@ -112,7 +140,9 @@ class DeviceSpec:
     small_input_conv_flops: float | None = None
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
     conv_overhead_s: float = 0.0
+    transcendental_s: float = 0.0
     layout_change_cost: tuple[tuple[float, float], ...] = ()
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     overlaps_collectives: bool = True
@@ -134,6 +164,7 @@ class DeviceSpec:
                                    ("small_input_conv_flops", 0.0, True),
                                    ("link_buffer_latency_s", 0.0, False),
                                    ("conv_overhead_s", 0.0, False),
+                                   ("transcendental_s", 0.0, False),
                                    ("network_bandwidth", 0.0, True),
                                    ("network_latency_s", 0.0, False)):
             v = getattr(self, field)
@@ -146,6 +177,9 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
                                  f"value >= 0) pairs, got {getattr(self, field)!r}")
             object.__setattr__(self, field, tuple(sorted(pairs)))
+        if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
+            raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
+                             f"in (0, 1], got {self.matmul_efficiency!r}")
         if self.efficiency_half_flops is None:
             object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
@@ -166,6 +200,27 @@ class DeviceSpec:
             return self.small_input_conv_flops
         return min(self.small_input_conv_rates,
                    key=lambda p: abs(np.log(p[0] / width)))[1]
+
+    def matmul_eff(self, work: np.ndarray, rate: np.ndarray, speed: float = 1.0
+                   ) -> np.ndarray:
+        """Efficiency of matmuls of `work` flops per kernel at a peak `rate` (flop/s, as
+        scaled by `speed`): the measured curve where there is one, else
+        w / (w + efficiency_half_flops * speed)."""
+        if self.matmul_efficiency:
+            return self.matmul_efficiency_at(np.asarray(work, float) / rate)
+        half = float(self.efficiency_half_flops or 0.0) * speed
+        return np.asarray(work, float) / (np.asarray(work, float) + half)
+
+    def matmul_efficiency_at(self, peak_s: np.ndarray) -> np.ndarray:
+        """Efficiency of matmuls whose work takes `peak_s` seconds at the peak rate, from
+        `matmul_efficiency` (which must not be empty): interpolated in log time, held past
+        the longest measured; below the shortest, `t / (t + h)` with the fixed cost h that
+        gives the shortest its measured efficiency."""
+        times, eff = (np.asarray(v, float) for v in zip(*self.matmul_efficiency, strict=True))
+        t = np.maximum(np.asarray(peak_s, float), 1e-15)
+        inside = np.interp(np.log(t), np.log(times), eff)
+        fixed = times[0] * (1.0 / max(eff[0], 1e-9) - 1.0)
+        return np.where(t < times[0], t / (t + fixed), inside)
 
     def fresh_memory_s(self, nbytes: float) -> float:
         """Seconds the step pays for `nbytes` of scratch memory mapped afresh

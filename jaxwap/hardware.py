@@ -243,6 +243,7 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         small_input_conv_rates=tuple((w, r * share) for w, r in spec.small_input_conv_rates),
         layout_change_cost=tuple((b, c / share) for b, c in spec.layout_change_cost),
         conv_overhead_s=spec.conv_overhead_s / share,
+        transcendental_s=spec.transcendental_s / share,
         # fresh pages are faulted in by the process's one allocator: a per-byte cost, and
         # a device's scratch is its own, so it is not shared out
         memory_bytes=float(host_memory) / max(local, 1),

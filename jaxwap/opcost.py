@@ -1,7 +1,7 @@
 """What each operation of the flat program costs: flops, bytes and kernel launches by
 jax's own roofline rules (each equation costed once per primitive, shapes and params, so
-the identical blocks of a deep model pay once), and which convolutions take the backend's
-slow generic loop."""
+the identical blocks of a deep model pay once), the transcendental elements it evaluates,
+and which convolutions take the backend's slow generic loop."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ import numpy as np
 from .flatten import FlatProgram, itemsize_of
 from .primitives import ELEMENTWISE, FREE, MATMUL, RooflineRules
 
+# elementwise primitives a CPU evaluates as a polynomial or series per element, far
+# slower than their bytes (`DeviceSpec.transcendental_s`); sqrt and rsqrt are instructions
+TRANSCENDENTAL = frozenset({
+    "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "erf", "erfc", "erf_inv",
+    "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "pow", "lgamma", "digamma", "cbrt"})
+
 
 @dataclass(frozen=True)
 class OpCosts:
@@ -23,6 +30,7 @@ class OpCosts:
     is_matmul: np.ndarray
     low_precision: np.ndarray
     unmodeled: tuple[str, ...]
+    transcendentals: np.ndarray
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -39,7 +47,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
     n = len(prog.ops)
     # (python lists: fast to index one by one; the sums add the same float64 values)
     size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
-    flops, traffic, kernels = np.zeros(n), np.zeros(n), np.zeros(n)
+    flops, traffic, kernels, trans = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     lowp = np.zeros(n, bool)
     fusible = [False] * len(V)  # made by an elementwise or free op
     priced: dict[Any, tuple[float, float] | None] = {}
@@ -62,6 +70,8 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             cost = (float(sum(size[o] for o in op.outs)),
                     float(sum(nbytes[i] for i in op.ins)) + out_bytes)
         flops[k] = cost[0] * op.repeat
+        if op.prim in TRANSCENDENTAL:
+            trans[k] = float(sum(size[o] for o in op.outs)) * op.repeat
         if kind == ELEMENTWISE:
             traffic[k] = out_bytes * op.repeat
             kernels[k] = 0.0 if any(fusible[i] for i in op.ins) else float(op.repeat)
@@ -73,7 +83,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             if kind == MATMUL:
                 lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
-    return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)))
+    return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans)
 
 
 def eqn_key(eqn: Any) -> Any:
@@ -134,4 +144,5 @@ def conv_width(eqn: Any) -> int:
     return int(lhs[eqn.params["dimension_numbers"].lhs_spec[1]])
 
 
-__all__ = ["OpCosts", "conv_kind", "conv_width", "eqn_key", "op_costs", "unbatched_bytes"]
+__all__ = ["TRANSCENDENTAL", "OpCosts", "conv_kind", "conv_width", "eqn_key", "op_costs",
+           "unbatched_bytes"]

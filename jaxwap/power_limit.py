@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -28,10 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
+from .device import DeviceSpec
 from .energy import _describe, _error_types, nvml_handle
+from .power import PowerProfile, curve_from_points, dynamic_shares
 
-__all__ = ["PowerLimitGuard", "limit_range_w", "measure_clock_curve"]
+__all__ = ["PowerLimitGuard", "limit_range_w", "measure_clock_curve", "measured_power_profile"]
 
 
 def _label(device: Any) -> str:
@@ -357,3 +361,39 @@ def measure_clock_curve(
             return t
         curve.append((watts, min(1.0, t_default / t) if t > 0 else 1.0))
     return tuple(sorted(curve))
+
+
+def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory_w: float,
+                   compute: Callable[[], Any], notes: list[str]) -> PowerProfile | None:
+    """The device's power profile: the phases' power as measured (the communication
+    phase keeps the built-in profile's share of the dynamic range: no probe isolates it),
+    the limits NVML says it accepts, and the clock each limit leaves a compute-bound
+    kernel, measured by setting them. Without NVML: the built-in profile; without the
+    right to set limits: the built-in curve, and the notes say why."""
+    prior = base.power_profile()
+    if watts is None:
+        return base.power
+    idle, hot = watts
+    dyn = max(hot - idle, 1e-9)
+    share = dynamic_shares(prior, base.idle_watts)[1]
+    limits = limit_range_w(dev)
+    curve = prior.clock_curve
+    if limits is None:
+        notes.append("power limits not read (NVML gives no range): the device is planned "
+                     "uncapped")
+    else:
+        lo, hi, default = limits
+        tried = [float(w) for w in np.linspace(lo, default, 6)[:-1]]
+        got = measure_clock_curve(dev, tried, compute)
+        if isinstance(got, str):
+            notes.append(f"power-limit curve not measured ({got}): kept the built-in "
+                         f"profile's")
+        else:
+            curve = curve_from_points(got)
+    return PowerProfile(
+        matmul_watts=hot, memory_watts=memory_w if not math.isnan(memory_w)
+        else prior.memory_watts, comm_watts=idle + share * dyn,
+        limit_range_w=None if limits is None else (limits[0], limits[1]),
+        default_limit_w=None if limits is None else limits[2], clock_curve=curve,
+        source="measured by jaxwap calibrate (NVML)"
+        + ("" if curve is not prior.clock_curve else "; published clock curve"))

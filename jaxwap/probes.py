@@ -96,6 +96,36 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
             "peak_flops": 1.0 / slope if slope > 0 else best, "intercept_s": intercept}
 
 
+def _dense_layers(r: int) -> Callable[[Any, Any, Any], Any]:
+    """r pairs of token-major dense layers (t, k) -> (t, n) -> (t, k), forward and both
+    gradients: each matmul runs in the three forms a training step runs it in."""
+    def loss(x: Any, a: Any, b: Any) -> Any:
+        for _ in range(r):
+            x = (x @ a) @ b
+        return x.sum()
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def matmul_training(device: Any, dtype: Any, sizes: Sequence[int],
+                    progress: Progress) -> list[tuple[float, float]]:
+    """(flops, seconds) per matmul of dense layers in a training step (`_dense_layers`,
+    timed `in_program`): for each n of `sizes`, 4n tokens through n/4 -> n -> n/4
+    features, so each matmul is 2n^3 flops, as the square of that size, in the shapes
+    and transposes of a real step (a weight gradient contracts the tokens). Weights 1/k
+    and 1/n keep the values 1. Launches are included."""
+    out = []
+    for n in sizes:
+        t, k = 4 * n, max(n // 4, 8)
+        x = jax.device_put(jnp.ones((t, k), dtype), device)
+        a = jax.device_put(jnp.full((k, n), 1.0 / k, dtype), device)
+        b = jax.device_put(jnp.full((n, k), 1.0 / n, dtype), device)
+        work = 2.0 * t * k * n
+        reps = int(min(16, max(2, 4.0 * float(sizes[-1]) ** 3 // (6 * work))))
+        out.append((work, in_program(_dense_layers, (x, a, b), reps) / 6))
+        progress.step(f"dense layer {n}")
+    return out
+
+
 def in_place(fn: Callable[..., Any], first: Any, *rest: Any) -> float:
     """Seconds of `fn(first, *rest)` run as a training step runs its donated state: the
     last result is the next call's `first`, donated, so the output takes its memory."""
@@ -185,20 +215,20 @@ def _conv_flops(fn: Callable[..., Any], *args: Any) -> float:
                if op.prim == "conv_general_dilated")
 
 
-def conv_rates(device: Any, f32: dict[str, Any], quick: bool
+def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool
                ) -> tuple[float, float, dict[int, float]]:
     """(conv_efficiency, small_input_conv_flops, {input features: flop/s}): convolutions
-    (forward and both gradients, f32) against what the fitted f32 matmul curve gives the
-    same work, and the flop/s of a convolution whose window is larger than its input, the
-    median and per width. Work is counted as the cost model counts it (`_conv_flops`)."""
-    slope, intercept = 1.0 / f32["peak_flops"], f32["intercept_s"]
+    (forward and both gradients, f32) against what the f32 matmul curve gives the same
+    work (`matmul_s`: seconds of one f32 matmul of w flops, its launch included), and the
+    flop/s of a convolution whose window is larger than its input, the median and per
+    width. Work is counted as the cost model counts it (`_conv_flops`)."""
     as_matmul = measured = 0.0
     for b, h, c, k in CONV_SHAPES[:2] if quick else CONV_SHAPES:
         x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
         w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
         f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
         measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
-        as_matmul += _conv_flops(f, x, w) * slope + 3 * intercept
+        as_matmul += 3 * matmul_s(_conv_flops(f, x, w) / 3)
     rates = {}
     g = jax.jit(_conv)
     for b, h, c, k in SMALL_INPUT_CONVS[:1] if quick else SMALL_INPUT_CONVS:
@@ -253,6 +283,22 @@ def kernel_overhead(device: Any, chain: int = 64) -> float:
         return f
 
     return in_program(chained, (x,), chain - 1, repeats=9)
+
+
+def transcendental(device: Any, elements: int = 2**20) -> float:
+    """Seconds per element of a tanh over `elements` (4 MiB of f32 by default: past the
+    cache, as a training step's activations are), its memory traffic included, timed in a
+    chain of them inside a program (a barrier keeps each its own kernel)."""
+    x = jax.device_put(jnp.ones((elements // 256, 256), jnp.float32), device)
+
+    def chained(k: int) -> Callable[[Any], Any]:
+        def f(v: Any) -> Any:
+            for _ in range(k):
+                v = jax.lax.optimization_barrier(jnp.tanh(v))
+            return v
+        return f
+
+    return in_program(chained, (x,), 8) / elements
 
 
 def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
@@ -343,4 +389,4 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
            "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
            "in_place", "in_program", "kernel_overhead", "layout_change", "link_sizes",
-           "matmul_curve", "power", "time_it", "tiny_conv"]
+           "matmul_curve", "matmul_training", "power", "time_it", "tiny_conv", "transcendental"]

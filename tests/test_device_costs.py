@@ -1,7 +1,9 @@
 """The device costs calibration found in real steps on XLA:CPU (issue 10): a generic-loop
-convolution's rate by its width, a fixed cost per convolution, and the scratch memory the
-host allocator maps afresh each step; each priced where the model says, and the fresh
-memory of a compiled candidate taken from XLA's own temp allocation."""
+convolution's rate by its width, a fixed cost per convolution, the scratch memory the
+host allocator maps afresh each step, the matmul efficiency measured on dense layers'
+training forms and the time per transcendental element; each priced where the model
+says, and the fresh memory of a compiled candidate taken from XLA's own temp
+allocation."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from models import abstract_setup, analyze_step
 
 import jaxwap
 from jaxwap.cost import op_times, with_compiled
-from jaxwap.device import DeviceSpec
+from jaxwap.device import DeviceSpec, efficiency_table
 from jaxwap.hardware import Cluster
 from jaxwap.hlo import layout_changes
 from jaxwap.planner import make_plan
@@ -170,3 +172,59 @@ def test_a_combined_collective_pays_the_buffer_latency_per_extra_array():
     one = dataclasses.replace(c, buffers=1)
     assert collective_cost(c, cluster, 2, 1)[0] - collective_cost(one, cluster, 2, 1)[0] \
         == pytest.approx(2 * 4e-3)
+
+
+CURVE = dataclasses.replace(SPEC, matmul_efficiency=((1e-6, 0.2), (1e-5, 0.5), (1e-4, 0.9)))
+
+
+def test_matmul_efficiency_curve_interpolates_holds_and_falls_below_the_table():
+    at = CURVE.matmul_efficiency_at
+    np.testing.assert_allclose(at(np.array([1e-6, 1e-5, 1e-4, 1.0])), [0.2, 0.5, 0.9, 0.9])
+    assert at(np.array([10 ** -5.5]))[0] == pytest.approx(0.35)     # halfway in log time
+    # below the shortest: t / (t + h), h giving the shortest its efficiency (h = 4 us)
+    assert at(np.array([1e-7]))[0] == pytest.approx(1e-7 / (1e-7 + 4e-6))
+    # keyed on time at the peak: the same work at twice the rate is half as long
+    assert CURVE.matmul_eff(1e6, 1e11) == pytest.approx(0.5)
+    assert CURVE.matmul_eff(1e6, 2e11) == pytest.approx(at(np.array([5e-6]))[0])
+    # without a curve: the half-efficiency model
+    bare = dataclasses.replace(SPEC, efficiency_half_flops=1e6)
+    assert bare.matmul_eff(3e6, 1e11) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        dataclasses.replace(SPEC, matmul_efficiency=((1e-6, 1.5),))
+
+
+def test_efficiency_table_takes_the_launch_out_and_stays_within_one():
+    # 1 Mflop at 1e11 flop/s is 10 us of work; measured 21 us with a 1 us launch: 0.5
+    ((t, e),) = efficiency_table([(1e6, 21e-6)], 1e11, 1e-6)
+    assert (t, e) == (pytest.approx(1e-5), pytest.approx(0.5))
+    assert efficiency_table([(1e6, 5e-6)], 1e11, 1e-6) == ((1e-5, 1.0),)   # faster: 1
+
+
+def test_matmuls_are_priced_by_the_measured_curve():
+    f32 = jax.ShapeDtypeStruct
+    g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]))),
+                     {"w": f32((64, 256), jnp.float32)}, f32((256, 64), jnp.float32),
+                     batch_size=256)
+    mm = np.flatnonzero(g.is_matmul)
+    assert len(mm) >= 2          # forward and weight gradient
+    rate = SPEC.peak_flops_f32 or SPEC.peak_flops / 2
+    t = op_times(g, Cluster(CURVE, 1), 1.0)
+    eff = CURVE.matmul_efficiency_at(g.flops[mm] / rate)
+    expect = np.maximum(g.flops[mm] / (rate * eff), g.bytes[mm] / SPEC.memory_bandwidth) \
+        + g.kernels[mm] * SPEC.kernel_overhead_s
+    np.testing.assert_allclose(t[mm], expect, rtol=1e-12)
+
+
+def test_transcendental_elements_cost_at_least_their_calibrated_time():
+    f32 = jax.ShapeDtypeStruct
+    g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.tanh(x * p["s"]) + jnp.sqrt(x * x))),
+                     {"s": f32((4096,), jnp.float32)}, f32((256, 4096), jnp.float32),
+                     batch_size=256)
+    tanh = np.flatnonzero(g.transcendentals > 0)
+    assert len(tanh) >= 1 and (g.transcendentals[tanh] == 256 * 4096).all()
+    slow = dataclasses.replace(SPEC, transcendental_s=1e-9)
+    base, more = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, slow))
+    np.testing.assert_allclose(more[tanh], 256 * 4096 * 1e-9 + g.kernels[tanh] * 1e-6,
+                               rtol=1e-9)
+    others = np.setdiff1d(np.arange(len(base)), tanh)
+    np.testing.assert_array_equal(more[others], base[others])   # sqrt is no such op

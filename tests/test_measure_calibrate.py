@@ -31,6 +31,14 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     if s.small_input_conv_flops is not None:
         assert all(0 < r < s.peak_flops_f32 for _, r in s.small_input_conv_rates)
     assert s.conv_overhead_s >= 0
+    # the matmul curve of dense layers in training forms, one point per size timed, each
+    # efficiency in (0, 1] at increasing times; tanh timed per element (0 where it is no
+    # slower than its memory)
+    dense = cal.measurements["dense_layer_matmul_flops_s"]
+    assert len(s.matmul_efficiency) == len(dense) >= 2
+    assert [w for w, _ in dense] == sorted(w for w, _ in dense)
+    assert all(0 < e <= 1 for _, e in s.matmul_efficiency)
+    assert s.transcendental_s >= 0
     assert [n for n, _ in s.fresh_memory_cost] == [2**24, 2**26]
     assert all(c >= 0 for _, c in s.fresh_memory_cost)
     assert cal.measurements["link_buffer_latency_s"] >= 0
