@@ -222,6 +222,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         dev, lambda w: matmul_s(w) + overhead, quick)
     tiny_s, tiny_flops = probes.tiny_conv(dev)
     per_tanh = probes.transcendental(dev)
+    reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
+                              overhead)
     bar.step("convolutions")
     fresh = probes.fresh_memory(dev, probes.fresh_memory_sizes(on_cpu, quick))
     bar.step("fresh memory")
@@ -274,7 +276,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            **{f"small_conv_flops@{c}": r for c, r in small_by_width.items()},
            **{f"fresh_s_per_byte@{n}": c for n, c in fresh},
            **{f"layout_s_per_byte@{n}": c for n, c in relayout},
-           **{f"dense_matmul_s@{w:.0f}": t for w, t in dense}}
+           **{f"dense_matmul_s@{w:.0f}": t for w, t in dense},
+           **{f"reduce_s_per_byte@{n}": c for n, c in reduce}}
     per_process = None
     if procs > 1:
         fig, per_process = process_median(fig)
@@ -296,14 +299,15 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
     slow_convs = small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
-    rates, fresh_cost, layout_cost, dense = (_table(fig, prefix) for prefix in (
-        "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@"))
+    rates, fresh_cost, layout_cost, dense, reduce_cost = (_table(fig, prefix) for prefix in (
+        "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@",
+        "reduce_s_per_byte@"))
     mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
-        matmul_efficiency=mm_eff,
+        matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
         transcendental_s=fig["transcendental_s"],
         layout_change_cost=layout_cost,
@@ -323,6 +327,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                       _driver_version(),
                       {"matmul_f32": f32, "matmul_bf16": bf16,
                        "dense_layer_matmul_flops_s": dense, "matmul_efficiency": mm_eff,
+                       "reduction_cost": reduce_cost,
                        "bandwidth_Bps": fig["memory_bandwidth"],
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],

@@ -75,6 +75,10 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     trans_t = graph.transcendentals / split * (dev.transcendental_s / speed)
     flop_t = np.maximum(f / (rate * np.maximum(eff, 1e-9)), trans_t)
     byte_t = b / (dev.memory_bandwidth * speed)
+    if dev.reduction_cost:
+        # a reduction takes at least its measured time at its size, per kernel
+        per = np.where(graph.reduction, b / np.maximum(graph.kernels, 1.0), 0.0)
+        byte_t = np.maximum(byte_t, graph.kernels * dev.reduction_s(per) / speed)
     busy = np.maximum(flop_t, byte_t)
     bound = flop_t > byte_t
     if graph.host_transfer.any():

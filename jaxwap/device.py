@@ -25,7 +25,7 @@ GiB = 2**30
 
 # the (size, value) tables of a DeviceSpec
 _TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
-           "matmul_efficiency")
+           "matmul_efficiency", "reduction_cost")
 
 
 def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
@@ -40,13 +40,15 @@ def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
     return tuple(sorted(out))
 
 
-def _per_byte(table: tuple[tuple[float, float], ...], nbytes: float) -> float:
-    """A (bytes, seconds per byte) table at `nbytes`: interpolated in log size, held at
-    the ends; 0 for an empty table or no bytes."""
-    if not table or nbytes <= 0:
-        return 0.0
+def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
+    """A (bytes, seconds per byte) table at `nbytes` (a number or an array): interpolated
+    in log size, held at the ends; 0 for an empty table or no bytes."""
+    n = np.asarray(nbytes, float)
+    if not table:
+        return np.zeros_like(n) if n.ndim else 0.0
     sizes, per_byte = zip(*table, strict=True)
-    return float(np.interp(np.log(nbytes), np.log(sizes), per_byte))
+    got = np.where(n > 0, np.interp(np.log(np.maximum(n, 1e-30)), np.log(sizes), per_byte), 0.0)
+    return got if n.ndim else float(got)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,11 @@ class DeviceSpec:
       conv_overhead_s: fixed seconds each convolution costs beyond a kernel launch (a
         library's set-up per call: about 15 us on XLA:CPU, measured on this project's
         2-core VM). Calibrated.
+      reduction_cost: measured ((bytes, seconds per byte), ...) of a reduction moving that
+        many bytes, its launch apart: a CPU splits a mid-sized reduction over its thread
+        pool, which costs more than it saves (a 64 KiB one: about 20-40 us on two cores
+        of this project's VM, 10 on one). Interpolated in log size; the op takes at least
+        this. Calibrated; the built-ins have none.
       transcendental_s: seconds per element of an op that evaluates a transcendental
         function (exp, tanh, erf, ...: `opcost.TRANSCENDENTAL`), its memory traffic
         included: the op's time is at least its elements times this. A CPU computes them
@@ -143,6 +150,7 @@ class DeviceSpec:
     transcendental_s: float = 0.0
     layout_change_cost: tuple[tuple[float, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    reduction_cost: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     overlaps_collectives: bool = True
@@ -221,6 +229,10 @@ class DeviceSpec:
         inside = np.interp(np.log(t), np.log(times), eff)
         fixed = times[0] * (1.0 / max(eff[0], 1e-9) - 1.0)
         return np.where(t < times[0], t / (t + fixed), inside)
+
+    def reduction_s(self, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds of reductions moving `nbytes` each (`reduction_cost`; 0 without it)."""
+        return np.asarray(nbytes, float) * _per_byte(self.reduction_cost, nbytes)
 
     def fresh_memory_s(self, nbytes: float) -> float:
         """Seconds the step pays for `nbytes` of scratch memory mapped afresh

@@ -140,6 +140,9 @@ class Graph:
     # [ops] the transcendental elements each op evaluates (`opcost.TRANSCENDENTAL`: exp,
     # tanh, ...), priced by `DeviceSpec.transcendental_s`; left out, none
     transcendentals: np.ndarray | None = field(default=None)
+    # [ops] whether each op is a reduction (`opcost.REDUCTIONS`), priced by
+    # `DeviceSpec.reduction_cost` where it has one; left out, none
+    reduction: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -152,6 +155,8 @@ class Graph:
             object.__setattr__(self, "conv_width", np.zeros(len(self.flops), np.int64))
         if self.transcendentals is None:
             object.__setattr__(self, "transcendentals", np.zeros(len(self.flops)))
+        if self.reduction is None:
+            object.__setattr__(self, "reduction", np.zeros(len(self.flops), bool))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
@@ -224,7 +229,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
-        transcendentals=costs.transcendentals,
+        transcendentals=costs.transcendentals, reduction=costs.reductions,
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),

@@ -242,6 +242,7 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         else spec.small_input_conv_flops * share,
         small_input_conv_rates=tuple((w, r * share) for w, r in spec.small_input_conv_rates),
         layout_change_cost=tuple((b, c / share) for b, c in spec.layout_change_cost),
+        reduction_cost=tuple((b, c / share) for b, c in spec.reduction_cost),
         conv_overhead_s=spec.conv_overhead_s / share,
         transcendental_s=spec.transcendental_s / share,
         # fresh pages are faulted in by the process's one allocator: a per-byte cost, and

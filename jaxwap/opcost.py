@@ -22,6 +22,12 @@ TRANSCENDENTAL = frozenset({
     "atanh", "pow", "lgamma", "digamma", "cbrt"})
 
 
+# reductions: on a CPU a mid-sized one is split over the host's thread pool, and the
+# split costs more than it saves (`DeviceSpec.reduction_cost`)
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
+                        "reduce_and", "reduce_or", "argmax", "argmin"})
+
+
 @dataclass(frozen=True)
 class OpCosts:
     flops: np.ndarray
@@ -31,6 +37,7 @@ class OpCosts:
     low_precision: np.ndarray
     unmodeled: tuple[str, ...]
     transcendentals: np.ndarray
+    reductions: np.ndarray
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -83,7 +90,9 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             if kind == MATMUL:
                 lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
-    return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans)
+    reductions = np.array([op.prim in REDUCTIONS for op in prog.ops], dtype=bool)
+    return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
+                   reductions)
 
 
 def eqn_key(eqn: Any) -> Any:
@@ -144,5 +153,5 @@ def conv_width(eqn: Any) -> int:
     return int(lhs[eqn.params["dimension_numbers"].lhs_spec[1]])
 
 
-__all__ = ["TRANSCENDENTAL", "OpCosts", "conv_kind", "conv_width", "eqn_key", "op_costs",
-           "unbatched_bytes"]
+__all__ = ["REDUCTIONS", "TRANSCENDENTAL", "OpCosts", "conv_kind", "conv_width", "eqn_key",
+           "op_costs", "unbatched_bytes"]

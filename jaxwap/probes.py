@@ -301,6 +301,28 @@ def transcendental(device: Any, elements: int = 2**20) -> float:
     return in_program(chained, (x,), 8) / elements
 
 
+def reduction(device: Any, sizes: Sequence[int], bandwidth_Bps: float, launch_s: float
+              ) -> list[tuple[int, float]]:
+    """(bytes, seconds per byte) of a reduction over an f32 array of each size, its launch
+    apart: a chain of column then row sums, each added back to the array (so the chain
+    depends on it), timed `in_program`; the add (a kernel reading and writing the array)
+    is taken out at `bandwidth_Bps` and `launch_s`."""
+    def chained(k: int) -> Callable[[Any], Any]:
+        def f(v: Any) -> Any:
+            for _ in range(k):
+                v = v + jnp.sum(v, axis=0, keepdims=True) * 1e-6
+                v = v + jnp.sum(v, axis=1, keepdims=True) * 1e-6
+            return v
+        return f
+
+    out = []
+    for n in sizes:
+        x = jax.device_put(jnp.zeros((max(n // 1024, 1), 256), jnp.float32), device)
+        each = in_program(chained, (x,), 8) / 2
+        out.append((n, max(each - 2 * n / bandwidth_Bps - 2 * launch_s, 0.0) / n))
+    return out
+
+
 def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
     """All-reduce sizes from latency-bound (4 KiB) to bandwidth-bound, so the fit pins
     both figures; a GPU link needs far larger messages to reach its peak, and a CPU's
@@ -389,4 +411,5 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
 __all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
            "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
            "in_place", "in_program", "kernel_overhead", "layout_change", "link_sizes",
-           "matmul_curve", "matmul_training", "power", "time_it", "tiny_conv", "transcendental"]
+           "matmul_curve", "matmul_training", "power", "reduction", "time_it", "tiny_conv",
+           "transcendental"]

@@ -228,3 +228,19 @@ def test_transcendental_elements_cost_at_least_their_calibrated_time():
                                rtol=1e-9)
     others = np.setdiff1d(np.arange(len(base)), tanh)
     np.testing.assert_array_equal(more[others], base[others])   # sqrt is no such op
+
+
+def test_reductions_take_at_least_their_measured_time_at_their_size():
+    f32 = jax.ShapeDtypeStruct
+    g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.mean(x * p["s"], axis=0) ** 2)),
+                     {"s": f32((256,), jnp.float32)}, f32((64, 256), jnp.float32),
+                     batch_size=64)
+    red = np.flatnonzero(g.reduction)
+    assert len(red) >= 2            # the mean over the batch, the sum, the gradient's
+    slow = dataclasses.replace(SPEC, reduction_cost=((2**10, 1e-8), (2**20, 1e-8)))
+    base, more = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, slow))
+    per = g.bytes[red] / g.kernels[red]
+    np.testing.assert_allclose(
+        more[red], g.kernels[red] * (per * 1e-8 + SPEC.kernel_overhead_s), rtol=1e-9)
+    others = np.setdiff1d(np.arange(len(base)), red)
+    np.testing.assert_array_equal(more[others], base[others])

@@ -39,6 +39,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     assert [w for w, _ in dense] == sorted(w for w, _ in dense)
     assert all(0 < e <= 1 for _, e in s.matmul_efficiency)
     assert s.transcendental_s >= 0
+    assert len(s.reduction_cost) == 6 and all(c >= 0 for _, c in s.reduction_cost)
     assert [n for n, _ in s.fresh_memory_cost] == [2**24, 2**26]
     assert all(c >= 0 for _, c in s.fresh_memory_cost)
     assert cal.measurements["link_buffer_latency_s"] >= 0
