@@ -363,8 +363,9 @@ def measure_clock_curve(
     return tuple(sorted(curve))
 
 
-def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None, memory_w: float,
-                   compute: Callable[[], Any], notes: list[str]) -> PowerProfile | None:
+def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None,
+                           memory_w: float, compute: Callable[[], Any], notes: list[str]
+                           ) -> PowerProfile | None:
     """The device's power profile: the phases' power as measured (the communication
     phase keeps the built-in profile's share of the dynamic range: no probe isolates it),
     the limits NVML says it accepts, and the clock each limit leaves a compute-bound

@@ -67,12 +67,17 @@ def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
     return max((tr - t1) / reps, 1e-9)
 
 
-def _chain(r: int) -> Callable[[Any, Any], Any]:
-    def f(v: Any, w: Any) -> Any:
-        for _ in range(r):
-            v = v @ w
-        return v
-    return f
+def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
+    """`make(k)` for `in_program`: a function of (v, *rest) that applies `v = link(v,
+    *rest)` k times, each link depending on the one before."""
+    def make(k: int) -> Callable[..., Any]:
+        def f(v: Any, *rest: Any) -> Any:
+            for _ in range(k):
+                v = link(v, *rest)
+            return v
+        return f
+    return make
+
 
 
 def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
@@ -87,7 +92,7 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
         work = 2.0 * n ** 3
         reps = int(min(64, max(2, target // work)))
         works.append(work)
-        times.append(in_program(_chain, (w, w), reps))
+        times.append(in_program(_repeated(lambda v, w: v @ w), (w, w), reps))
         progress.step(f"matmul {np.dtype(dtype).name} {n}")
     slope, intercept = fit_line(works, times)
     best = max(w / t for w, t in zip(works, times, strict=True))
@@ -99,11 +104,8 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
 def _dense_layers(r: int) -> Callable[[Any, Any, Any], Any]:
     """r pairs of token-major dense layers (t, k) -> (t, n) -> (t, k), forward and both
     gradients: each matmul runs in the three forms a training step runs it in."""
-    def loss(x: Any, a: Any, b: Any) -> Any:
-        for _ in range(r):
-            x = (x @ a) @ b
-        return x.sum()
-    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+    layers = _repeated(lambda x, a, b: (x @ a) @ b)(r)
+    return jax.value_and_grad(lambda x, a, b: layers(x, a, b).sum(), argnums=(0, 1, 2))
 
 
 def matmul_training(device: Any, dtype: Any, sizes: Sequence[int],
@@ -267,29 +269,14 @@ def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     convolution costs whatever its size (`DeviceSpec.conv_overhead_s`)."""
     x = jax.device_put(jnp.ones((8, 8, 8, 16), jnp.float32), device)
     w = jax.device_put(jnp.ones((3, 3, 16, 16), jnp.float32), device)
-
-    def chained(k: int) -> Callable[[Any, Any], Any]:
-        def f(v: Any, w: Any) -> Any:
-            for _ in range(k):
-                v = jnp.tanh(_conv(v, w))
-            return v
-        return f
-
+    chained = _repeated(lambda v, w: jnp.tanh(_conv(v, w)))
     return in_program(chained, (x, w), chain - 1, repeats=9), _conv_flops(_conv, x, w)
 
 
 def kernel_overhead(device: Any, chain: int = 64) -> float:
     """Seconds per extra kernel: a chain of tiny dependent matmuls that cannot fuse."""
     x = jax.device_put(jnp.ones((8, 8), jnp.float32), device)
-
-    def chained(k: int) -> Callable[[Any], Any]:
-        def f(v: Any) -> Any:
-            for _ in range(k):
-                v = jnp.tanh(v @ v)
-            return v
-        return f
-
-    return in_program(chained, (x,), chain - 1, repeats=9)
+    return in_program(_repeated(lambda v: jnp.tanh(v @ v)), (x,), chain - 1, repeats=9)
 
 
 def transcendental(device: Any, elements: int = 2**20) -> float:
@@ -297,14 +284,7 @@ def transcendental(device: Any, elements: int = 2**20) -> float:
     cache, as a training step's activations are), its memory traffic included, timed in a
     chain of them inside a program (a barrier keeps each its own kernel)."""
     x = jax.device_put(jnp.ones((elements // 256, 256), jnp.float32), device)
-
-    def chained(k: int) -> Callable[[Any], Any]:
-        def f(v: Any) -> Any:
-            for _ in range(k):
-                v = jax.lax.optimization_barrier(jnp.tanh(v))
-            return v
-        return f
-
+    chained = _repeated(lambda v: jax.lax.optimization_barrier(jnp.tanh(v)))
     return in_program(chained, (x,), 8) / elements
 
 
@@ -314,15 +294,11 @@ def reduction(device: Any, sizes: Sequence[int], bandwidth_Bps: float, launch_s:
     apart: a chain of column then row sums, each added back to the array (so the chain
     depends on it), timed `in_program`; the add (a kernel reading and writing the array)
     is taken out at `bandwidth_Bps` and `launch_s`."""
-    def chained(k: int) -> Callable[[Any], Any]:
-        def f(v: Any) -> Any:
-            for _ in range(k):
-                v = v + jnp.sum(v, axis=0, keepdims=True) * 1e-6
-                v = v + jnp.sum(v, axis=1, keepdims=True) * 1e-6
-            return v
-        return f
+    def sums(v: Any) -> Any:
+        v = v + jnp.sum(v, axis=0, keepdims=True) * 1e-6
+        return v + jnp.sum(v, axis=1, keepdims=True) * 1e-6
 
-    out = []
+    chained, out = _repeated(sums), []
     for n in sizes:
         x = jax.device_put(jnp.zeros((max(n // 1024, 1), 256), jnp.float32), device)
         each = in_program(chained, (x,), 8) / 2
