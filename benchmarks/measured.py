@@ -9,17 +9,20 @@ Two set-ups, both real devices of this machine (no simulated devices):
 - ``cluster``: two processes under `jax.distributed` on 127.0.0.1, one CPU device each,
   each pinned to its own core, talking over gloo: real devices with real communication.
 
-In each, the profile is calibrated there and then (`jaxwap.calibrate`: per-device flop/s,
-bandwidth, kernel overhead, and in the cluster link bandwidth and latency over gloo), and
-the planner plans with it (`hardware=None` planning would use the same calibration). For
-every CI-sized model of `benchmarks/zoo.py` every candidate layout of 1 and 2 devices
-(each mesh the search keeps with the planner's layout, and plain data parallelism, ZeRO-1
-and FSDP where the mesh has a data axis) is compiled by `verify.compile_candidate`, the
-function `auto_shard` compiles through, run on synthetic data, and timed (median of the
-steps after a warm-up). Each is set against the step time the planner predicted for it,
-twice: the analytic model's (what the search ranks every candidate with) and the same
-model fed XLA's figures of that compiled program (`cost.with_compiled`: what verification
-ranks the compiled finalists with).
+In each, before each model's candidates, the profile is calibrated there and then
+(`jaxwap.calibrate`: per-device flop/s, bandwidth, kernel overhead, and in the cluster link
+bandwidth and latency over gloo), and the planner plans with it (`hardware=None` planning
+would use the same calibration). For every CI-sized model of `benchmarks/zoo.py` every
+candidate layout of 1 and 2 devices (each mesh the search keeps with the planner's layout,
+and plain data parallelism, ZeRO-1 and FSDP where the mesh has a data axis) is compiled by
+`verify.compile_candidate`, the function `auto_shard` compiles through, and run on
+synthetic data. A model's candidates are timed in interleaved rounds (all of them, then all
+again, ``--rounds``), so the machine's drift falls on all of them alike; the median over
+every timed step is kept, and how far the rounds' medians lie apart is recorded. Each is
+set against the step time the planner predicted for it, twice: the analytic model's (what
+the search ranks every candidate with) and the same model fed XLA's figures of that
+compiled program (`cost.with_compiled`: what verification ranks the compiled finalists
+with).
 
 Then plan quality against the measured oracle: the planner's default choice (`jaxwap.plan`
 with its default verification, objectives "throughput" and "balanced") is looked up among
@@ -83,32 +86,38 @@ def worker(args: argparse.Namespace) -> None:
         else (lambda name: None)
     log = (lambda *a: print(*a, flush=True)) if pid == 0 else (lambda *a: None)
 
-    # one calibration for the whole set-up: every process measures (the link needs all of
-    # them), process 0's record is the one every process plans with, so plans agree
     shared = Path(args.workdir)
-    cal = calibrate_full(devices, progress=False, quick=args.quick, use_cache=False,
-                         directory=shared / f"cal{pid}")
-    if pid == 0:
-        (shared / "calibration.json").write_text(json.dumps(cal.to_dict()))
-    sync("calibrated")
-    cal = Calibration.from_dict(json.loads((shared / "calibration.json").read_text()))
-    cluster, _ = detect_cluster(devices, cal)
-    # across processes the calibrated link is the one between them (`detect_cluster`)
-    link = (f", link between processes {cal.spec.link_bandwidth / 1e9:.3f} GB/s "
-            f"{cal.spec.link_latency_s * 1e6:.1f} us") if nproc > 1 else ""
-    log(f"[{args.setup}] calibrated {cal.spec.name}: f32 {cal.spec.peak_flops_f32 / 1e9:.1f} "
-        f"Gflop/s, {cal.spec.memory_bandwidth / 1e9:.2f} GB/s, kernel "
-        f"{cal.spec.kernel_overhead_s * 1e6:.2f} us{link}")
+
+    def calibrate_here(tag: str) -> tuple[Any, Any]:
+        """Calibrate now, on every process (the link needs all of them); process 0's
+        record is the one every process plans with, so plans agree."""
+        cal = calibrate_full(devices, progress=False, quick=args.quick, use_cache=False,
+                             directory=shared / f"cal{pid}-{tag}")
+        if pid == 0:
+            (shared / f"calibration-{tag}.json").write_text(json.dumps(cal.to_dict()))
+        sync(f"calibrated-{tag}")
+        cal = Calibration.from_dict(json.loads(
+            (shared / f"calibration-{tag}.json").read_text()))
+        cluster, _ = detect_cluster(devices, cal)
+        # across processes the calibrated link is the one between them (`detect_cluster`)
+        link = (f", link between processes {cal.spec.link_bandwidth / 1e9:.3f} GB/s "
+                f"{cal.spec.link_latency_s * 1e6:.1f} us") if nproc > 1 else ""
+        log(f"[{args.setup}] calibrated before {tag}: f32 "
+            f"{cal.spec.peak_flops_f32 / 1e9:.1f} Gflop/s, "
+            f"{cal.spec.memory_bandwidth / 1e9:.2f} GB/s, kernel "
+            f"{cal.spec.kernel_overhead_s * 1e6:.2f} us{link}")
+        return cal, cluster
 
     def global_array(host: Any, sharding: Any) -> Any:
         host = np.asarray(host)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
-    def time_candidate(w: Any, layout: Any, cand: Any, batch: int) -> dict[str, Any]:
-        """Compile as auto_shard would (donating the state), run on synthetic data as a
-        training loop does (the new state is the next step's), and time; every process
-        runs it, process 0's clock counts. Also the prediction verification makes from
-        the same compiled program (the model fed XLA's figures)."""
+    def prepare(w: Any, layout: Any, cand: Any, cluster: Any,
+                batch: int) -> dict[str, Any]:
+        """Compile as auto_shard would (donating the state) and place synthetic data; `run`
+        is one step as a training loop runs it (the new state is the next step's). Also
+        the prediction verification makes from the same compiled program (the model fed
+        XLA's figures)."""
         figs, cs = compile_candidate(w.step, layout, cand, devices, cluster)
         compiled = with_compiled(cand.predicted, figs, cluster, batch, cand.d, cand.m, cand.r)
         data = w.synthetic(0)
@@ -123,25 +132,72 @@ def worker(args: argparse.Namespace) -> None:
                 jax.tree_util.tree_unflatten(layout.out_treedef, out)[:-1])
             state[: len(state) - n_batch] = new
 
-        for _ in range(2):
-            run()
-        times: list[float] = []
-        t_end = time.perf_counter() + args.min_seconds
-        while len(times) < args.steps or (time.perf_counter() < t_end and len(times) < 500):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return {"compiled_predicted_s": compiled.step_time_s,
-                "measured_s": float(np.median(times)), "steps_timed": len(times),
-                "spread": float((np.percentile(times, 90) - np.percentile(times, 10))
-                                / np.median(times))}
+        return {"run": run, "compiled_predicted_s": compiled.step_time_s}
 
-    rows, quality = [], []
+    def time_interleaved(runs: list[Any]) -> list[dict[str, Any]]:
+        """Time every candidate of a model in `args.rounds` interleaved rounds (candidate
+        1, 2, ..., then 1, 2, ... again), so that the machine's drift (this VM's speed
+        moves by tens of percent within minutes) falls on all of them alike and the
+        comparison between them, the measured oracle, is fair. Step counts are decided by
+        process 0 from a timed warm-up and shared, so every process of a mesh runs the same
+        number of steps (each step's collectives need all of them). `runs[i]` is None on a
+        process outside candidate i's mesh; process 0 is in every mesh."""
+        est = []
+        for i, run in enumerate(runs):
+            sync(f"warm-{i}")
+            if run is None:
+                est.append(0.0)
+                continue
+            for _ in range(2):
+                run()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                run()
+            est.append((time.perf_counter() - t0) / 3)
+        per_round = args.min_seconds / args.rounds
+        counts = np.array([int(min(max(np.ceil(per_round / max(e, 1e-6)),
+                                       np.ceil(args.steps / args.rounds)),
+                                   np.ceil(500 / args.rounds))) for e in est], np.int32)
+        if nproc > 1:
+            counts = np.asarray(multihost_utils.broadcast_one_to_all(counts))
+        times: list[list[list[float]]] = [[] for _ in runs]
+        for rnd in range(args.rounds):
+            for i, run in enumerate(runs):
+                sync(f"round-{rnd}-{i}")
+                if run is None:
+                    continue
+                these = []
+                for _ in range(int(counts[i])):
+                    t0 = time.perf_counter()
+                    run()
+                    these.append(time.perf_counter() - t0)
+                times[i].append(these)
+        out = []
+        for rounds in times:
+            if not rounds:
+                out.append({})
+                continue
+            every = np.concatenate([np.asarray(r) for r in rounds])
+            med = float(np.median(every))
+            by_round = [float(np.median(r)) for r in rounds]
+            out.append({"measured_s": med, "steps_timed": int(every.size),
+                        "spread": float((np.percentile(every, 90) - np.percentile(every, 10))
+                                        / med),
+                        "round_medians_s": by_round,
+                        "round_spread": (max(by_round) - min(by_round)) / med})
+        return out
+
+    rows, quality, calibrations = [], [], {}
     for name in args.models:
+        # calibrated afresh just before this model's candidates, as a user calibrates
+        # before planning: the profile is the machine's as it is while they are timed
+        cal, cluster = calibrate_here(name)
+        calibrations[name] = cal.to_dict()
         w = zoo.small(name)
         planned = make_plan(w.step, w.args, {}, params=w.params,
                             options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
-        seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+        batch = planned.graph.batch_size or 1
+        cands: dict[tuple[Any, ...], dict[str, Any]] = {}
         for r in planned.search.results:
             if r.variant != "planner" or not uses_model_axis(r):
                 continue
@@ -150,42 +206,50 @@ def worker(args: argparse.Namespace) -> None:
                     continue
                 cand = variant_candidate(planned.graph, r, variant, cluster)
                 key = (cand.d, cand.m, tuple(s.name for s in cand.strategies))
-                if key in seen:
-                    seen[key]["variants"].append(variant)
-                    continue
-                n = cand.d * cand.m
-                sync(f"{name}-{key}")
-                if pid >= n:   # a mesh of process 0's device(s) only: the rest wait
-                    seen[key] = {"variants": [variant]}
-                    continue
-                got = time_candidate(w, planned.layout, cand, planned.graph.batch_size or 1)
-                p = cand.predicted
-                row = {"setup": args.setup, "model": w.name, "mesh": f"{cand.d}x{cand.m}",
-                       "variants": [variant], "strategies": sorted(set(key[2])),
-                       "predicted_s": p.step_time_s, "compute_s": p.compute_time_s,
-                       "comm_s": p.tp_comm_time_s + p.exposed_comm_time_s, **got}
-                row["error"] = p.step_time_s / row["measured_s"] - 1
-                row["compiled_error"] = row["compiled_predicted_s"] / row["measured_s"] - 1
-                row["prediction"] = p
-                seen[key] = row
-                log(f"  {w.name:15s} {row['mesh']} {variant:13s} measured "
-                    f"{row['measured_s'] * 1e3:8.2f} ms  predicted {p.step_time_s * 1e3:8.2f} ms"
-                    f"  ({100 * row['error']:+.0f}%), with XLA's figures "
-                    f"{row['compiled_predicted_s'] * 1e3:8.2f} ms "
-                    f"({100 * row['compiled_error']:+.0f}%)")
-        measured = {k: v for k, v in seen.items() if "measured_s" in v}
-        rows += [{k: v for k, v in r.items() if k != "prediction"} for r in measured.values()]
+                if key in cands:
+                    cands[key]["variants"].append(variant)
+                else:
+                    cands[key] = {"variants": [variant], "cand": cand}
+        prepared = []
+        for i, (key, c) in enumerate(cands.items()):
+            sync(f"{name}-compile-{i}")
+            # a mesh of process 0's device(s) only: the rest wait
+            prepared.append(prepare(w, planned.layout, c["cand"], cluster, batch)
+                            if pid < key[0] * key[1] else None)
+        timed = time_interleaved([p["run"] if p else None for p in prepared])
+        measured: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for (key, c), prep, got in zip(cands.items(), prepared, timed, strict=True):
+            if pid != 0:
+                continue
+            p = c["cand"].predicted
+            row = {"setup": args.setup, "model": w.name, "mesh": f"{key[0]}x{key[1]}",
+                   "variants": c["variants"], "strategies": sorted(set(key[2])),
+                   "predicted_s": p.step_time_s, "compute_s": p.compute_time_s,
+                   "comm_s": p.tp_comm_time_s + p.exposed_comm_time_s,
+                   "compiled_predicted_s": prep["compiled_predicted_s"], **got}
+            row["error"] = p.step_time_s / row["measured_s"] - 1
+            row["compiled_error"] = row["compiled_predicted_s"] / row["measured_s"] - 1
+            measured[key] = {**row, "prediction": p}
+            rows.append(row)
+            log(f"  {w.name:15s} {row['mesh']} {'/'.join(c['variants']):13s} measured "
+                f"{row['measured_s'] * 1e3:8.2f} ms (rounds within "
+                f"{100 * row['round_spread']:.0f}%)  predicted {p.step_time_s * 1e3:8.2f} ms"
+                f"  ({100 * row['error']:+.0f}%), with XLA's figures "
+                f"{row['compiled_predicted_s'] * 1e3:8.2f} ms "
+                f"({100 * row['compiled_error']:+.0f}%)")
+        del prepared
         sync(f"{name}-measured")
         for objective in OBJECTIVES:
             plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster,
                                objective=objective, cache=False)
             chosen = (plan.mesh_shape["data"], plan.mesh_shape["model"],
                       tuple(p.strategy for p in plan.params))
-            quality.append(_regret(w.name, objective, chosen, measured, cluster))
+            if pid == 0:
+                quality.append(_regret(w.name, objective, chosen, measured, cluster))
         sync(f"{name}-planned")
     if pid == 0:
         out = {"setup": args.setup, "processes": nproc, "devices": len(devices),
-               "device_kind": devices[0].device_kind, "calibration": cal.to_dict(),
+               "device_kind": devices[0].device_kind, "calibrations": calibrations,
                "rows": rows, "quality": quality}
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
@@ -194,26 +258,38 @@ def _regret(model: str, objective: str, chosen: tuple[Any, ...],
             measured: dict[tuple[Any, ...], dict[str, Any]], cluster: Any) -> dict[str, Any]:
     """The planner's choice scored on measured time against the best measured candidate,
     by the objective's own ranking (energy = the profile's modelled power x measured time:
-    no power meter on this CPU)."""
+    no power meter on this CPU): over every timed step, and again within each interleaved
+    round (candidates timed side by side), which says whether the regret stands out of the
+    machine's drift."""
     import jaxwap
     from jaxwap.records import Measurement, judge
 
     keys = list(measured)
-    judged = [judge(measured[k]["prediction"], measured=Measurement(
-        measured[k]["measured_s"], measured[k]["prediction"].avg_power_w
-        * measured[k]["measured_s"], "modeled", measured[k]["steps_timed"])) for k in keys]
-    ranking = jaxwap.Objective(objective).rank(judged, max_watts=cluster.device.max_watts,
-                                               num_devices_available=cluster.num_devices)
-    best = keys[ranking.best]
+
+    def scored(seconds: list[float]) -> tuple[Any, tuple[Any, ...]]:
+        judged = [judge(measured[k]["prediction"], measured=Measurement(
+            t, measured[k]["prediction"].avg_power_w * t, "modeled",
+            measured[k]["steps_timed"])) for k, t in zip(keys, seconds, strict=True)]
+        ranking = jaxwap.Objective(objective).rank(
+            judged, max_watts=cluster.device.max_watts,
+            num_devices_available=cluster.num_devices)
+        return ranking, keys[ranking.best]
+
+    ranking, best = scored([measured[k]["measured_s"] for k in keys])
     row = {"model": model, "objective": objective,
            "chosen": f"{chosen[0]}x{chosen[1]} {_layout_name(chosen[2])}",
            "oracle": f"{best[0]}x{best[1]} {_layout_name(best[2])}",
            "energy_basis": "modelled power x measured time"}
-    if chosen in measured:
-        row["regret"] = ranking.scores[keys.index(chosen)] / ranking.scores[ranking.best] - 1
-    else:
-        row["regret"] = None
-        row["note"] = "the chosen layout is not among the measured candidates"
+    if chosen not in measured:
+        row.update(regret=None, regret_by_round=[],
+                   note="the chosen layout is not among the measured candidates")
+        return row
+    row["regret"] = ranking.scores[keys.index(chosen)] / ranking.scores[ranking.best] - 1
+    by_round = []
+    for rnd in range(min(len(measured[k]["round_medians_s"]) for k in keys)):
+        r_rank, _ = scored([measured[k]["round_medians_s"][rnd] for k in keys])
+        by_round.append(r_rank.scores[keys.index(chosen)] / r_rank.scores[r_rank.best] - 1)
+    row["regret_by_round"] = by_round
     return row
 
 
@@ -235,7 +311,8 @@ def run_setup(setup: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     n = 2 if setup == "cluster" else 1
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--setup", setup,
             "--models", ",".join(args.models), "--steps", str(args.steps),
-            "--min-seconds", str(args.min_seconds), "--workdir", str(workdir),
+            "--min-seconds", str(args.min_seconds), "--rounds", str(args.rounds),
+            "--workdir", str(workdir),
             "--out", str(out), "--num-processes", str(n), "--coordinator", "{coordinator}",
             "--process-id", "{process_id}"] + (["--quick"] if args.quick else [])
     # the single device gets every core; the cluster's processes one core each
@@ -261,8 +338,10 @@ def summarize(rows: list[dict[str, Any]], key: str = "error") -> dict[str, Any]:
 
 def markdown(record: dict[str, Any]) -> str:
     lines = [f"Measured on this machine's CPU ({record['cpu']}); predicted by jaxwap's model "
-             f"with the profile calibrated in the same set-up. Command: `{record['command']}`.",
-             ""]
+             f"with the profile calibrated in the same set-up just before each model. "
+             f"Command: `{record['command']}`. A model's candidates are timed in "
+             f"{record.get('rounds', 1)} interleaved rounds; 'rounds apart' is how far the "
+             f"rounds' medians lie apart, over the median (the machine's drift).", ""]
     for key, what in (("summary", "the analytic model (what the search ranks with)"),
                       ("summary_compiled", "the model fed XLA's figures of the compiled "
                                            "candidate (what verification ranks with)")):
@@ -272,20 +351,22 @@ def markdown(record: dict[str, Any]) -> str:
                   f"{100 * s['worst_abs_error']:.1f}% ({s['worst_at']}), {s['n']} candidates "
                   f"(goal <= {100 * GOAL_MEDIAN:.0f}% / {100 * GOAL_WORST:.0f}%).", ""]
     lines += ["| set-up | model | mesh | layouts | measured ms | predicted ms | error | "
-              "with XLA's figures ms | error |", "|---|---|---|---|---|---|---|---|---|"]
+              "with XLA's figures ms | error | rounds apart |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         lines.append(f"| {r['setup']} | {r['model']} | {r['mesh']} | {'/'.join(r['variants'])}"
                      f" | {1e3 * r['measured_s']:.2f} | {1e3 * r['predicted_s']:.2f} | "
                      f"{100 * r['error']:+.0f}% | {1e3 * r['compiled_predicted_s']:.2f} | "
-                     f"{100 * r['compiled_error']:+.0f}% |")
+                     f"{100 * r['compiled_error']:+.0f}% | {100 * r['round_spread']:.0f}% |")
     lines += ["", "Plan quality against the measured oracle (cluster set-up; balanced energy = "
               "modelled power x measured time):", "",
-              "| model | objective | planner chose | measured best | regret |",
-              "|---|---|---|---|---|"]
+              "| model | objective | planner chose | measured best | regret | "
+              "regret in each round |", "|---|---|---|---|---|---|"]
     for q in record["quality"]:
         reg = "not measured" if q["regret"] is None else f"{100 * q['regret']:.1f}%"
+        rounds = ", ".join(f"{100 * x:.1f}%" for x in q.get("regret_by_round", []))
         lines.append(f"| {q['model']} | {q['objective']} | {q['chosen']} | {q['oracle']} | "
-                     f"{reg} |")
+                     f"{reg} | {rounds or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -307,6 +388,11 @@ def main(args: argparse.Namespace) -> None:
     if regrets:
         print(f"regret vs measured oracle: worst {100 * max(regrets):.1f}% (goal <= "
               f"{100 * GOAL_REGRET:.0f}%)")
+        for q in quality:
+            if q.get("regret_by_round"):
+                print(f"  {q['model']:15s} {q['objective']:10s} regret {100 * q['regret']:5.1f}%,"
+                      f" in each round: "
+                      + ", ".join(f"{100 * x:.1f}%" for x in q["regret_by_round"]))
     import platform
 
     record = {"command": "python benchmarks/measured.py " + " ".join(sys.argv[1:]),
@@ -316,8 +402,9 @@ def main(args: argparse.Namespace) -> None:
                        "machine; predicted = jaxwap's model with the profile calibrated in "
                        "the same set-up; energy modelled (no power meter)",
               "setups": {k: {kk: v[kk] for kk in ("processes", "devices", "device_kind",
-                                                  "calibration")}
+                                                  "calibrations")}
                          for k, v in results.items()},
+              "rounds": args.rounds,
               "summary": summary, "summary_compiled": compiled, "rows": rows,
               "quality": quality}
     suffix = "" if set(setups) == {"single", "cluster"} else f"_{args.setup}"
@@ -332,7 +419,10 @@ if __name__ == "__main__":
     p.add_argument("--setup", default="all", choices=["all", "single", "cluster"])
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--min-seconds", type=float, default=2.0)
+    p.add_argument("--min-seconds", type=float, default=2.0,
+                   help="seconds of timed steps per candidate, over all rounds")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="interleaved rounds over a model's candidates")
     p.add_argument("--quick", action="store_true", help="quick calibration sizes")
     # worker arguments (set by the orchestrator)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
