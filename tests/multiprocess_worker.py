@@ -140,3 +140,28 @@ got = multihost_utils.process_allgather(got_p, tiled=True)
 jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                      rtol=2e-5, atol=2e-6), want, got)
 print(f"process {pid}: OK pipeline mesh={dict(plan.mesh_shape)}", flush=True)
+
+# The measured choice across the two processes (`measure=`): the finalists run on devices
+# of both processes, so every process must run as many steps of each (a collective left
+# waiting for a peer's extra step would hang) and decide on the same figures (different
+# choices would compile different programs). All the finalists' figures agree to the bit
+# on every process, and the step it chooses gives the single-device numbers.
+measured = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster("h100-sxm", 8),
+                             num_devices=8, objective="throughput", measure=2, cache=False)
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = measured(p, o, batch)
+plan = measured.plan
+timed = [c for c in plan.candidates if c.measured is not None]
+assert len(timed) >= 2, [(c.label, c.measured) for c in plan.candidates]
+mine = np.array([[c.measured.step_time_s, c.measured.energy_per_step_j, c.measured.steps]
+                 for c in timed], np.float32)
+every = np.asarray(multihost_utils.process_allgather(mine))
+assert (every == every[0]).all(), every
+assert all("median over the 2 processes" in c.measured.note for c in timed), timed
+chosen = np.array([i for i, c in enumerate(plan.candidates) if c.chosen], np.int32)
+assert (np.asarray(multihost_utils.process_allgather(chosen)) == chosen).all()
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+print(f"process {pid}: OK measured choice mesh={dict(plan.mesh_shape)}", flush=True)
