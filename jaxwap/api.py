@@ -9,6 +9,7 @@ with the same shapes reuse the compiled step, new shapes plan again.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,9 +80,11 @@ class AutoShardedStep:
         the arguments are real arrays (a plan read from the cache was measured before)."""
         key = self._signature(args, kwargs)
         if key not in self._plans:
-            self._plans[key] = make_plan(self.train_step, args, kwargs, params=self.params,
-                                         options=self.options,
-                                         for_hardware=self._for_hardware)
+            planned = make_plan(self.train_step, args, kwargs, params=self.params,
+                                options=self._options_to_plan(),
+                                for_hardware=self._for_hardware)
+            self._check_every_process(planned)
+            self._plans[key] = planned
         planned = self._plans[key]
         if measure and self.options.measure and key not in self._measured \
                 and _concrete(args, kwargs):
@@ -95,6 +98,41 @@ class AutoShardedStep:
             self._plans[key] = planned
         self._current = planned
         return key, planned
+
+    def _options_to_plan(self) -> PlanOptions:
+        """The options a step that runs plans with. With several processes each passes
+        its own slice of the batch and runs the same program, so the mesh must hold
+        devices of every process; a mesh takes the first devices, process by process, so
+        only all of them do. Unless the device count is fixed otherwise (then
+        `_check_every_process` says why it cannot run), the step plans for all of them.
+        `jaxwap.plan`, which advises and does not run, may still weigh fewer."""
+        o = self.options
+        if self._for_hardware or jax.process_count() == 1 or o.plan is not None \
+                or o.num_devices is not None or o.mesh is not None:
+            return o
+        return dataclasses.replace(o, num_devices=len(o.devices or jax.devices()))
+
+    def _check_every_process(self, planned: Planned) -> None:
+        """A plan that leaves a process out cannot run: that process's slice of the batch
+        and its share of the program would have no devices. Say so, naming what fixed
+        the device count, before anything is placed or compiled."""
+        nproc = jax.process_count()
+        if self._for_hardware or nproc == 1:
+            return
+        used = {d.process_index for d in planned.devices}
+        if len(used) == nproc:
+            return
+        o = self.options
+        given = ("plan=" if o.plan is not None else
+                 f"num_devices={o.num_devices}" if o.num_devices is not None else
+                 f"mesh_shape={dict(o.mesh_shape or {})}" if o.mesh is not None else
+                 f"devices= ({len(o.devices or ())} devices)")
+        raise ValueError(
+            f"{given} gives a plan of {planned.plan.num_devices} devices, of processes "
+            f"{sorted(used)} only: with {nproc} processes each passes its own slice of the "
+            f"batch and runs the step, so the step needs devices of every process, and a "
+            f"mesh takes the first devices process by process: use all "
+            f"{len(jax.devices())} (leave num_devices and mesh_shape unset to have them)")
 
     def plan_for(self, *args: Any, **kwargs: Any) -> Plan:
         """Plan for these arguments (arrays or jax.ShapeDtypeStruct) without running a

@@ -165,3 +165,28 @@ got = multihost_utils.process_allgather(p, tiled=True)
 jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                      rtol=2e-5, atol=2e-6), ref_p, got)
 print(f"process {pid}: OK measured choice mesh={dict(plan.mesh_shape)}", flush=True)
+
+# Left free, the planner would run this small step on one device (the energy objective
+# takes 1 of the 8 on one process); but each process passes its own slice of the batch,
+# so a step that runs must hold devices of both: it plans for all 8 and gives the
+# single-device numbers. A device count that leaves a process out is refused up front,
+# by name, with the user's arrays untouched.
+frugal = jaxwap.auto_shard(step, params, objective="energy", cache=False)
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = frugal(p, o, batch)
+assert frugal.plan.num_devices == 8, frugal.plan.mesh_shape
+assert jaxwap.plan(step, params, opt, batch, objective="energy", cache=False,
+                   verify=0).num_devices < 8   # advice alone may still weigh fewer
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+before = jax.tree.map(np.copy, p)
+try:
+    jaxwap.auto_shard(step, params, num_devices=4, cache=False)(p, o, batch)
+except ValueError as e:
+    assert "num_devices=4" in str(e) and "every process" in str(e), e
+else:
+    raise AssertionError("a 4-device plan of process 0 alone ran under 2 processes")
+jax.tree.map(np.testing.assert_array_equal, before, p)
+print(f"process {pid}: OK every process mesh={dict(frugal.plan.mesh_shape)}", flush=True)
