@@ -258,27 +258,19 @@ def all_processes(flag: bool) -> bool:
     return bool(np.asarray(multihost_utils.process_allgather(np.array([int(flag)]))).all())
 
 
-def process_median(figures: Mapping[str, float], *, skip_missing: bool = False
-                   ) -> tuple[dict[str, float], dict[str, list[float | None]]]:
-    """The median over the processes of each figure (NaN where any process has NaN, or
-    with `skip_missing` the median of the processes that have it: NaN marks a figure a
-    process did not take) and every process's own values in process order (None for NaN,
-    so JSON can keep them). A collective: every process calls it with the same keys.
-    Processes that measure apart agree on one result this way (exchanged as float32:
-    about 7 significant digits)."""
+def process_median(figures: Mapping[str, float]) -> tuple[dict[str, float],
+                                                          dict[str, list[float | None]]]:
+    """The median over the processes of each figure (NaN where any process has NaN) and
+    every process's own values in process order (None for NaN, so JSON can keep them).
+    A collective: every process calls it with the same keys. Processes that measure apart
+    agree on one result this way (exchanged as float32: about 7 significant digits)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
     keys = sorted(figures)
     rows = np.asarray(multihost_utils.process_allgather(
         np.array([figures[k] for k in keys], np.float32)), np.float64).reshape(-1, len(keys))
-
-    def median(col: np.ndarray) -> float:
-        if skip_missing:
-            col = col[~np.isnan(col)]
-        return float(np.median(col)) if col.size else float("nan")
-
-    return ({k: median(rows[:, i]) for i, k in enumerate(keys)},
+    return ({k: float(np.median(rows[:, i])) for i, k in enumerate(keys)},
             {k: [None if np.isnan(v) else float(v) for v in rows[:, i]]
              for i, k in enumerate(keys)})
 

@@ -28,42 +28,36 @@ from .train_step import restructured
 _WINDOW_S = 0.25
 
 
-def measure_step(run: Callable[[], Any] | None, devices: Sequence[Any], steps: int,
+def measure_step(run: Callable[[], Any], devices: Sequence[Any], steps: int,
                  modeled_power_w: float) -> Measurement:
     """Time `run` (one blocking step) for at least `steps` calls and a window long
     enough for NVML's energy counter; energy is modeled (and says so) without NVML.
 
-    With several processes every process calls this for every candidate, in the same
-    order (`run` is None on a process none of whose devices the mesh has). A step's
-    collectives need every process of its mesh, so the window's number of calls is agreed
-    before it opens (the most any process asks for), never left to each process's clock:
-    one process stopping a call early would leave the others waiting in a collective for
-    ever. The figures are then agreed too (the median over the processes that ran it), so
-    every process decides on the same measurements and runs the same plan."""
-    calls = 0.0
-    if run is not None:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            run()
-        each = (time.perf_counter() - t0) / steps
-        calls = float(max(steps, math.ceil(_WINDOW_S / max(each, 1e-9))))
+    With several processes every process runs every finalist (a step that runs holds
+    devices of every process), in the same order. A step's collectives need all of them,
+    so the window's number of calls is agreed before it opens (the most any process asks
+    for), never left to each process's clock: one process stopping a call early would
+    leave the others waiting in a collective for ever. The figures are then agreed too
+    (the median over the processes), so every process decides on the same measurements
+    and runs the same plan."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    each = (time.perf_counter() - t0) / steps
+    calls = max(steps, math.ceil(_WINDOW_S / max(each, 1e-9)))
     several = jax.process_count() > 1
     if several:
-        _, asked = process_median({"calls": calls})
-        calls = max(v or 0.0 for v in asked["calls"])
-    secs = joules = math.nan
-    source, note = "modeled", ""
-    if run is not None:
-        reading, n = measure_energy(run, devices, min_window_s=math.inf,
-                                    max_repeats=int(calls), modeled_power_w=modeled_power_w)
-        secs, joules, source, note = (reading.seconds / n, reading.total_j / n,
-                                      reading.source, reading.note)
+        _, asked = process_median({"calls": float(calls)})
+        calls = int(max(v or 0.0 for v in asked["calls"]))
+    reading, n = measure_energy(run, devices, min_window_s=math.inf, max_repeats=calls,
+                                modeled_power_w=modeled_power_w)
+    secs, joules, note = reading.seconds / n, reading.total_j / n, reading.note
     if several:
-        agreed, _ = process_median({"s": secs, "j": joules}, skip_missing=True)
+        agreed, _ = process_median({"s": secs, "j": joules})
         secs, joules = agreed["s"], agreed["j"]
         note = " ".join(filter(None, [note, f"median over the {jax.process_count()} "
                                             f"processes' measurements"]))
-    return Measurement(secs, joules, source, int(calls), note)
+    return Measurement(secs, joules, reading.source, n, note)
 
 
 def finalists(planned: Any) -> list[int]:
@@ -86,26 +80,18 @@ def measure_finalists(fn: Callable, planned: Any, flat_args: Sequence[Any], step
         return {}, 0.0
     bar = Progress(len(picks), progress, "jaxwap measure", width=20)
     measured: dict[int, Measurement] = {}
-    me = jax.process_index()
     for i in picks:
         r = planned.search.results[i]
+        step = restructured(fn, r.step) if r.step is not None else planned.fn or fn
+        cs = compile_layout(step, planned.layout, r.d, r.m, r.strategies,
+                            planned.all_devices, donate=False,
+                            compiler_options=compiler_options, r=r.r, stages=r.stages)
+        placed = [place(leaf, sh, aval) for leaf, sh, aval in
+                  zip(flat_args, cs.in_shardings, planned.layout.inputs.avals, strict=True)]
+        run = lambda cs=cs, placed=placed: jax.block_until_ready(cs.compiled(*placed))
+        run()  # warm-up
         cand = planned.plan.candidates[i]
-        n = r.d * r.m * max(r.stages, 1)
-        devices = list(planned.all_devices[:n])
-        run = None
-        # every process takes every candidate's turn (the agreements are collectives); one
-        # none of whose devices the mesh has only agrees
-        if any(d.process_index == me for d in devices):
-            step = restructured(fn, r.step) if r.step is not None else planned.fn or fn
-            cs = compile_layout(step, planned.layout, r.d, r.m, r.strategies,
-                                planned.all_devices, donate=False,
-                                compiler_options=compiler_options, r=r.r, stages=r.stages)
-            placed = [place(leaf, sh, aval) for leaf, sh, aval in
-                      zip(flat_args, cs.in_shardings, planned.layout.inputs.avals,
-                          strict=True)]
-            run = lambda cs=cs, placed=placed: jax.block_until_ready(cs.compiled(*placed))
-            run()  # warm-up
-            devices = list(cs.mesh.devices.flat)
+        devices = list(cs.mesh.devices.flat)
         measured[i] = measure_step(run, devices, steps, cand.judged.avg_power_w / len(devices))
         bar.step(cand.label)
     return measured, time.perf_counter() - t0
