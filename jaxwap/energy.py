@@ -349,11 +349,15 @@ class EnergyMeter:
         )
 
 
+# NVML's energy counter updates every ~20-100 ms: a shorter window reads 0
+MIN_WINDOW_S = 0.25
+
+
 def measure_energy(
     run: Callable[[], Any],
     devices: Sequence[Any] | None = None,
     *,
-    min_window_s: float = 0.25,
+    min_window_s: float = MIN_WINDOW_S,
     max_repeats: int = 10_000,
     nvml: Any = None,
     modeled_power_w: float | None = None,

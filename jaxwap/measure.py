@@ -18,14 +18,11 @@ from typing import Any
 import jax
 
 from .compile import compile_layout
-from .energy import measure_energy
+from .energy import MIN_WINDOW_S, measure_energy
 from .launch import process_median
 from .progress import Progress
 from .records import Measurement
 from .train_step import restructured
-
-# NVML's energy counter updates every ~20-100 ms: a shorter window reads 0
-_WINDOW_S = 0.25
 
 
 def measure_step(run: Callable[[], Any], devices: Sequence[Any], steps: int,
@@ -44,7 +41,7 @@ def measure_step(run: Callable[[], Any], devices: Sequence[Any], steps: int,
     for _ in range(steps):
         run()
     each = (time.perf_counter() - t0) / steps
-    calls = max(steps, math.ceil(_WINDOW_S / max(each, 1e-9)))
+    calls = max(steps, math.ceil(MIN_WINDOW_S / max(each, 1e-9)))
     several = jax.process_count() > 1
     if several:
         _, asked = process_median({"calls": float(calls)})
