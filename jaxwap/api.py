@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
 from .measure import measure_finalists
@@ -37,8 +37,45 @@ def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any
         return jax.device_put(leaf, sharding)
     local = np.asarray(leaf)
     if local.shape != tuple(aval.shape):
-        return jax.make_array_from_process_local_data(sharding, local, tuple(aval.shape))
+        return _from_process_slices(local, sharding, tuple(aval.shape))
     return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
+
+
+def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
+    """How many rows (leading-dim entries) of a `shape` array this process's devices hold
+    under `sharding`."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*(index[0] if index else slice(None)).indices(shape[0])))
+    return len(rows)
+
+
+def _from_process_slices(local: np.ndarray, sharding: NamedSharding,
+                         shape: tuple[int, ...]) -> jax.Array:
+    """The global array of a batch leaf that each process passes its own slice of (in
+    process order), on `sharding`. Where the sharding gives each process as many rows as it
+    passed (a data axis that spans the processes) those are its rows. Where it holds more
+    on a process (a mesh whose data axis stays inside a process, e.g. tensor parallelism
+    across the processes: the batch is replicated there), the slices first make an array
+    split by process over the same devices, which then moves onto `sharding` (a collective
+    in which every process receives the others' rows)."""
+    if _rows_held(sharding, shape) == local.shape[0]:
+        return jax.make_array_from_process_local_data(sharding, local, shape)
+    devices = sorted(sharding.mesh.devices.flat, key=lambda d: (d.process_index, d.id))
+    processes = len({d.process_index for d in devices})
+    if len(devices) % processes:
+        raise ValueError(f"a batch slice per process needs as many devices in each of the "
+                         f"{processes} processes of the mesh; it has {len(devices)} devices")
+    by_process = Mesh(np.array(devices).reshape(processes, -1), ("process", "local"))
+    split = jax.make_array_from_process_local_data(
+        NamedSharding(by_process, PartitionSpec("process")), local, shape)
+    return _reshard(sharding)(split)
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    """A compiled identity that moves an array onto `sharding` (cached per sharding)."""
+    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 class AutoShardedStep:

@@ -190,3 +190,23 @@ else:
     raise AssertionError("a 4-device plan of process 0 alone ran under 2 processes")
 jax.tree.map(np.testing.assert_array_equal, before, p)
 print(f"process {pid}: OK every process mesh={dict(frugal.plan.mesh_shape)}", flush=True)
+
+# Tensor parallelism across the two processes (a model axis of 8, no data axis): the batch
+# is replicated on every device, so each process's half must reach the other's devices
+# too. The halves are laid out split by process and moved onto the plan's sharding; the
+# numbers are still the single-device ones.
+across = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster("h100-sxm", 8),
+                           objective="throughput", cache=False,
+                           mesh_shape={"data": 1, "model": 8}, strategies=("tp",))
+p, o = jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, opt)
+for _ in range(3):
+    p, o, m = across(p, o, batch)
+plan = across.plan
+assert dict(plan.mesh_shape)["data"] == 1 and plan.num_devices == 8, plan.mesh_shape
+assert any(q.strategy.startswith("tp") for q in plan.params), [q.strategy for q in plan.params]
+assert len({d.process_index for d in across.mesh.devices.flat}) == 2
+got = multihost_utils.process_allgather(p, tiled=True)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                     rtol=2e-5, atol=2e-6), ref_p, got)
+print(f"process {pid}: OK batch replicated across processes mesh={dict(plan.mesh_shape)}",
+      flush=True)

@@ -45,3 +45,4 @@ def test_two_processes_match_one_device():
         assert f"process {i}: OK pipeline" in out
         assert f"process {i}: OK measured choice" in out
         assert f"process {i}: OK every process" in out
+        assert f"process {i}: OK batch replicated across processes" in out
