@@ -29,6 +29,10 @@ with its default verification, objectives "throughput" and "balanced") is looked
 the measured candidates. Regret for "throughput" = its measured time over the fastest
 measured time - 1; for "balanced" the score is Zeus's eta*E + (1-eta)*P_max*N*T with the
 measured time and the power the profile models (labelled modelled: no power meter here).
+Then the measured choice: `auto_shard(..., measure=True)` on the cluster (each process
+passing its own slice of the batch) times its verified finalists and chooses on them; its
+choice is scored the same way, against the measured candidates that use both devices (a
+step running under two processes uses every device).
 
 Writes `benchmarks/results/measured_cpu.json` and `measured_cpu.md`.
 """
@@ -187,7 +191,18 @@ def worker(args: argparse.Namespace) -> None:
                         "round_spread": (max(by_round) - min(by_round)) / med})
         return out
 
-    rows, quality, calibrations = [], [], {}
+    def measured_choice(w: Any, objective: str, cluster: Any) -> Any:
+        """The plan `auto_shard(measure=True)` runs: its verified finalists timed on the
+        devices (every process passing its own slice of the batch, as a training loop
+        under jax.distributed does), the choice made on the measurements."""
+        *state, batch = w.synthetic(0)
+        mine = jax.tree.map(lambda x: np.array_split(np.asarray(x), nproc)[pid], batch)
+        step = jaxwap.auto_shard(w.step, w.params, hardware=cluster, objective=objective,
+                                 measure=True, cache=False)
+        jax.block_until_ready(step(*state, mine))
+        return step.plan
+
+    rows, quality, choice, calibrations = [], [], [], {}
     for name in args.models:
         # calibrated afresh just before this model's candidates, as a user calibrates
         # before planning: the profile is the machine's as it is while they are timed
@@ -242,15 +257,21 @@ def worker(args: argparse.Namespace) -> None:
         for objective in OBJECTIVES:
             plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster,
                                objective=objective, cache=False)
-            chosen = (plan.mesh_shape["data"], plan.mesh_shape["model"],
-                      tuple(p.strategy for p in plan.params))
             if pid == 0:
-                quality.append(_regret(w.name, objective, chosen, measured, cluster))
+                quality.append(_regret(w.name, objective, _chosen(plan), measured, cluster))
+            if nproc > 1:
+                got = measured_choice(w, objective, cluster)
+                if pid == 0:
+                    # under several processes auto_shard runs on every device: scored
+                    # against the candidates that use them all
+                    every = {k: v for k, v in measured.items() if k[0] * k[1] == len(devices)}
+                    choice.append({**_regret(w.name, objective, _chosen(got), every, cluster),
+                                   "finalists": _finalists(got)})
         sync(f"{name}-planned")
     if pid == 0:
         out = {"setup": args.setup, "processes": nproc, "devices": len(devices),
                "device_kind": devices[0].device_kind, "calibrations": calibrations,
-               "rows": rows, "quality": quality}
+               "rows": rows, "quality": quality, "measured_choice": choice}
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -294,6 +315,21 @@ def _regret(model: str, objective: str, chosen: tuple[Any, ...],
     # between rounds (a candidate with two fast and two slow rounds pools to the middle)
     row["regret_round_median"] = statistics.median(by_round) if by_round else None
     return row
+
+
+def _chosen(plan: Any) -> tuple[Any, ...]:
+    """A plan's candidate key: (data, model, every parameter's strategy)."""
+    return (plan.mesh_shape["data"], plan.mesh_shape["model"],
+            tuple(p.strategy for p in plan.params))
+
+
+def _finalists(plan: Any) -> list[dict[str, Any]]:
+    """The candidates `measure=` timed, with the step time each measured and predicted."""
+    return [{"candidate": f"{c.label} " + "/".join(k for k, _ in sorted(
+                 c.strategy_counts, key=lambda kv: (-kv[1], kv[0]))),
+             "measured_s": c.measured.step_time_s,
+             "steps": c.measured.steps, "chosen": c.chosen}
+            for c in plan.candidates if c.measured is not None]
 
 
 def _layout_name(strategies: tuple[str, ...]) -> str:
@@ -366,14 +402,37 @@ def markdown(record: dict[str, Any]) -> str:
               "| model | objective | planner chose | measured best (pooled) | regret, "
               "median of the rounds | in each round | regret on pooled medians |",
               "|---|---|---|---|---|---|---|"]
-    for q in record["quality"]:
+    lines += _quality_rows(record["quality"])
+    if record.get("measured_choice"):
+        lines += ["", "The measured choice, `auto_shard(..., measure=True)` on the same cluster: "
+                  "its verified finalists timed on the devices (a few steps each) and the "
+                  "choice made on those measurements. Under two processes a running step "
+                  "uses every device, so it is scored against the measured candidates of "
+                  "2 devices:", "",
+                  "| model | objective | measure=True chose | measured best of 2 devices | "
+                  "regret, median of the rounds | in each round | regret on pooled medians |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += _quality_rows(record["measured_choice"])
+        lines += ["", "Finalists `measure=True` timed (ms per step, its own short windows):",
+                  ""]
+        for q in record["measured_choice"]:
+            timed = ", ".join(f"{f['candidate']} {1e3 * f['measured_s']:.1f}"
+                              + (" (chosen)" if f["chosen"] else "")
+                              for f in q.get("finalists", []))
+            lines.append(f"- {q['model']} {q['objective']}: {timed or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+def _quality_rows(quality: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for q in quality:
         reg = "not measured" if q["regret"] is None else f"{100 * q['regret']:.1f}%"
         mid = q.get("regret_round_median")
         rounds = ", ".join(f"{100 * x:.1f}%" for x in q.get("regret_by_round", []))
         lines.append(f"| {q['model']} | {q['objective']} | {q['chosen']} | {q['oracle']} | "
                      f"{'-' if mid is None else f'{100 * mid:.1f}%'} | {rounds or '-'} | "
                      f"{reg} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(args: argparse.Namespace) -> None:
@@ -384,6 +443,7 @@ def main(args: argparse.Namespace) -> None:
             results[setup] = run_setup(setup, args, Path(tmp))
     rows = [r for res in results.values() for r in res["rows"]]
     quality = results["cluster"]["quality"] if "cluster" in results else []
+    choice = results["cluster"].get("measured_choice", []) if "cluster" in results else []
     summary, compiled = summarize(rows), summarize(rows, "compiled_error")
     regrets = [q["regret_round_median"] for q in quality
                if q.get("regret_round_median") is not None]
@@ -400,6 +460,10 @@ def main(args: argparse.Namespace) -> None:
                 print(f"  {q['model']:15s} {q['objective']:10s} regret {100 * q['regret']:5.1f}%,"
                       f" in each round: "
                       + ", ".join(f"{100 * x:.1f}%" for x in q["regret_by_round"]))
+    for q in choice:
+        if q.get("regret_by_round"):
+            print(f"  measure=True {q['model']:15s} {q['objective']:10s} chose {q['chosen']}, "
+                  f"regret {100 * q['regret_round_median']:.1f}% (median of the rounds)")
     import platform
 
     record = {"command": "python benchmarks/measured.py " + " ".join(sys.argv[1:]),
@@ -413,7 +477,7 @@ def main(args: argparse.Namespace) -> None:
                          for k, v in results.items()},
               "rounds": args.rounds,
               "summary": summary, "summary_compiled": compiled, "rows": rows,
-              "quality": quality}
+              "quality": quality, "measured_choice": choice}
     suffix = "" if set(setups) == {"single", "cluster"} else f"_{args.setup}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"measured_cpu{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")

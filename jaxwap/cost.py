@@ -34,6 +34,7 @@ from .comm import (
     batch_reduce_comm,
     collective_cost,
     fsdp_comm,
+    fsdp_moved_bytes,
     grad_reduce_comm,
     hsdp_comm,
     tp_chain_cost,
@@ -234,11 +235,14 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
+    layer_of = {L.param: L for L in graph.layers}
     for j, strats in enumerate(strategies):
         row_c, row_h = [], []
         pbytes = graph.params[j].nbytes
         for st in strats:
             local = pbytes / (m if st.tp != "none" else 1)
+            if st.data_sharded and st.tp == "none":
+                local = fsdp_moved_bytes(local, layer_of.get(j))
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
                    float(passes[j]))

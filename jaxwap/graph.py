@@ -74,6 +74,7 @@ class Layer:
     act_out_bytes: float
     needs_input_grad: bool
     input_id: int = -1
+    weight_bytes: float = 0.0   # the weight operand as the op reads it (after any cast)
 
 
 @dataclass(frozen=True)
@@ -349,7 +350,8 @@ def _layer_of(op: FlatOp, k: int, flow: Dataflow, nbytes: np.ndarray,
             continue
         return Layer(int(flow.owner[wid]), k, tuple(sorted(pw[d] for d in dims.in_dims)),
                      tuple(sorted(pw[d] for d in dims.out_dims)), float(nbytes[xid]),
-                     float(nbytes[op.outs[0]]), bool(flow.pdep[xid]), source[xid])
+                     float(nbytes[op.outs[0]]), bool(flow.pdep[xid]), source[xid],
+                     float(nbytes[wid]))
     return None
 
 
