@@ -241,7 +241,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         pbytes = graph.params[j].nbytes
         for st in strats:
             local = pbytes / (m if st.tp != "none" else 1)
-            if st.data_sharded and st.tp == "none":
+            if st.data_sharded:
                 local = fsdp_moved_bytes(local, layer_of.get(j))
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
