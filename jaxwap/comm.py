@@ -219,23 +219,36 @@ def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: f
     return t * reductions + buffer_latency(buffers, d, cluster), b * reductions
 
 
-def fsdp_moved_bytes(param_bytes: float, layer: Layer | None) -> float:
-    """The bytes a data-sharded weight's collectives carry: the weight's own (the textbook
-    FSDP gathers), unless XLA's SPMD partitioner moves the layer's activations instead.
-    It keeps the larger operand of the layer's matmul where it lies and reshards the
-    smaller: when the batch's data operand is the smaller, the weight stays sharded and
-    the activations travel (all-to-all, all-reduce, all-gather of activation size).
+def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]:
+    """The parameters whose FSDP layout XLA partitions by moving the batch's activations
+    instead of gathering the weight, when every layer is FSDP-sharded on `data_dim` (per
+    parameter, the dim its layout splits over the data axis).
 
-    Checked on compiled programs (a 3-layer MLP, f32 and bf16, widths 256-4096, batches
-    8-4096, data axes of 2 and 4; `tests/test_comm_fidelity.py`): XLA moved the
-    activations exactly where the data operand was the smaller, and sent 1.0-1.6x this
-    price in f32 where the weights were 5 MB or more (a 0.5 MB MLP at batch 8-64 still
-    had part of its weights gathered: 2-8x, under 0.6 MB), twice that in bf16 (XLA:CPU
-    moved them at f32 width). The weight's price had been up to 200x too high there
-    (AlexNet at batch 8: 130 MB priced, 0.6 MB compiled)."""
-    if layer is None or not layer.weight_bytes or layer.act_in_bytes >= layer.weight_bytes:
-        return param_bytes
-    return min(param_bytes, layer.act_in_bytes)
+    XLA's SPMD partitioner keeps a layer's weight sharded and moves the activations when
+    the data operand of its matmul is the smaller operand and the weight's split lines up
+    with the activations without resharding them along the contraction: the weight split
+    on an output dim (the input is all-gathered over the batch, each device computes its
+    output features), or on the contracted dim when the input arrives whole or split on
+    those features, as it does from a layer that moved its activations (split output
+    features, or partial sums all-reduced to every device). A weight split on the
+    contracted dim against a batch-split input is gathered whole, however small the
+    batch. `layers` in forward order; each follows the one before.
+
+    Checked on compiled programs (`tests/test_comm_fidelity.py`): 3-layer MLPs, f32 and
+    bf16, widths 256-9216, batches 8-4096, data axes of 2 and 4, and the zoo's CNNs
+    (AlexNet at batch 8 and 32 px moved, 0.6 MB where the weights' price was 130 MB; at
+    batch 128 and 224 px it gathered them all, 386 MB)."""
+    moved: set[int] = set()
+    features_split = False   # the layer before left its output whole or feature-split
+    for L in layers:
+        f = data_dim.get(L.param)
+        smaller = bool(L.weight_bytes) and L.act_in_bytes < L.weight_bytes
+        on_out = f is not None and f in L.out_dims
+        on_in = f is not None and f in L.in_dims
+        features_split = smaller and (on_out or (on_in and features_split))
+        if features_split:
+            moved.add(L.param)
+    return moved
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
@@ -245,7 +258,9 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     micro-batches), reduce-scatter its gradient once per partial gradient (`reductions`:
     a weight used twice has two, and each micro-batch its own); 1.5x the bytes of the
     all-reduce plain data parallelism pays. Where XLA moves the activations instead
-    (`fsdp_moved_bytes`), `param_bytes` are theirs: three collectives of that size."""
+    (`fsdp_moves`), `param_bytes` are the layer input's: three collectives of that size
+    (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it in bf16,
+    whose activations XLA:CPU moved at f32 width)."""
     t, sent = all_gather(param_bytes, d, cluster, False, inner)
     k = 2 * passes + reductions
     return k * t + buffer_latency(k, d, cluster), k * sent
@@ -342,5 +357,5 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_latency", "axis_inner", "batch_dims",
            "batch_reduce_comm", "buffer_latency", "collective_cost", "fsdp_comm",
-           "fsdp_moved_bytes", "grad_reduce_comm", "group_kind", "hsdp_comm", "tp_chain_cost",
+           "fsdp_moves", "grad_reduce_comm", "group_kind", "hsdp_comm", "tp_chain_cost",
            "tp_final_cost", "tp_group_cost"]

@@ -34,7 +34,7 @@ from .comm import (
     batch_reduce_comm,
     collective_cost,
     fsdp_comm,
-    fsdp_moved_bytes,
+    fsdp_moves,
     grad_reduce_comm,
     hsdp_comm,
     tp_chain_cost,
@@ -42,7 +42,7 @@ from .comm import (
 from .graph import GRAD, NUM_CLASSES, OPT, Graph
 from .hardware import Cluster
 from .model_split import TP_KINDS
-from .records import MODEL, CompiledFigures, Prediction, Strategy
+from .records import DATA, MODEL, CompiledFigures, Prediction, Strategy
 
 
 # --------------------------------------------------------------------------- compute
@@ -236,13 +236,18 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
     layer_of = {L.param: L for L in graph.layers}
+    # where XLA would move activations rather than gather weights, were every layer FSDP
+    fsdp_dim = {j: st.spec.index(DATA) for j, strats in enumerate(strategies)
+                for st in strats if st.name == "fsdp" and DATA in st.spec}
+    moves = fsdp_moves(graph.layers, fsdp_dim)
     for j, strats in enumerate(strategies):
         row_c, row_h = [], []
         pbytes = graph.params[j].nbytes
         for st in strats:
             local = pbytes / (m if st.tp != "none" else 1)
-            if st.data_sharded:
-                local = fsdp_moved_bytes(local, layer_of.get(j))
+            if st.data_sharded and j in moves:
+                # under tensor parallelism too (the model axis splits the rest)
+                local = min(local, layer_of[j].act_in_bytes)
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
                    float(passes[j]))

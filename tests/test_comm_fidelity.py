@@ -167,7 +167,7 @@ def test_micro_batches_reduce_every_iteration():
     _check(graph, predicted, figs, 2)
 
 
-def _fsdp_mlp_bytes(batch, width, d=2):
+def _fsdp_mlp_bytes(batch, width, d=2, inputs=256):
     """(predicted, compiled) bytes sent per device of a 3-layer tanh MLP with every
     weight FSDP-sharded over a data axis of d, planned through the public knob."""
     def loss(p, b):
@@ -175,9 +175,9 @@ def _fsdp_mlp_bytes(batch, width, d=2):
         h = jnp.tanh(h @ p["w2"])
         return jnp.mean((h @ p["w3"] - b["y"]) ** 2)
 
-    params = {"w1": _sds(256, width), "w2": _sds(width, width), "w3": _sds(width, 16)}
+    params = {"w1": _sds(inputs, width), "w2": _sds(width, width), "w3": _sds(width, 16)}
     step = jaxwap.make_train_step(loss, optax.sgd(0.1))
-    data = {"x": _sds(batch, 256), "y": _sds(batch, 16)}
+    data = {"x": _sds(batch, inputs), "y": _sds(batch, 16)}
     plan = jaxwap.plan(step, params, jax.eval_shape(step.init, params), data, params=params,
                        mesh_shape={"data": d, "model": 1}, strategies=("fsdp",), verify=1,
                        cache=False, objective="throughput")
@@ -201,3 +201,13 @@ def test_fsdp_gathers_weights_where_the_batch_is_the_larger_operand():
     # so XLA gathers the weights and reduce-scatters their gradients: the textbook bytes
     predicted, compiled = _fsdp_mlp_bytes(4096, 1024)
     assert predicted == pytest.approx(compiled, rel=1e-6)
+
+
+def test_fsdp_gathers_a_weight_split_on_its_contracted_dim_against_the_batch():
+    # the first weight is 4096 x 4096, split on its input (contracted) dim, against a
+    # batch-split input: however small the batch, XLA gathers it (and the ones after);
+    # the model prices the gathers, not an activation move
+    predicted, compiled = _fsdp_mlp_bytes(128, 4096, inputs=4096)
+    weights = (4096 * 4096 * 2 + 4096 * 16) * 4
+    assert compiled > 0.4 * weights
+    assert predicted > 0.4 * weights
