@@ -170,6 +170,7 @@ def plan_row(row: Row, built: dict[str, Any], hw: dict[str, jaxwap.Cluster]) -> 
         "mesh_shape": dict(plan.mesh_shape), "num_devices": plan.num_devices,
         "nodes_used": nodes, "num_nodes": cluster.num_nodes,
         "strategies": dict(counts.most_common()), "step": plan.step.to_dict(),
+        "power_limit_w": plan.power_limit_w,
         "predicted_step_time_s": pr.step_time_s, "predicted_mfu": mfu,
         "predicted_energy_per_step_j": pr.energy_per_step_j,
         "predicted_peak_memory_bytes": pr.peak_memory_bytes,
@@ -189,8 +190,8 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"figures, analytic plans: nothing here ran on an H100).",
         "",
         "| model | cluster | objective | planning s (measured) | goal | mesh | nodes used | "
-        "strategies | step | step time (predicted) | MFU (predicted) | energy/step "
-        "(predicted) |",
+        "strategies | step (and GPU power limit) | step time (predicted) | MFU (predicted) | "
+        "energy/step (predicted) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -208,6 +209,8 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         variant = ", ".join(x for x in (
             f"{step['micro_batches']} micro-batches" if step["micro_batches"] > 1 else "",
             f"remat {step['remat']}" if step["remat"] != "none" else "") if x) or "as written"
+        if r.get("power_limit_w") is not None:
+            variant += f", capped at {r['power_limit_w']:.0f} W"
         out.append(
             f"| {r['model']} | {r['cluster']} | {r['objective']} | {pt['repeat']:.2f} "
             f"({pt['first']:.2f}) | {goal} | {mesh} | {r['nodes_used']} of {r['num_nodes']} "

@@ -245,8 +245,9 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         pbytes = graph.params[j].nbytes
         for st in strats:
             local = pbytes / (m if st.tp != "none" else 1)
-            if st.data_sharded and j in moves:
-                # under tensor parallelism too (the model axis splits the rest)
+            if st.data_sharded and j in moves and r == 1:
+                # under tensor parallelism too (the model axis splits the rest); not
+                # under HSDP, whose replicas still all-reduce the weight's gradient shard
                 local = min(local, layer_of[j].act_in_bytes)
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
