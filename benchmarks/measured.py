@@ -325,8 +325,8 @@ def _chosen(plan: Any) -> tuple[Any, ...]:
 
 def _finalists(plan: Any) -> list[dict[str, Any]]:
     """The candidates `measure=` timed, with the step time each measured and predicted."""
-    return [{"candidate": f"{c.label} " + "/".join(k for k, _ in sorted(
-                 c.strategy_counts, key=lambda kv: (-kv[1], kv[0]))),
+    return [{"candidate": f"{c.label} " + _layout_name(
+                 tuple(k for k, n in c.strategy_counts for _ in range(n))),
              "measured_s": c.measured.step_time_s,
              "steps": c.measured.steps, "chosen": c.chosen}
             for c in plan.candidates if c.measured is not None]

@@ -41,9 +41,10 @@ def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any
     return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
+@functools.lru_cache(maxsize=256)
 def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
     """How many rows (leading-dim entries) of a `shape` array this process's devices hold
-    under `sharding`."""
+    under `sharding` (cached: every step places its batch)."""
     rows: set[int] = set()
     for index in sharding.addressable_devices_indices_map(shape).values():
         rows.update(range(*(index[0] if index else slice(None)).indices(shape[0])))

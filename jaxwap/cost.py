@@ -235,7 +235,6 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
-    layer_of = {L.param: L for L in graph.layers}
     # where XLA would move activations rather than gather weights, were every layer FSDP
     fsdp_dim = {j: st.spec.index(DATA) for j, strats in enumerate(strategies)
                 for st in strats if st.name == "fsdp" and DATA in st.spec}
@@ -248,7 +247,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             if st.data_sharded and j in moves and r == 1:
                 # under tensor parallelism too (the model axis splits the rest); not
                 # under HSDP, whose replicas still all-reduce the weight's gradient shard
-                local = min(local, layer_of[j].act_in_bytes)
+                local = min(local, graph.layer_of[j].act_in_bytes)
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
                    float(passes[j]))

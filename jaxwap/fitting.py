@@ -143,12 +143,11 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     node = cluster.node_size if cluster.num_nodes > 1 else None
     shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                             micro_batches, mesh, node)
-    layers = {L.param: L for L in graph.layers}
     best = float("inf")
     for d, m in shapes:
         if pins_hold(graph, allowed, d, m, offload) is not None:
             continue
-        strategies = [param_strategies(graph, j, d, m, offload, allowed, layers)
+        strategies = [param_strategies(graph, j, d, m, offload, allowed)
                       for j in range(len(graph.params))]
         best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])
     return best

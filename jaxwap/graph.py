@@ -190,6 +190,11 @@ class Graph:
         return np.cumsum(self.live_changes[:, cols] @ weights)
 
     @functools.cached_property
+    def layer_of(self) -> dict[int, Layer]:
+        """Each parameter's layer (its forward matmul against the batch), by index."""
+        return {L.param: L for L in self.layers}
+
+    @functools.cached_property
     def layer_groups(self) -> tuple[tuple[Layer, ...], ...]:
         """The layers in forward order, consecutive siblings (the same `input_id`)
         together: the unit the tensor-parallel chain is priced in (`comm.tp_group_cost`)."""

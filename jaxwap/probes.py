@@ -79,7 +79,6 @@ def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
     return make
 
 
-
 def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
                   progress: Progress) -> dict[str, Any]:
     """Seconds per n x n x n matmul inside a program (`in_program`: a chain of them, the

@@ -90,8 +90,7 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                r: int = 1) -> MeshResult:
     """The best layout on a (d, m) mesh; with r replicas (HSDP), the data axis split
     into r replicas across nodes of d/r devices each, over which parameters shard."""
-    layers = {L.param: L for L in graph.layers}
-    strategies = [param_strategies(graph, j, d // r, m, offload, allowed, layers)
+    strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
                   for j in range(len(graph.params))]
     floor, low = memory_floor(graph, strategies, d, m, r=r)
     if floor > budget:
@@ -310,8 +309,7 @@ def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
 
 def data_parallel(graph: Graph, cluster: Cluster, d: int, budget: float) -> MeshResult:
     """Every parameter replicated over a (d, 1) mesh, the batch split d ways."""
-    layers = {L.param: L for L in graph.layers}
-    strategies = [param_strategies(graph, j, d, 1, layers=layers)[:1]
+    strategies = [param_strategies(graph, j, d, 1)[:1]
                   for j in range(len(graph.params))]
     mc = mesh_costs(graph, cluster, d, 1, strategies)
     pred = predict(graph, cluster, mc, [0] * len(strategies))

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from .constraints import LayoutRules
 from .graph import Graph
@@ -29,17 +28,14 @@ def _spec(ndim: int, **axes: int | None) -> tuple[str | None, ...]:
 
 
 def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
-                     rules: LayoutRules | None = None,
-                     layers: Mapping[int, Any] | None = None) -> tuple[Strategy, ...]:
+                     rules: LayoutRules | None = None) -> tuple[Strategy, ...]:
     """Replicate; column / row over model; each also with its optimizer state sharded over
     data (ZeRO-1) or everything sharded over data (FSDP); and, for a parameter with
     optimizer state, each of those with the state kept in host memory. `rules` keeps
     only the layouts whose families it allows (see `restrict`) and, for a parameter it
     pins, those its constraint allows (`LayoutRules.apply`: empty where the pin cannot
-    hold on this mesh). `layers` maps parameter index to its layer, when the caller has
-    it at hand."""
-    layer = layers.get(j) if layers is not None else \
-        next((L for L in graph.layers if L.param == j), None)
+    hold on this mesh)."""
+    layer = graph.layer_of.get(j)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
     granules = (graph.tp_granule.get((j, "col"), 0), graph.tp_granule.get((j, "row"), 0))
     # a pinned parameter chooses among every layout, not only the families allowed
@@ -56,9 +52,8 @@ def pins_hold(graph: Graph, rules: LayoutRules | None, d: int, m: int, offload: 
     """Why `rules`' pins cannot all hold on a (d, m) mesh, or None (also without rules)."""
     if rules is None or not rules.pins:
         return None
-    layers = {L.param: L for L in graph.layers}
-    return rules.why_not(graph.params, d, m, layers, lambda j: param_strategies(
-        graph, j, d, m, offload, LayoutRules(), layers))
+    return rules.why_not(graph.params, d, m, graph.layer_of, lambda j: param_strategies(
+        graph, j, d, m, offload, LayoutRules()))
 
 
 @functools.lru_cache(maxsize=4096)
