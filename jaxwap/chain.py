@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .comm import group_kind, tp_final_cost, tp_group_cost
-from .cost import MeshCosts
+from .cost import MeshCosts, rides
 from .graph import Graph
 from .hardware import Cluster
 
@@ -66,8 +66,8 @@ def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     and the dynamic program runs over kinds: a few transitions per layer, however many
     strategies."""
     f = flat or flat_costs(mc)
-    d, m = mc.d, mc.m
     own = f.time + weight * f.grad + 2 * f.host
+    riding = _fold_riders(mc, f, own, weight)
     # per (parameter, kind): its cheapest strategy, the first of equals
     order = np.lexsort((f.S, own, f.kind, f.J))
     first = np.ones(len(order), bool)
@@ -80,6 +80,42 @@ def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     choice = [min(v, key=lambda t: (t[2], t[1]))[1] for _, v in sorted(per_param.items())]
     if not graph.layers:
         return choice
+    choice = _chain(graph, cluster, mc, f, per_param, choice)
+    for b, (k, s) in riding.items():
+        if rides(mc.strategies[k][choice[k]], mc.strategies[b][s]):
+            choice[b] = s
+    return choice
+
+
+def _fold_riders(mc: MeshCosts, f: FlatCosts, own: np.ndarray, weight: float
+                 ) -> dict[int, tuple[int, int]]:
+    """Each bias that may ride with its kernel's moved activations (`cost.rides`) decided
+    with its kernel: the kernel's layouts it rides with are priced (in `own`, in place)
+    with the bias at its best riding, its own communication free, less the bias's best
+    alone; so the kernel's choice weighs the bias's too. Per bias: (its kernel, its
+    strategy when riding)."""
+    starts = np.searchsorted(f.J, np.arange(len(mc.strategies) + 1))
+    out: dict[int, tuple[int, int]] = {}
+    for b, k in mc.riders:
+        lo, hi = starts[b], starts[b + 1]
+        sharded = np.array([st.data_sharded for st in mc.strategies[b]])
+        riding = own[lo:hi] - np.where(sharded, weight * f.grad[lo:hi], 0.0)
+        s = int(np.argmin(riding))
+        if not sharded[s]:
+            continue
+        gain = float(riding[s] - own[lo:hi].min())
+        for i, st in enumerate(mc.strategies[k]):
+            if rides(st, mc.strategies[b][s]):
+                own[starts[k] + i] += gain
+        out[b] = (k, s)
+    return out
+
+
+def _chain(graph: Graph, cluster: Cluster, mc: MeshCosts, f: FlatCosts,
+           per_param: dict[int, list[tuple[int, int, float]]], choice: list[int]) -> list[int]:
+    """`choice` with the layers' strategies the dynamic program over the chain of
+    sibling groups picks, per group and kind from `per_param`'s cheapest."""
+    d, m = mc.d, mc.m
     # the communication of a group of siblings depends on their activation sizes and
     # kinds: the blocks of a deep model repeat a few of those, so each is priced once
     priced: dict[tuple[Any, ...], float] = {}

@@ -25,7 +25,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +65,9 @@ class Layer:
     `input_id` names the value the data operand is (past casts and reshapes): layers
     reading the same one are siblings (attention's q, k and v projections, a gated MLP's
     gate and up), whose input a tensor-parallel layout gathers or reduces once, not per
-    layer (`Graph.layer_groups`); -1 when unknown.
+    layer (`Graph.layer_groups`); -1 when unknown. `bias` is the parameter added to the
+    op's result, one element per output feature (a Dense or Conv bias), or -1: XLA moves
+    it with the layer's activations when it moves them for FSDP (`comm.fsdp_moves`).
     """
 
     param: int
@@ -75,6 +79,7 @@ class Layer:
     needs_input_grad: bool
     input_id: int = -1
     weight_bytes: float = 0.0   # the weight operand as the op reads it (after any cast)
+    bias: int = -1
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     kinds, host_transfer = _op_kinds(prog)
     flow = dataflow(prog, kinds, in_roles, out_roles, params, batch_size)
     costs = op_costs(prog, kinds, rules)
-    splits = _op_splits(prog, kinds, flow)
+    splits = _op_splits(prog, kinds, flow, params)
     stacked = stacked_dims(prog, flow, params)
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
@@ -284,7 +289,8 @@ class _OpSplits:
     layers: tuple[Layer, ...]
 
 
-def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow) -> _OpSplits:
+def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
+               params: Sequence[ParamInfo]) -> _OpSplits:
     """How each op splits across a mesh: over the data axis (it touches a batched value),
     with a parameter (it makes or, unbatched, uses one of its forms), and for a matmul
     against batched data, with the tensor-parallel sharding of its weight's layer.
@@ -322,8 +328,29 @@ def _op_splits(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow) -> _OpSp
     tp_param = np.array(tp, dtype=np.int64)
     tp_param[~np.isin(tp_param, list(layers))] = -1
     return _OpSplits(np.array(op_batched, dtype=bool), np.array(op_owner, dtype=np.int64),
-                     tp_param,
-                     tuple(sorted(layers.values(), key=lambda L: L.op_index)))
+                     tp_param, _with_biases(prog, flow, layers, source, params))
+
+
+def _with_biases(prog: FlatProgram, flow: Dataflow, layers: Mapping[int, Layer],
+                 source: Sequence[int], params: Sequence[ParamInfo]) -> tuple[Layer, ...]:
+    """The layers in forward order, each with its bias: the first parameter (of no layer
+    of its own) added to the layer's result (past casts and reshapes), with one element
+    per output feature (Flax adds a reshaped bias, no broadcast op between)."""
+    made = {source[prog.ops[L.op_index].outs[0]]: L for L in layers.values()}
+    owner, batched, size = flow.owner, flow.batched, prog.size
+    found: dict[int, int] = {}
+    for op in prog.ops:
+        if op.prim != "add" or len(op.ins) != 2:
+            continue
+        for x, b in (op.ins, op.ins[::-1]):
+            L = made.get(source[x])
+            j = int(owner[b])
+            if (L is None or L.param in found or j < 0 or j in layers or batched[b]
+                    or size[b] != math.prod(params[L.param].shape[i] for i in L.out_dims)):
+                continue
+            found[L.param] = j
+    return tuple(sorted((dataclasses.replace(L, bias=found.get(L.param, -1))
+                         for L in layers.values()), key=lambda L: L.op_index))
 
 
 def _sources(prog: FlatProgram) -> list[int]:

@@ -7,7 +7,9 @@ leaves (column-then-row pairs need no gather in between), so a dynamic program a
 chain finds the per-parameter strategies that minimise modelled step time (`chain.py`).
 Gradient reduction overlaps backward compute, which makes its cost non-additive; the DP is
 run with the reduction weighted 1, 1/2 and 0 and each result is priced exactly.
-Non-layer parameters (biases, norms, embeddings) choose independently. On a cluster of
+Non-layer parameters (norms, embeddings) choose independently; a bias that can ride with
+its kernel's moved FSDP activations is decided with its kernel (`chain._fold_riders`).
+On a cluster of
 nodes the best meshes are also tried hybrid-sharded (HSDP, `_hybrids`).
 
 A candidate over the memory budget is repaired before it is declared not to fit

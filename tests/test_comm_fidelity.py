@@ -9,6 +9,8 @@ devices and compares the model's bytes with the collectives in the compiled HLO.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -19,6 +21,7 @@ import jaxwap
 from jaxwap.comm import all_reduce, batch_reduce_comm
 from jaxwap.compile import compile_layout
 from jaxwap.cost import mesh_costs, predict
+from jaxwap.device import DeviceSpec
 from jaxwap.graph import analyze
 from jaxwap.hlo import compiled_figures
 from jaxwap.solve import param_strategies
@@ -211,3 +214,50 @@ def test_fsdp_gathers_a_weight_split_on_its_contracted_dim_against_the_batch():
     weights = (4096 * 4096 * 2 + 4096 * 16) * 4
     assert compiled > 0.4 * weights
     assert predicted > 0.4 * weights
+
+
+# a CPU cluster over gloo: each collective buffer costs a few milliseconds however small
+GLOO = DeviceSpec("gloo-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
+                  idle_watts=3, max_watts=15, link_latency_s=1.7e-3,
+                  link_buffer_latency_s=4e-3)
+
+
+def _biased_mlp_plan(strategies, link_bandwidth):
+    """A 3-layer tanh MLP with biases (batch 64, 1024 wide: XLA moves FSDP activations),
+    planned on a 2 x 1 mesh of the gloo-like cluster and compiled."""
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+        h = jnp.tanh(h @ p["w2"] + p["b2"])
+        return jnp.mean((h @ p["w3"] + p["b3"] - b["y"]) ** 2)
+
+    params = {"w1": _sds(256, 1024), "b1": _sds(1024), "w2": _sds(1024, 1024),
+              "b2": _sds(1024), "w3": _sds(1024, 16), "b3": _sds(16)}
+    step = jaxwap.make_train_step(loss, optax.adam(0.1))
+    data = {"x": _sds(64, 256), "y": _sds(64, 16)}
+    cluster = jaxwap.Cluster(dataclasses.replace(GLOO, link_bandwidth=link_bandwidth), 2)
+    plan = jaxwap.plan(step, params, jax.eval_shape(step.init, params), data, params=params,
+                       hardware=cluster, mesh_shape={"data": 2, "model": 1},
+                       strategies=strategies, verify=1, cache=False, objective="throughput")
+    return plan, {p.path[-1]: p.strategy for p in plan.params}
+
+
+def test_fsdp_bias_rides_with_its_moved_layer():
+    # XLA moves a layer's activations once for its kernel and bias together: the bias,
+    # split like the output features, is added and its gradient reduced where it is. The
+    # model prices the layer's collectives once (14 buffers compiled; a price per
+    # parameter said 20, 80 ms where XLA's collectives cost 56)
+    plan, strategy = _biased_mlp_plan(("fsdp",), 1e9)
+    assert set(strategy.values()) == {"fsdp"}, strategy
+    buffers = sum(c.buffers for c in plan.compiled.collectives)
+    compiled_s = buffers * GLOO.link_buffer_latency_s + plan.compiled.comm_bytes / 1e9
+    assert plan.predicted.grad_comm_time_s == pytest.approx(compiled_s, rel=0.15)
+
+
+def test_a_bias_takes_fsdp_with_its_fsdp_kernel():
+    # on slow links FSDP's moved activations beat all-reducing the 4 MB w2: its bias is
+    # decided with it and rides free (replicated alone, it would cost one more
+    # all-reduce; FSDP alone, three collectives)
+    plan, strategy = _biased_mlp_plan(("fsdp", "replicate"), 1e8)
+    assert strategy["w2"] == "fsdp", strategy
+    for w, b in (("w1", "b1"), ("w2", "b2"), ("w3", "b3")):
+        assert strategy[b] == strategy[w], strategy

@@ -59,6 +59,32 @@ def test_dense_and_conv_layer_dims():
     assert [L.param for L in graph.layers] == [0, 1, 2]  # params in key order: conv, dense, head
 
 
+
+def test_each_layer_knows_its_bias():
+    # the bias is what is added to the layer's own output, one element per output
+    # feature (a conv's per channel, past Flax's reshape); a norm's offset added to
+    # another value, a bias-less layer and a transposed head have none
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Conv(8, (3, 3), name="conv")(x)).mean(axis=(1, 2))
+            h = nn.LayerNorm(name="norm")(nn.Dense(10, name="dense")(h))
+            return nn.Dense(5, use_bias=False, name="head")(h)
+
+    params = jax.eval_shape(Net().init, jax.random.key(0), _f32(16, 6, 6, 4))["params"]
+
+    def loss(p, x):
+        return jnp.sum(Net().apply({"params": p}, x) ** 2)
+
+    graph = _analyze(_sgd(loss), params, _f32(16, 6, 6, 4), batch_size=16)
+    name = {j: "/".join(p.path) for j, p in enumerate(graph.params)}
+    biases = {name[L.param]: name.get(L.bias) for L in graph.layers}
+    assert biases == {"conv/kernel": "conv/bias", "dense/kernel": "dense/bias",
+                      "head/kernel": None}
+
+
 def test_primitive_table():
     for name in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
         assert prim_info(name).kind == MATMUL and prim_info(name).layer is not None
