@@ -17,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from .power import A100_SXM, H100_SXM, H200_SXM, PowerProfile, default_profile
+from .power import (
+    A100_SXM,
+    H100_SXM,
+    H200_SXM,
+    V100_IDLE_W,
+    V100_PCIE,
+    PowerProfile,
+    default_profile,
+)
 
 GB = 1e9
 GiB = 2**30
@@ -295,6 +303,13 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=150 * GB, link_latency_s=5e-6,
                    host_bandwidth=12 * GB, network_bandwidth=12.5 * GB),
+        # the 250 W PCIe card (no NVLink: its peers over PCIe 3.0), the V100 the published
+        # power trace `benchmarks/power.py` checks against ran on
+        DeviceSpec("v100-pcie", peak_flops=112e12, peak_flops_f32=14e12,
+                   memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=V100_IDLE_W,
+                   max_watts=250, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
+                   link_bandwidth=12 * GB, link_latency_s=10e-6,
+                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB, power=V100_PCIE),
         # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
         # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
         # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
@@ -314,6 +329,7 @@ _KIND_PATTERNS: tuple[tuple[str, str], ...] = (
     ("a100-sxm4-80gb", "a100-sxm-80gb"),
     ("a100 80gb", "a100-sxm-80gb"),
     ("a100", "a100-sxm-40gb"),
+    ("v100-pcie", "v100-pcie"),
     ("v100", "v100-sxm2"),
     ("cpu", "cpu"),
 )

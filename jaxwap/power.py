@@ -28,8 +28,15 @@ from typing import Any
 import numpy as np
 
 # Dynamic power ~ C V^2 f, and over the DVFS range the voltage rises with the clock:
-# power above idle grows about as the clock's cube. Used where no measured curve exists.
+# power above the busy floor grows about as the clock's cube. Used where no measured curve
+# exists.
 DVFS_EXPONENT = 3.0
+# Below this share of the default clock the voltage stays at its floor and dynamic power
+# falls only linearly with the clock: a deep cap costs more clock than the cube law says.
+# Fitted to the one published cap-versus-GEMM figure (a GB300 at a 500 W cap of 1400 W kept
+# 0.28-0.39 of its throughput; 0.35 here with idle 150 W); checked against the Zeus V100
+# trace in `benchmarks/power.py`.
+VOLTAGE_KNEE = 0.75
 # No sustained clock below this share of the default (the lowest DVFS states).
 MIN_CLOCK_FRACTION = 0.2
 
@@ -114,13 +121,22 @@ class PowerProfile:
 
     def clock_at(self, limit: float | None, load_watts: float, idle_watts: float) -> float:
         """The sustained clock share of a load that draws `load_watts` at the default
-        limit, under `limit` (None: the default)."""
+        limit, under `limit` (None: the default).
+
+        What the clock can trade is the power above the busy floor, the waiting power
+        (`comm_watts`: the device in its working state, its memory clocked up), not idle:
+        a capped device is busy. Without a measured curve the dynamic power above that
+        floor follows the clock's cube down to `VOLTAGE_KNEE`, then falls linearly.
+        Checked against published traces (`benchmarks/power.py`): a V100 PCIe training
+        ResNet-50 kept 0.52-0.58 of its throughput at 100 of 250 W (0.46-0.50 here; the
+        cube law over idle said 0.68-0.70), and 0.85-0.95 at 150-200 W (within 1.2%)."""
         if limit is None or load_watts <= limit:
             return 1.0
-        dyn_ref = max(self.matmul_watts - idle_watts, 1e-9)
-        dyn = max(load_watts - idle_watts, 1e-9)
+        floor = min(max(idle_watts, self.comm_watts), self.matmul_watts)
+        dyn_ref = max(self.matmul_watts - floor, 1e-9)
+        dyn = max(load_watts - floor, 1e-9)
         # the reference load under the limit this load's headroom amounts to
-        ref_limit = idle_watts + max(limit - idle_watts, 0.0) * dyn_ref / dyn
+        ref_limit = floor + max(limit - floor, 0.0) * dyn_ref / dyn
         if self.clock_curve:
             w = [p[0] for p in self.clock_curve]
             c = [p[1] for p in self.clock_curve]
@@ -129,7 +145,7 @@ class PowerProfile:
             got = float(np.interp(ref_limit, w + [max(self.matmul_watts, w[-1] + 1.0)],
                                   c + [1.0]))
         else:
-            got = (max(ref_limit - idle_watts, 0.0) / dyn_ref) ** (1.0 / DVFS_EXPONENT)
+            got = dvfs_clock(max(ref_limit - floor, 0.0) / dyn_ref)
         return float(min(1.0, max(got, MIN_CLOCK_FRACTION)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +165,17 @@ class PowerProfile:
         return cls(**d)
 
 
+def dvfs_clock(power_share: float) -> float:
+    """The clock share that keeps a compute-bound load's dynamic power at `power_share` of
+    its uncapped dynamic power: the cube law (`DVFS_EXPONENT`) above the voltage floor's
+    knee, linear below it (the voltage no longer falls with the clock)."""
+    p = max(power_share, 0.0)
+    at_knee = VOLTAGE_KNEE ** DVFS_EXPONENT
+    if p >= at_knee:
+        return p ** (1.0 / DVFS_EXPONENT)
+    return p * VOLTAGE_KNEE / at_knee
+
+
 def dynamic_shares(ref: PowerProfile, idle_watts: float) -> tuple[float, float]:
     """`ref`'s memory-bound and waiting power as shares of its dynamic range (from
     `idle_watts` up to `matmul_watts`): how a profile known only in part borrows them."""
@@ -159,13 +186,11 @@ def dynamic_shares(ref: PowerProfile, idle_watts: float) -> tuple[float, float]:
 @functools.lru_cache(maxsize=64)   # assemble asks for it per prediction
 def default_profile(idle_watts: float, max_watts: float) -> PowerProfile:
     """A device with only idle and board power known: the phases split its dynamic range
-    as the built-in H100 profile does (`H100_SXM`), and it cannot be capped."""
-    dyn = max_watts - idle_watts
-    memory, comm = dynamic_shares(H100_SXM, H100_IDLE_W)
+    as the built-in A100 profile's do (`_borrowed`), and it cannot be capped."""
+    memory, comm = _borrowed(idle_watts, max_watts)
     return PowerProfile(
-        matmul_watts=max_watts, memory_watts=idle_watts + memory * dyn,
-        comm_watts=idle_watts + comm * dyn,
-        source="modelled: idle and board power only, phases split as the H100 profile's")
+        matmul_watts=max_watts, memory_watts=memory, comm_watts=comm,
+        source="modelled: idle and board power only, phases split as the A100 profile's")
 
 
 @dataclass(frozen=True)
@@ -240,13 +265,23 @@ def curve_from_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[floa
 #   "Strangely, matrix multiplications on GPUs run faster when given predictable data";
 #   a GEMM's clock falls from 1980 to 1575 MHz when it reaches the limit,
 #   github.com/deepseek-ai/DeepGEMM/issues/120): they draw the limit.
+# - Memory-bound on an A100: FlagPerf's HBM bandwidth test on a DGX A100 (A100-40GB SXM,
+#   400 W), 1328 GB/s (85% of its bandwidth), draws 239.3 W per GPU, the average of the
+#   8 (github.com/FlagOpen/FlagPerf, base/benchmarks/main_memory-bandwidth/nvidia/A100/
+#   README.md, commit 1b5a030); the same page set measures GEMMs (BF16 338.4 W at 83% of
+#   peak, TF32 383.5 W at 79%), which `benchmarks/power.py` sets the model against.
+# - V100 PCIe: the Zeus trace (You et al., NSDI'23; github.com/ml-energy/zeus, examples/
+#   research_reproducibility/zeus_nsdi23/trace/summary_power_v100.csv) sets limits from
+#   100 to 250 W on its V100 (below the SXM2's 150 W minimum: a 250 W PCIe card), and its
+#   least loaded job (NCF) averages 34.8 W, which bounds the idle power from above; its
+#   ResNet-50 and BERT figures are checks (`benchmarks/power.py`), not inputs.
 # - Not found in reach: a published table of clock or throughput at each limit for the
 #   H100, H200 or A100 (Ujeniya et al., arXiv 2604.11391, and Mayr et al., arXiv
 #   2603.16164, measured such curves; only their abstracts could be read), and an A100's
-#   memory-bound or waiting power. So the clock curve is the DVFS model (`DVFS_EXPONENT`)
-#   and the A100's memory and waiting power take the H100's shares of the dynamic range;
-#   `source` says so, and `benchmarks/power.py` sets the model against the one published
-#   cap-versus-GEMM figure found (a GB300).
+#   waiting power. So the clock curve is the DVFS model (`DVFS_EXPONENT`), and the A100's
+#   waiting power takes the H100's share of the dynamic range; `source` says so.
+#   `benchmarks/power.py` sets the DVFS model against the published cap-versus-throughput
+#   figures found (a GB300 GEMM, the V100's ResNet-50).
 H100_IDLE_W = 79.0
 HOPPER_SOURCE = ("published: limits, idle, waiting and memory-bound power (jaxwap.power "
                  "cites each); clock under a limit modelled (DVFS)")
@@ -255,23 +290,33 @@ H100_SXM = PowerProfile(matmul_watts=700.0, memory_watts=300.0, comm_watts=145.0
                         source=HOPPER_SOURCE)
 H200_SXM = H100_SXM
 A100_IDLE_W = 60.0
+A100_SXM = PowerProfile(
+    matmul_watts=400.0, memory_watts=239.0,
+    comm_watts=round(A100_IDLE_W + dynamic_shares(H100_SXM, H100_IDLE_W)[1]
+                     * (400.0 - A100_IDLE_W)),
+    limit_range_w=(100.0, 400.0), default_limit_w=400.0,
+    source="published: limits, idle and memory-bound power (jaxwap.power cites each); "
+           "waiting power as the H100's share (modelled); clock under a limit modelled "
+           "(DVFS)")
+V100_IDLE_W = 35.0
 
 
-def _a100() -> PowerProfile:
-    """The A100's waiting and memory-bound power: the H100's shares of the dynamic range
-    (no published A100 figure found), over its published idle and 400 W limit."""
-    memory, comm = dynamic_shares(H100_SXM, H100_IDLE_W)
-    dyn = 400.0 - A100_IDLE_W
-    return PowerProfile(matmul_watts=400.0, memory_watts=round(A100_IDLE_W + memory * dyn),
-                        comm_watts=round(A100_IDLE_W + comm * dyn),
-                        limit_range_w=(100.0, 400.0), default_limit_w=400.0,
-                        source="published: limits and idle; memory-bound and waiting "
-                               "power as the H100's shares (modelled); clock under a limit "
-                               "modelled (DVFS)")
+def _borrowed(idle_watts: float, max_watts: float) -> tuple[float, float]:
+    """(memory-bound, waiting) watts for a device known only by its idle and board power:
+    the A100's shares of the dynamic range, whose memory-bound power is a direct
+    measurement of that phase (an HBM stream test; the Hopper figure is the top of an
+    LLM decode's range)."""
+    memory, comm = dynamic_shares(A100_SXM, A100_IDLE_W)
+    dyn = max_watts - idle_watts
+    return idle_watts + memory * dyn, idle_watts + comm * dyn
 
 
-A100_SXM = _a100()
+V100_PCIE = PowerProfile(
+    250.0, *(round(w) for w in _borrowed(V100_IDLE_W, 250.0)),
+    limit_range_w=(100.0, 250.0), default_limit_w=250.0,
+    source="published: limits and idle (Zeus NSDI'23 trace); memory-bound and waiting "
+           "power as the A100's shares (modelled); clock under a limit modelled (DVFS)")
 
-__all__ = ["A100_SXM", "DVFS_EXPONENT", "H100_SXM", "H200_SXM", "PhaseTimes", "PowerProfile",
-           "StepEnergy", "curve_from_points", "default_profile", "dynamic_shares",
-           "step_energy"]
+__all__ = ["A100_SXM", "DVFS_EXPONENT", "H100_SXM", "H200_SXM", "V100_PCIE", "PhaseTimes",
+           "PowerProfile", "StepEnergy", "VOLTAGE_KNEE", "curve_from_points", "default_profile",
+           "dvfs_clock", "dynamic_shares", "step_energy"]

@@ -16,6 +16,7 @@ import pytest
 
 import jaxwap
 from jaxwap import Cluster, DeviceSpec, Objective
+from jaxwap.hardware import builtin_for_kind
 
 
 class Pred(NamedTuple):
@@ -208,7 +209,8 @@ def test_device_spec_round_trip():
 
 
 # --------------------------------------------------------------------------- built-ins
-BUILTINS = ["h100-sxm", "h200", "a100-sxm-80gb", "a100-sxm-40gb", "v100-sxm2", "cpu"]
+BUILTINS = ["h100-sxm", "h200", "a100-sxm-80gb", "a100-sxm-40gb", "v100-sxm2", "v100-pcie",
+            "cpu"]
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -233,6 +235,21 @@ def test_builtin_figures_are_ordered_sensibly():
     assert ds("v100-sxm2").peak_flops < ds("a100-sxm-80gb").peak_flops < ds("h100-sxm").peak_flops
     assert ds("cpu").peak_flops < ds("v100-sxm2").peak_flops
     assert ds("h100-sxm").memory_bytes == pytest.approx(80e9)
+
+
+@pytest.mark.parametrize("kind, name", [
+    ("Tesla V100-PCIE-32GB", "v100-pcie"), ("Tesla V100-SXM2-16GB", "v100-sxm2"),
+    ("NVIDIA A100-SXM4-80GB", "a100-sxm-80gb"), ("NVIDIA H100 80GB HBM3", "h100-sxm")])
+def test_device_kind_picks_its_builtin(kind, name):
+    # the PCIe V100 is a 250 W card that accepts 100-250 W; the SXM2 one is not it
+    assert builtin_for_kind(kind, "gpu").name == name
+
+
+def test_a_capped_v100_pcie_accepts_the_published_limits():
+    power = jaxwap.device_spec("v100-pcie").power_profile()
+    assert power.check_limit(100.0, "V100") == 100.0
+    with pytest.raises(ValueError, match="100-250 W"):
+        power.check_limit(300.0, "V100")
 
 
 def test_unknown_profile_lists_builtins():

@@ -19,7 +19,7 @@ import pytest
 import jaxwap
 from jaxwap import Cluster
 from jaxwap.hardware import DeviceSpec, device_spec
-from jaxwap.power import H100_SXM, PhaseTimes, PowerProfile, step_energy
+from jaxwap.power import H100_SXM, VOLTAGE_KNEE, PhaseTimes, PowerProfile, step_energy
 from tests.models import MLP, abstract_setup, setup
 from tests.test_power_limit import FakeGpu, FakeNVML
 
@@ -64,8 +64,17 @@ def test_compute_bound_time_scales_with_the_clock_and_memory_bound_time_does_not
     capped = step_energy(H100_SXM, IDLE, compute, 400.0)
     assert 0 < capped.clock < 1
     assert capped.extra_time_s == pytest.approx(1.0 / capped.clock - 1.0)
-    # the DVFS model: dynamic power as the clock's cube, so the clock at 400 W is
-    assert capped.clock == pytest.approx(((400 - IDLE) / (700 - IDLE)) ** (1 / 3))
+    # the DVFS model: the power above the busy floor (the waiting power) as the clock's
+    # cube, so the clock at 400 W is
+    floor = H100_SXM.comm_watts
+    assert capped.clock == pytest.approx(((400 - floor) / (700 - floor)) ** (1 / 3))
+    # below the voltage floor's knee dynamic power falls only linearly with the clock:
+    # a deep cap costs more clock than the cube law says
+    share = (250 - floor) / (700 - floor)
+    assert share < VOLTAGE_KNEE ** 3
+    deep = step_energy(H100_SXM, IDLE, compute, 250.0).clock
+    assert deep == pytest.approx(share / VOLTAGE_KNEE ** 2)
+    assert deep < share ** (1 / 3)
     # a cap above what memory-bound work draws costs it nothing
     memory = PhaseTimes(bound=0.0, bound_work=0.0, memory=1.0, side=0.0, idle=0.0)
     assert step_energy(H100_SXM, IDLE, memory, 400.0).extra_time_s == 0.0
