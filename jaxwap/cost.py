@@ -251,6 +251,14 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             vals[sel, :5] += got
             if group not in ("w", "s"):
                 vals[sel, 5] += got[:, 0]
+    if d > 1 and graph.relayout_reads.any():
+        # a gradient all-reduced over the data axis, read in the matmul's layout: each
+        # read moves its share (the optimizer state's) into the weight's layout
+        for i, (j, st) in enumerate(pairs):
+            if graph.relayout_reads[j] and not st.data_sharded:
+                t = graph.relayout_reads[j] * dev.layout_change_s(
+                    graph.relayout_bytes[j] / split_of[id(st)][2]) / speed
+                vals[i, :2] += t
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []

@@ -47,7 +47,7 @@ from .primitives import (
     prim_info,
     roofline_rules,
 )
-from .reductions import data_reductions, grad_repeat
+from .reductions import data_reductions, grad_repeat, relayouts
 from .state import PARAM, LeafRole, ParamInfo
 
 __all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "Graph", "Layer", "analyze"]
@@ -133,6 +133,11 @@ class Graph:
     # attention between q/k/v and o, the gated product between gate/up and down), when
     # that layout is of kind `TP_KINDS[tp_op_kind]`; -1 if none. Left out, none
     tp_op_param: np.ndarray | None = field(default=None)
+    # [P] bytes and reads per step of each parameter's gradient where a matmul makes it
+    # transposed, which the backend relayouts for each read once it is all-reduced
+    # (`reductions.relayouts`); left out, none
+    relayout_bytes: np.ndarray | None = field(default=None)
+    relayout_reads: np.ndarray | None = field(default=None)
     tp_op_kind: np.ndarray | None = field(default=None)
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
@@ -166,6 +171,9 @@ class Graph:
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
+        for name in ("relayout_bytes", "relayout_reads"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.params)))
         width = 2 + NUM_CLASSES * len(self.params) + len(self.tp_live_param)
         if len(self.tp_live_kind) != len(self.tp_live_param) or self.live.shape[1] != width:
             raise ValueError(f"Graph.live has {self.live.shape[1]} columns and "
@@ -230,6 +238,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     repeats = np.where(repeats > 0, repeats, fallback)
     tp_op_param, tp_op_kind = _op_model_splits(prog, model_split, splits)
+    relayout_bytes, relayout_reads = relayouts(prog, kinds, flow.owner, flow.batched,
+                                               len(params))
     return Graph(
         params=tuple(params), batch_size=batch_size, flops=costs.flops, bytes=costs.bytes,
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
@@ -242,7 +252,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduction=costs.reductions,
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
-        tp_op_param=tp_op_param, tp_op_kind=tp_op_kind,
+        tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
+        relayout_reads=relayout_reads,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
                                                strict=True) if g > 0})

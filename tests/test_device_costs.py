@@ -17,11 +17,12 @@ import pytest
 from models import abstract_setup, analyze_step
 
 import jaxwap
-from jaxwap.cost import op_times, with_compiled
+from jaxwap.cost import mesh_costs, op_times, predict, with_compiled
 from jaxwap.device import DeviceSpec, efficiency_table
 from jaxwap.hardware import Cluster
 from jaxwap.hlo import layout_changes
 from jaxwap.planner import make_plan
+from jaxwap.strategies import param_strategies
 from jaxwap.verify import compile_candidate
 
 MiB = 2**20
@@ -244,3 +245,51 @@ def test_reductions_take_at_least_their_measured_time_at_their_size():
         more[red], g.kernels[red] * (per * 1e-8 + SPEC.kernel_overhead_s), rtol=1e-9)
     others = np.setdiff1d(np.arange(len(base)), red)
     np.testing.assert_array_equal(more[others], base[others])
+
+
+@pytest.mark.parametrize("state", ["replicate", "zero1"])
+def test_an_all_reduced_transposed_gradient_is_moved_for_each_read(state):
+    """jax makes a dense weight's gradient as the transpose of a matmul; once data
+    parallelism has all-reduced it, XLA:CPU moves it into the weight's layout for each
+    optimizer op that reads it (ZeRO-1: its shard), on one device not at all. The model
+    names those arrays and reads as the compiled program has them (replicated: exactly),
+    and prices them."""
+    step, params, opt, batch = abstract_setup([1024, 1024, 16], 32, 512)
+    graph = analyze_step(step, params, opt, batch, batch_size=32)
+    big = {j for j in range(len(graph.params)) if graph.relayout_bytes[j] >= MiB}
+    assert big, "the 1 and 2 MiB dense weights' gradients are made transposed"
+
+    def compiled(d):
+        plan = jaxwap.plan(step, params, opt, batch, params=params, cache=False,
+                           hardware=Cluster(SPEC, 8), mesh_shape={"data": d, "model": 1},
+                           strategies=(state if d > 1 else "replicate",), verify=1,
+                           objective="throughput")
+        assert all(p.strategy == (state if d > 1 else "replicate") for p in plan.params)
+        return {b: t for b, t in plan.compiled.layout_changes if b >= MiB // 2}, plan
+
+    shard = 2 if state == "zero1" else 1
+    want: dict[float, float] = {}
+    for j in big:
+        b = graph.relayout_bytes[j] / shard
+        want[b] = want.get(b, 0) + graph.relayout_reads[j]
+    got, plan = compiled(2)
+    if state == "replicate":
+        assert got == want
+    else:
+        # under ZeRO-1 XLA moves one shard a third time (the update of the 2 MiB weight,
+        # as AlexNet's fc6): the model prices the optimizer's two reads, most of it
+        assert set(got) == set(want) and all(got[b] >= n for b, n in want.items())
+        total = sum(b * n for b, n in got.items())
+        assert sum(b * n for b, n in want.items()) >= 0.8 * total
+    assert compiled(1)[0] == {}
+    # and the analytic step time carries them at the device's layout-change cost
+    bare = dataclasses.replace(graph, relayout_reads=np.zeros(len(graph.params)))
+    cluster = Cluster(SPEC, 8)
+    strats = [param_strategies(graph, j, 2, 1) for j in range(len(graph.params))]
+    choice = [next(i for i, s in enumerate(o) if s.name == state) for o in strats]
+    t = {name: predict(g, cluster, mesh_costs(g, cluster, 2, 1, strats), choice).compute_time_s
+         for name, g in (("with", graph), ("bare", bare))}
+    expect = sum(n * SPEC.layout_change_s(b) for b, n in want.items())
+    small = sum(graph.relayout_reads[j] * SPEC.layout_change_s(graph.relayout_bytes[j] / shard)
+                for j in range(len(graph.params)) if j not in big)
+    assert t["with"] - t["bare"] == pytest.approx(expect + small, rel=1e-9)
