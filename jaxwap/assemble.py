@@ -41,6 +41,7 @@ class StepParts:
     bound: float = 0.0          # of `busy`: compute-bound ops (what a power limit slows)
     bound_work: float = 0.0     # their work at the full rate (how hard they drive it)
     fresh: float = 0.0          # not in `compute`: scratch memory mapped afresh each step
+    relayout: float = 0.0       # of `compute` and `busy`: arrays moved into another layout
 
 
 def exposed_comm(grad_comm: float, tail: float, batched_time: float,
@@ -102,7 +103,7 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
         bubble_time_s=parts.bubble, send_time_s=parts.sends,
         compute_bound_time_s=parts.bound, compute_bound_work_s=parts.bound_work,
         power_limit_w=power_limit, power_stretch_s=stretch,
-        fresh_memory_time_s=parts.fresh)
+        fresh_memory_time_s=parts.fresh, layout_change_time_s=parts.relayout)
 
 
 def parts_of(pred: Prediction) -> StepParts:
@@ -120,7 +121,8 @@ def parts_of(pred: Prediction) -> StepParts:
         memory=pred.peak_memory_bytes, flops=pred.flops_per_device,
         loop_flops_ratio=pred.loop_flops_ratio, bubble=pred.bubble_time_s,
         sends=pred.send_time_s, bound=pred.compute_bound_time_s,
-        bound_work=pred.compute_bound_work_s, fresh=pred.fresh_memory_time_s)
+        bound_work=pred.compute_bound_work_s, fresh=pred.fresh_memory_time_s,
+        relayout=pred.layout_change_time_s)
 
 
 def at_power_limit(pred: Prediction, cluster: Cluster, batch: int,

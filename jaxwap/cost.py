@@ -142,6 +142,7 @@ class MeshCosts:
     param_bound: tuple[tuple[float, ...], ...] = ()
     param_work: tuple[tuple[float, ...], ...] = ()
     riders: tuple[tuple[int, int], ...] = ()
+    param_relayout: tuple[tuple[float, ...], ...] = ()   # of param_time: layout changes
 
 
 def rides(kernel: Strategy, bias: Strategy) -> bool:
@@ -242,7 +243,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     splits = np.concatenate([splits, np.array(
         [[d * m if st.tp == name else d for name in TP_KINDS] for _, st in pairs],
         np.int64).reshape(len(pairs), len(TP_KINDS))], axis=1)
-    vals = np.zeros((len(pairs), 6))   # seconds, busy, flops, bound, work, batched seconds
+    # seconds, busy, flops, bound, work, batched seconds, of the seconds layout changes
+    vals = np.zeros((len(pairs), 7))
     for g, group in enumerate(("tp", "w", "s", *TP_KINDS)):
         col = splits[:, g]
         for split in np.unique(col):
@@ -258,7 +260,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             if graph.relayout_reads[j] and not st.data_sharded:
                 t = graph.relayout_reads[j] * dev.layout_change_s(
                     graph.relayout_bytes[j] / split_of[id(st)][2]) / speed
-                vals[i, :2] += t
+                vals[i, [0, 1, 6]] += t
     comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
@@ -304,7 +306,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
                      table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
-                     table(3), table(4), riders)
+                     table(3), table(4), riders, table(6))
 
 
 # --------------------------------------------------------------------------- memory
@@ -367,7 +369,8 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         loop_flops_ratio=loop_flops_ratio(graph),
         bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
         bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked),
-        fresh=cluster.device.fresh_memory_s(scratch))
+        fresh=cluster.device.fresh_memory_s(scratch),
+        relayout=sum(mc.param_relayout[j][s] for j, s in picked) if mc.param_relayout else 0.0)
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
 
 
@@ -388,11 +391,13 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
         else:
             blocking += t
     # the stretch of a power limit is re-applied by `assemble`; scratch is XLA's own, and
-    # so are the layout changes its layout assignment inserted (memory-bound work)
+    # so are the layout changes its layout assignment inserted (memory-bound work), which
+    # replace the model's
     relayout = sum(cluster.device.layout_change_s(b) * t for b, t in figs.layout_changes)
+    own = pred.power_stretch_s + pred.layout_change_time_s
     parts = StepParts(
-        compute=(pred.compute_time_s - pred.power_stretch_s - pred.fresh_memory_time_s)
-        * scale + relayout, busy=(pred.busy_time_s - pred.power_stretch_s) * scale + relayout,
+        compute=(pred.compute_time_s - own - pred.fresh_memory_time_s) * scale + relayout,
+        busy=(pred.busy_time_s - own) * scale + relayout, relayout=relayout,
         blocking=blocking, grad_comm=overlappable, tail_comm=pred.tail_comm_time_s,
         batched_time=pred.batched_time_s * scale, host_one_way=pred.host_transfer_time_s / 2,
         comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,

@@ -202,7 +202,8 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         flops=stage.flops_per_device, loop_flops_ratio=stage.loop_flops_ratio,
         bubble=bubble, sends=sends + io_t,
         bound=stage.compute_bound_time_s * ratio + delta_bound,
-        bound_work=stage.compute_bound_work_s * ratio + delta_work)
+        bound_work=stage.compute_bound_work_s * ratio + delta_work,
+        relayout=stage.layout_change_time_s * ratio)
     return assemble(cluster, n, batch, parts)
 
 

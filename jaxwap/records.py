@@ -139,6 +139,9 @@ class Prediction:
     # of compute: the host allocator mapping the step's scratch memory afresh
     # (`DeviceSpec.fresh_memory_cost`)
     fresh_memory_time_s: float = 0.0
+    # of compute and busy: arrays the backend moves into another layout (the model's: an
+    # all-reduced transposed gradient, `reductions.relayouts`; fed XLA's, those it made)
+    layout_change_time_s: float = 0.0
 
     @property
     def flops_as_xla_counts(self) -> float:

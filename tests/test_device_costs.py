@@ -287,9 +287,15 @@ def test_an_all_reduced_transposed_gradient_is_moved_for_each_read(state):
     cluster = Cluster(SPEC, 8)
     strats = [param_strategies(graph, j, 2, 1) for j in range(len(graph.params))]
     choice = [next(i for i, s in enumerate(o) if s.name == state) for o in strats]
-    t = {name: predict(g, cluster, mesh_costs(g, cluster, 2, 1, strats), choice).compute_time_s
-         for name, g in (("with", graph), ("bare", bare))}
+    pred = {name: predict(g, cluster, mesh_costs(g, cluster, 2, 1, strats), choice)
+            for name, g in (("with", graph), ("bare", bare))}
+    t = {name: p.compute_time_s for name, p in pred.items()}
     expect = sum(n * SPEC.layout_change_s(b) for b, n in want.items())
     small = sum(graph.relayout_reads[j] * SPEC.layout_change_s(graph.relayout_bytes[j] / shard)
                 for j in range(len(graph.params)) if j not in big)
     assert t["with"] - t["bare"] == pytest.approx(expect + small, rel=1e-9)
+    assert pred["with"].layout_change_time_s == pytest.approx(expect + small, rel=1e-9)
+    # fed XLA's figures, XLA's layout changes replace the model's: counted once
+    figs = plan.compiled
+    fed = {name: with_compiled(p, figs, cluster, 32, 2).step_time_s for name, p in pred.items()}
+    assert fed["with"] == pytest.approx(fed["bare"], rel=1e-9)
