@@ -252,18 +252,23 @@ def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
-              passes: float = 1.0, inner: int | None = None) -> tuple[float, float]:
+              passes: float = 1.0, inner: int | None = None, moved: bool = False
+              ) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight: gather it for the
     forward pass and again for the backward pass (in each of `passes` loop iterations,
     micro-batches), reduce-scatter its gradient once per partial gradient (`reductions`:
     a weight used twice has two, and each micro-batch its own); 1.5x the bytes of the
     all-reduce plain data parallelism pays. Where XLA moves the activations instead
-    (`fsdp_moves`), `param_bytes` are the layer input's: three collectives of that size
-    (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it in bf16,
-    whose activations XLA:CPU moved at f32 width)."""
-    t, sent = all_gather(param_bytes, d, cluster, False, inner)
+    (`fsdp_moves`, `moved`), `param_bytes` are the layer input's: three collectives of
+    that size (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it
+    in bf16, whose activations XLA:CPU moved at f32 width), each a collective of its own
+    between the layer's kernels, paying its ring latency: XLA's combiner cannot merge them,
+    as it merges the weights' gathers, whose buffers pay `buffer_latency` instead (on gloo
+    the moved ones cost about half: AlexNet-small's 24 on 2 processes took about 45 ms of
+    a 117 ms step, where 4 ms a buffer priced 96)."""
+    t, sent = all_gather(param_bytes, d, cluster, moved, inner)
     k = 2 * passes + reductions
-    return k * t + buffer_latency(k, d, cluster), k * sent
+    return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
 
 
 def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,

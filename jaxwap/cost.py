@@ -261,7 +261,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                 t = graph.relayout_reads[j] * dev.layout_change_s(
                     graph.relayout_bytes[j] / split_of[id(st)][2]) / speed
                 vals[i, [0, 1, 6]] += t
-    comm_of: dict[tuple[float, bool, bool, float, float], tuple[float, float]] = {}
+    comm_of: dict[tuple[float, bool, bool, float, float, bool], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
     # where XLA would move activations rather than gather weights, were every layer FSDP
@@ -275,19 +275,22 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         pbytes = graph.params[j].nbytes
         for st in strats:
             local = pbytes / (m if st.tp != "none" else 1)
-            if st.data_sharded and j in moves and r == 1:
-                # under tensor parallelism too (the model axis splits the rest); not
-                # under HSDP, whose replicas still all-reduce the weight's gradient shard
-                local = min(local, graph.layer_of[j].act_in_bytes)
+            # under tensor parallelism too (the model axis splits the rest); not under
+            # HSDP, whose replicas still all-reduce the weight's gradient shard
+            moved = st.data_sharded and j in moves and r == 1 \
+                and graph.layer_of[j].act_in_bytes < local
+            if moved:
+                local = graph.layer_of[j].act_in_bytes
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
-                   float(passes[j]))
+                   float(passes[j]), moved)
             if key not in comm_of:
                 if st.data_sharded and r > 1:
                     comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
                 elif st.data_sharded:
                     # the weight is gathered once per pass, each partial gradient reduced
-                    comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner)
+                    comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
+                                             moved)
                 else:
                     comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
                                                     zero1=st.state_spec is not None,
