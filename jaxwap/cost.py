@@ -256,11 +256,12 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     if d > 1 and graph.relayout_reads.any():
         # a gradient all-reduced over the data axis, read in the matmul's layout: each
         # read moves its share (the optimizer state's) into the weight's layout
-        for i, (j, st) in enumerate(pairs):
-            if graph.relayout_reads[j] and not st.data_sharded:
-                t = graph.relayout_reads[j] * dev.layout_change_s(
-                    graph.relayout_bytes[j] / split_of[id(st)][2]) / speed
-                vals[i, [0, 1, 6]] += t
+        sharded = np.fromiter((st.data_sharded for _, st in pairs), bool, len(pairs))
+        for i in np.flatnonzero((graph.relayout_reads[J] > 0) & ~sharded).tolist():
+            j = int(J[i])
+            t = graph.relayout_reads[j] * dev.layout_change_s(
+                graph.relayout_bytes[j] / splits[i, 2]) / speed
+            vals[i, [0, 1, 6]] += t
     comm_of: dict[tuple[float, bool, bool, float, float, bool], tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []

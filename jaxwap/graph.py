@@ -133,12 +133,12 @@ class Graph:
     # attention between q/k/v and o, the gated product between gate/up and down), when
     # that layout is of kind `TP_KINDS[tp_op_kind]`; -1 if none. Left out, none
     tp_op_param: np.ndarray | None = field(default=None)
+    tp_op_kind: np.ndarray | None = field(default=None)
     # [P] bytes and reads per step of each parameter's gradient where a matmul makes it
     # transposed, which the backend relayouts for each read once it is all-reduced
     # (`reductions.relayouts`); left out, none
     relayout_bytes: np.ndarray | None = field(default=None)
     relayout_reads: np.ndarray | None = field(default=None)
-    tp_op_kind: np.ndarray | None = field(default=None)
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
     tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
