@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
+from jaxwap.assemble import at_power_limit  # noqa: E402
 from jaxwap.hardware import device_spec  # noqa: E402
 from jaxwap.power import (  # noqa: E402
     A100_IDLE_W,
@@ -101,8 +102,6 @@ def _v100_resnet50() -> list[dict[str, Any]]:
     """The model against the Zeus trace: ResNet-50 (FP32) planned on one V100 PCIe, its
     predicted power and throughput at the default limit and under each limit the trace
     set (`assemble.at_power_limit`, as the planner weighs a cap)."""
-    from jaxwap.assemble import at_power_limit
-
     cluster = jaxwap.Cluster(device_spec("v100-pcie"), 1)
     out = []
     for bs, by_limit in ZEUS_RESNET50.items():
@@ -160,13 +159,13 @@ def published() -> list[dict[str, Any]]:
         {"figure": "A100-40GB SXM HBM stream, 85% of bandwidth", "published": "239.3 W",
          "model": f"{A100_SXM.memory_watts:.0f} W",
          "kind": "input (" + flagperf.format("main_memory-bandwidth") + ")"},
-        {"figure": "A100-40GB SXM BF16 GEMM at 83.1% of peak", "published": "338.4 W",
-         "model": f"{_gemm_watts(0.831):.1f} W", "error": _gemm_watts(0.831) / 338.4 - 1,
-         "kind": "check (" + flagperf.format("computation-BF16") + ")"},
-        {"figure": "A800-80GB SXM (an A100) TF32 GEMM at 79.3% of peak",
-         "published": "383.5 W", "model": f"{_gemm_watts(0.793):.1f} W",
-         "error": _gemm_watts(0.793) / 383.5 - 1,
-         "kind": "check (" + flagperf.format("computation-TF32") + ")"},
+        *({"figure": figure, "published": f"{watts:.1f} W",
+           "model": f"{_gemm_watts(share):.1f} W", "error": _gemm_watts(share) / watts - 1,
+           "kind": "check (" + flagperf.format(page) + ")"}
+          for figure, watts, share, page in (
+              ("A100-40GB SXM BF16 GEMM at 83.1% of peak", 338.4, 0.831, "computation-BF16"),
+              ("A800-80GB SXM (an A100) TF32 GEMM at 79.3% of peak", 383.5, 0.793,
+               "computation-TF32"))),
         {"figure": "V100 PCIe accepted limits", "published": "100-250 W (the trace sets them)",
          "model": "{:.0f}-{:.0f} W".format(*V100_PCIE.limit_range_w),
          "kind": "input (Zeus trace)"},

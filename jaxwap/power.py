@@ -176,6 +176,16 @@ def dvfs_clock(power_share: float) -> float:
     return p * VOLTAGE_KNEE / at_knee
 
 
+def borrowed(ref: PowerProfile, ref_idle_watts: float, idle_watts: float,
+             max_watts: float) -> tuple[float, float]:
+    """(memory-bound, waiting) watts of a device with this idle and top power whose
+    phases split its dynamic range as `ref`'s do (`dynamic_shares`): how a profile known
+    only in part is completed."""
+    memory, comm = dynamic_shares(ref, ref_idle_watts)
+    dyn = max_watts - idle_watts
+    return idle_watts + memory * dyn, idle_watts + comm * dyn
+
+
 def dynamic_shares(ref: PowerProfile, idle_watts: float) -> tuple[float, float]:
     """`ref`'s memory-bound and waiting power as shares of its dynamic range (from
     `idle_watts` up to `matmul_watts`): how a profile known only in part borrows them."""
@@ -186,8 +196,10 @@ def dynamic_shares(ref: PowerProfile, idle_watts: float) -> tuple[float, float]:
 @functools.lru_cache(maxsize=64)   # assemble asks for it per prediction
 def default_profile(idle_watts: float, max_watts: float) -> PowerProfile:
     """A device with only idle and board power known: the phases split its dynamic range
-    as the built-in A100 profile's do (`_borrowed`), and it cannot be capped."""
-    memory, comm = _borrowed(idle_watts, max_watts)
+    as the built-in A100 profile's do, and it cannot be capped. The A100's memory-bound
+    power is a direct measurement of that phase (an HBM stream test); the Hopper figure
+    is the top of an LLM decode's range."""
+    memory, comm = borrowed(A100_SXM, A100_IDLE_W, idle_watts, max_watts)
     return PowerProfile(
         matmul_watts=max_watts, memory_watts=memory, comm_watts=comm,
         source="modelled: idle and board power only, phases split as the A100 profile's")
@@ -292,31 +304,18 @@ H200_SXM = H100_SXM
 A100_IDLE_W = 60.0
 A100_SXM = PowerProfile(
     matmul_watts=400.0, memory_watts=239.0,
-    comm_watts=round(A100_IDLE_W + dynamic_shares(H100_SXM, H100_IDLE_W)[1]
-                     * (400.0 - A100_IDLE_W)),
+    comm_watts=round(borrowed(H100_SXM, H100_IDLE_W, A100_IDLE_W, 400.0)[1]),
     limit_range_w=(100.0, 400.0), default_limit_w=400.0,
     source="published: limits, idle and memory-bound power (jaxwap.power cites each); "
            "waiting power as the H100's share (modelled); clock under a limit modelled "
            "(DVFS)")
 V100_IDLE_W = 35.0
-
-
-def _borrowed(idle_watts: float, max_watts: float) -> tuple[float, float]:
-    """(memory-bound, waiting) watts for a device known only by its idle and board power:
-    the A100's shares of the dynamic range, whose memory-bound power is a direct
-    measurement of that phase (an HBM stream test; the Hopper figure is the top of an
-    LLM decode's range)."""
-    memory, comm = dynamic_shares(A100_SXM, A100_IDLE_W)
-    dyn = max_watts - idle_watts
-    return idle_watts + memory * dyn, idle_watts + comm * dyn
-
-
 V100_PCIE = PowerProfile(
-    250.0, *(round(w) for w in _borrowed(V100_IDLE_W, 250.0)),
+    250.0, *(round(w) for w in borrowed(A100_SXM, A100_IDLE_W, V100_IDLE_W, 250.0)),
     limit_range_w=(100.0, 250.0), default_limit_w=250.0,
     source="published: limits and idle (Zeus NSDI'23 trace); memory-bound and waiting "
            "power as the A100's shares (modelled); clock under a limit modelled (DVFS)")
 
 __all__ = ["A100_SXM", "DVFS_EXPONENT", "H100_SXM", "H200_SXM", "V100_PCIE", "PhaseTimes",
-           "PowerProfile", "StepEnergy", "VOLTAGE_KNEE", "curve_from_points", "default_profile",
-           "dvfs_clock", "dynamic_shares", "step_energy"]
+           "PowerProfile", "StepEnergy", "VOLTAGE_KNEE", "borrowed", "curve_from_points",
+           "default_profile", "dvfs_clock", "dynamic_shares", "step_energy"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from .device import DeviceSpec
 from .energy import _describe, _error_types, nvml_handle
-from .power import PowerProfile, curve_from_points, dynamic_shares
+from .power import PowerProfile, borrowed, curve_from_points
 
 __all__ = ["PowerLimitGuard", "limit_range_w", "measure_clock_curve", "measured_power_profile"]
 
@@ -375,8 +375,7 @@ def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None
     if watts is None:
         return base.power
     idle, hot = watts
-    dyn = max(hot - idle, 1e-9)
-    share = dynamic_shares(prior, base.idle_watts)[1]
+    comm = borrowed(prior, base.idle_watts, idle, max(hot, idle + 1e-9))[1]
     limits = limit_range_w(dev)
     curve = prior.clock_curve
     if limits is None:
@@ -393,7 +392,7 @@ def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None
             curve = curve_from_points(got)
     return PowerProfile(
         matmul_watts=hot, memory_watts=memory_w if not math.isnan(memory_w)
-        else prior.memory_watts, comm_watts=idle + share * dyn,
+        else prior.memory_watts, comm_watts=comm,
         limit_range_w=None if limits is None else (limits[0], limits[1]),
         default_limit_w=None if limits is None else limits[2], clock_curve=curve,
         source="measured by jaxwap calibrate (NVML)"
