@@ -43,8 +43,9 @@ from .launch import all_processes, process_median, start_distributed
 from .power_limit import measured_power_profile
 from .progress import Progress
 
-# 2: num_processes, and measurements["link"] says what was timed (1 is still read)
-CALIBRATION_FORMAT = 3
+# 2: num_processes, measurements["link"] what was timed; 4: link latency and collective
+# overhead from collectives inside a program (older records are calibrated afresh)
+CALIBRATION_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
-        if d.get("format") not in (1, CALIBRATION_FORMAT):  # 1: one process, by definition
+        if d.get("format") != CALIBRATION_FORMAT:
             raise ValueError("stale calibration format")
         return cls(DeviceSpec.from_dict(d["spec"]), d["device_kind"], d["platform"],
                    d["num_devices"], d["jax_version"], d["driver"], d["measurements"],
@@ -229,6 +230,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     bar.step("fresh memory")
     link = probes.all_reduce(devs, probes.link_sizes(on_cpu, quick), repeats=5 if quick else 20)
     buffer_latency = probes.buffer_latency(devs) if link is not None else float("nan")
+    in_program = probes.collective_latency(devs) if link is not None else (float("nan"),) * 2
     bar.step("all-reduce")
     if link is None:
         notes_.append("one device: link bandwidth and latency are the built-in profile's")
@@ -268,7 +270,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "transcendental_s": per_tanh if per_tanh > 1.5 * 8 / bandwidth else 0.0,
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
-           "link_latency_s": link["latency_s"] if link else nan,
+           "all_reduce_s": in_program[0], "all_gather_s": in_program[1],
            "link_buffer_latency_s": buffer_latency,
            "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan,
            "memory_watts": power[2] if power and power[2] is not None else nan,
@@ -282,8 +284,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if procs > 1:
         fig, per_process = process_median(fig)
         if link is not None:
-            link = dict(link, bandwidth_Bps=fig["link_bandwidth"],
-                        latency_s=fig["link_latency_s"])
+            link = dict(link, bandwidth_Bps=fig["link_bandwidth"])
         notes_.append(f"measured on {procs} processes x {len(local)} device(s): per-device "
                       f"figures are the median of each process's own device; links were "
                       f"timed across all {len(devs)} devices")
@@ -294,7 +295,13 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                       "are the built-in profile's")
     peak16 = fig["peak_flops"]
     half = fig["efficiency_half_flops"]
-    linked = not math.isnan(fig["link_bandwidth"] + fig["link_latency_s"])
+    linked = link is not None
+    if linked:   # inside a program: overhead + 2(n-1) or n-1 steps x latency
+        ar, ag = fig["all_reduce_s"], fig["all_gather_s"]
+        lat = max(ar - ag, 0.0) / (len(devs) - 1)
+        link = dict(link, in_program_s={"all-reduce": ar, "all-gather": ag}, latency_s=lat,
+                    overhead_s=max(ar - 2 * (len(devs) - 1) * lat, 0.0),
+                    fitted_latency_s=link["latency_s"])
     small_conv = fig["small_input_conv_flops"]
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
@@ -317,7 +324,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         idle_watts=watts[0] if watts else base.idle_watts,
         max_watts=max(watts) if watts else base.max_watts,
         link_bandwidth=fig["link_bandwidth"] if linked else base.link_bandwidth,
-        link_latency_s=max(fig["link_latency_s"], 0.0) if linked else base.link_latency_s,
+        link_latency_s=link["latency_s"] if linked else base.link_latency_s,
+        collective_overhead_s=link["overhead_s"] if linked else base.collective_overhead_s,
         link_buffer_latency_s=fig["link_buffer_latency_s"] if linked
         else base.link_buffer_latency_s,
         power=measured_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_))

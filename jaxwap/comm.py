@@ -43,11 +43,13 @@ def _step(cluster: Cluster, across: bool) -> tuple[float, float]:
 def _ring(nbytes: float, n: int, cluster: Cluster, factor: int, latency: bool,
           across: bool) -> float:
     """Seconds of a ring over n devices moving factor*(n-1)/n of nbytes, on the links
-    inside a node or between nodes (a ring that leaves a node runs at its slowest link)."""
+    inside a node or between nodes (a ring that leaves a node runs at its slowest link);
+    with `latency`, its steps' latency and the collective's own overhead."""
     bw, lat = _step(cluster, across)
     if across:
         bw, lat = min(bw, cluster.link_bandwidth), max(lat, cluster.link_latency)
-    return factor * (n - 1) / n * nbytes / bw + latency * factor * (n - 1) * lat
+    return factor * (n - 1) / n * nbytes / bw \
+        + latency * (factor * (n - 1) * lat + cluster.device.collective_overhead_s)
 
 
 def all_reduce(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
@@ -85,11 +87,13 @@ def all_reduce_latency(n: int, cluster: Cluster, inner: int | None = None) -> fl
     if n <= 1:
         return 0.0
     inner = n if inner is None else max(1, min(inner, n))
+    once = cluster.device.collective_overhead_s
     if inner >= n:
-        return 2 * (n - 1) * cluster.link_latency
-    flat = 2 * (n - 1) * max(cluster.inter_node_latency, cluster.link_latency)
+        return 2 * (n - 1) * cluster.link_latency + once
+    flat = 2 * (n - 1) * max(cluster.inter_node_latency, cluster.link_latency) + once
     outer = n // inner
-    return min(flat, 2 * (inner - 1) * cluster.link_latency
+    # the hierarchical reduction is three collectives
+    return min(flat, 2 * (inner - 1) * cluster.link_latency + 3 * once
                + 2 * (outer - 1) * max(cluster.inter_node_latency, cluster.link_latency))
 
 
@@ -119,7 +123,7 @@ def send(nbytes: float, cluster: Cluster, across: bool) -> float:
     """Seconds of one point-to-point send of `nbytes` per device (a pipeline stage handing
     its activation to the next), inside a node or between nodes."""
     bw, lat = _step(cluster, across)
-    return lat + nbytes / bw
+    return lat + cluster.device.collective_overhead_s + nbytes / bw
 
 
 def axis_inner(cluster: Cluster, axes: Sequence[str], d: int, m: int, r: int = 1) -> int:
@@ -157,7 +161,7 @@ def collective_cost(c: Collective, cluster: Cluster, d: int = 1,
         return 0.0, 0.0
     else:
         bw, lat = _step(cluster, inner is not None and inner < n)
-        t, b = c.bytes / bw + lat, float(c.bytes)
+        t, b = c.bytes / bw + lat + cluster.device.collective_overhead_s, float(c.bytes)
     return t + extra, b
 
 
@@ -211,12 +215,21 @@ def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster,
 def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
                      zero1: bool = False, inner: int | None = None) -> tuple[float, float]:
     """(seconds, bytes) of reducing a gradient that is not data-sharded, once per partial
-    gradient (`reductions`). ZeRO-1 reduce-scatters it and all-gathers the new weight:
-    the bytes of the all-reduce it replaces (textbook; verification checks what XLA does),
-    in two buffers instead of one."""
+    gradient (`reductions`), each a buffer of the combined reduction. ZeRO-1 reduces it
+    to shards and all-gathers the new weight. Where the backend combines collectives
+    (`DeviceSpec.combines_collectives`): a reduce-scatter and the gather, the bytes of
+    the all-reduce they replace in two combined buffers (textbook; unverified on a GPU).
+    XLA:CPU all-reduces the whole gradient (each device slicing its share) and gathers
+    each updated weight in a collective of its own, paying its latency (GPT-2-small's 28
+    weights on 2 devices: one all-reduce of 30 buffers and 28 all-gathers)."""
     t, b = all_reduce(param_bytes, d, cluster, False, inner)
-    buffers = reductions * (2 if zero1 else 1)
-    return t * reductions + buffer_latency(buffers, d, cluster), b * reductions
+    t, b = t * reductions, b * reductions
+    if not zero1:
+        return t + buffer_latency(reductions, d, cluster), b
+    if cluster.device.combines_collectives:
+        return t + buffer_latency(2 * reductions, d, cluster), b
+    g_t, g_b = all_gather(param_bytes, d, cluster, True, inner)
+    return t + buffer_latency(reductions, d, cluster) + g_t, b + g_b
 
 
 def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]:
@@ -252,23 +265,37 @@ def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]
 
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
-              passes: float = 1.0, inner: int | None = None, moved: bool = False
-              ) -> tuple[float, float]:
-    """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight: gather it for the
-    forward pass and again for the backward pass (in each of `passes` loop iterations,
-    micro-batches), reduce-scatter its gradient once per partial gradient (`reductions`:
-    a weight used twice has two, and each micro-batch its own); 1.5x the bytes of the
-    all-reduce plain data parallelism pays. Where XLA moves the activations instead
-    (`fsdp_moves`, `moved`), `param_bytes` are the layer input's: three collectives of
-    that size (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it
-    in bf16, whose activations XLA:CPU moved at f32 width), each a collective of its own
-    between the layer's kernels, paying its ring latency: XLA's combiner cannot merge them,
-    as it merges the weights' gathers, whose buffers pay `buffer_latency` instead (on gloo
-    the moved ones cost about half: AlexNet-small's 24 on 2 processes took about 45 ms of
-    a 117 ms step, where 4 ms a buffer priced 96)."""
-    t, sent = all_gather(param_bytes, d, cluster, moved, inner)
-    k = 2 * passes + reductions
-    return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
+              passes: float = 1.0, inner: int | None = None, moved: bool = False,
+              regathered: bool = False) -> tuple[float, float]:
+    """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight.
+
+    Gathered, where the backend combines collectives (`DeviceSpec.combines_collectives`;
+    unverified on a GPU): the textbook price, gathered for the forward and again for the
+    backward pass in each of `passes` loop iterations (micro-batches), its gradient
+    reduce-scattered once per partial gradient (`reductions`), each a combined buffer.
+    XLA:CPU, as its compiled programs show: the SPMD partitioner gathers the weight once
+    a pass, where the forward pass first uses it, the backward pass of the same iteration
+    reading that gather (a layer scan's backward loop gathers it again: `regathered`),
+    each gather a collective of its own paying its latency; each partial gradient is
+    all-reduced whole (each device slicing its share), a buffer of the combined reduction.
+    GPT-2-small's 28 weights on 2 devices: 34 all-gathers (a LayerNorm's scale and offset
+    gathered again for the backward pass) and one all-reduce of 30 buffers; the textbook
+    price, on gloo, was 1.6x its measured step on 2 processes.
+
+    Moved (`fsdp_moves`): `param_bytes` are the layer input's; three collectives of that
+    size (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it in
+    bf16, whose activations XLA:CPU moved at f32 width), each a collective of its own
+    between the layer's kernels, paying its latency (on gloo AlexNet-small's 24 on 2
+    processes took about 45 ms of a 117 ms step)."""
+    if moved or cluster.device.combines_collectives:
+        t, sent = all_gather(param_bytes, d, cluster, moved, inner)
+        k = 2 * passes + reductions
+        return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
+    gathers = passes * (2 if regathered else 1)
+    g_t, g_b = all_gather(param_bytes, d, cluster, True, inner)
+    r_t, r_b = all_reduce(param_bytes, d, cluster, False, inner)
+    return (gathers * g_t + reductions * r_t + buffer_latency(reductions, d, cluster),
+            gathers * g_b + reductions * r_b)
 
 
 def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,

@@ -228,6 +228,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
     # a stacked parameter's ops repeat once per layer of its scan, each gathering one
     # layer's slice: the whole stack is gathered once per pass of the loops around it
+    stacked = (graph.stacked_dim >= 0).tolist()
     for j in np.flatnonzero(graph.stacked_dim >= 0):
         passes[j] = max(1.0, passes[j] / graph.params[j].shape[graph.stacked_dim[j]])
     # every (parameter, strategy) pair at once: the splits its three groups of ops take
@@ -262,7 +263,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             t = graph.relayout_reads[j] * dev.layout_change_s(
                 graph.relayout_bytes[j] / splits[i, 2]) / speed
             vals[i, [0, 1, 6]] += t
-    comm_of: dict[tuple[float, bool, bool, float, float, bool], tuple[float, float]] = {}
+    comm_of: dict[tuple[float, bool, bool, float, float, bool, bool],
+                  tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
     # where XLA would move activations rather than gather weights, were every layer FSDP
@@ -284,14 +286,15 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                 local = graph.layer_of[j].act_in_bytes
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
-                   float(passes[j]), moved)
+                   float(passes[j]), moved, stacked[j])
             if key not in comm_of:
                 if st.data_sharded and r > 1:
                     comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
                 elif st.data_sharded:
-                    # the weight is gathered once per pass, each partial gradient reduced
+                    # the weight is gathered once per pass (a scan's backward loop gathers
+                    # it again), each partial gradient reduced
                     comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
-                                             moved)
+                                             moved, stacked[j])
                 else:
                     comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
                                                     zero1=st.state_spec is not None,
@@ -421,14 +424,17 @@ def loop_flops_ratio(graph: Graph) -> float:
 def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Cluster,
                       r: int = 1) -> float:
     """Ring latency of the gradient collectives once each: XLA combines the per-parameter
-    all-reduces (and reduce-scatters / all-gathers) of a step into few large ones. Priced
-    as a zero-byte reduction over the data axis's links (hierarchical across nodes)."""
+    all-reduces (and, where the backend combines collectives, the reduce-scatters and
+    all-gathers of sharded layouts: `DeviceSpec.combines_collectives`) of a step into few
+    large ones. Priced as a zero-byte reduction over the data axis's links (hierarchical
+    across nodes)."""
     if d <= 1:
         return 0.0
-    kinds = int(any(not s.data_sharded for s in strats)) + int(any(s.data_sharded
-                                                                    for s in strats))
+    sharded = any(s.data_sharded for s in strats)
+    kinds = 1 if not cluster.device.combines_collectives else \
+        int(any(not s.data_sharded for s in strats)) + int(sharded)
     # HSDP's sharded gradients add the replicas' all-reduce of their shards
-    kinds += int(r > 1 and any(s.data_sharded for s in strats))
+    kinds += int(r > 1 and sharded)
     return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 

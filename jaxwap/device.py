@@ -88,6 +88,12 @@ class DeviceSpec:
         measures it; the built-ins have none and use `efficiency_half_flops`.
       link_bandwidth: default per-direction bandwidth of the device's peer link, bytes/s.
       link_latency_s: default per-hop latency of that link.
+      collective_overhead_s: what each collective costs beyond its ring steps' latency
+        (a backend's rendezvous and launch): a collective over n devices takes this plus
+        its steps' latency plus its bytes over the bandwidth. Calibrated from an
+        all-reduce's and an all-gather's cost inside a program, the two unknowns of
+        their two ring formulas (on this project's 2-process gloo cluster about 1.3 ms
+        with 1.3 ms a step); 0 in the built-ins, whose link latency stands for it.
       host_bandwidth: per-direction bandwidth between the device and pinned host memory,
         bytes/s (PCIe for a GPU, effective rather than the link's nominal figure): what
         keeping optimizer state in host memory costs per step.
@@ -128,6 +134,11 @@ class DeviceSpec:
       link_buffer_latency_s: latency a combined collective pays for each buffer it
         carries. NCCL groups the buffers of XLA's combined all-reduce (0); XLA:CPU's gloo
         collectives reduce each buffer apart, at about a round trip each. Calibrated.
+      combines_collectives: whether the backend combines a step's all-gathers and makes a
+        reduce-scatter of an all-reduce each device slices (XLA:GPU's collective passes;
+        the sharded layouts' textbook prices, unverified on a GPU). XLA:CPU does neither:
+        each all-gather is a collective of its own and a sharded gradient is all-reduced
+        whole, and the FSDP and ZeRO-1 prices follow its compiled programs.
       overlaps_collectives: whether the backend runs gradient collectives concurrently
         with the backward pass (XLA:GPU's asynchronous collectives); XLA:CPU runs its
         collectives in line, so none of their time hides.
@@ -151,6 +162,7 @@ class DeviceSpec:
     link_bandwidth: float = 25 * GB
     link_latency_s: float = 10e-6
     host_bandwidth: float = 25 * GB
+    collective_overhead_s: float = 0.0
     conv_efficiency: float = 1.0
     small_input_conv_flops: float | None = None
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
@@ -161,6 +173,7 @@ class DeviceSpec:
     reduction_cost: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
+    combines_collectives: bool = True
     overlaps_collectives: bool = True
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
@@ -179,6 +192,7 @@ class DeviceSpec:
                                    ("conv_efficiency", 0.0, True),
                                    ("small_input_conv_flops", 0.0, True),
                                    ("link_buffer_latency_s", 0.0, False),
+                                   ("collective_overhead_s", 0.0, False),
                                    ("conv_overhead_s", 0.0, False),
                                    ("transcendental_s", 0.0, False),
                                    ("network_bandwidth", 0.0, True),
@@ -317,8 +331,8 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
                    kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
                    link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
-                   overlaps_collectives=False, network_bandwidth=1.25 * GB,
-                   network_latency_s=50e-6),
+                   overlaps_collectives=False, combines_collectives=False,
+                   network_bandwidth=1.25 * GB, network_latency_s=50e-6),
     )
 }
 

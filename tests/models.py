@@ -1,4 +1,5 @@
-"""Small models and steps the tests share (kept tiny: the suite runs on 2 CPU cores)."""
+"""Small models and steps the tests share (kept tiny: the suite runs on 2 CPU cores), and
+checks more than one test makes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 
 class MLP(nn.Module):
@@ -147,3 +149,21 @@ def analyze_step(step: Any, params: Any, *args: Any, batch_size: int | None) -> 
     outputs = classify_leaves([("out", p, leaf) for p, leaf in out_flat], infos,
                               batch_size=batch_size, infer_batch=False)
     return analyze(closed, inputs.roles, outputs.roles, infos, batch_size)
+
+
+def collectives_reproduced(cal: Any) -> None:
+    """The profile's ring latency and collective overhead price the all-reduce (2(n-1)
+    steps) and the all-gather (n-1) calibration timed inside a program as they were
+    timed; where the two cannot both be met (an all-gather no cheaper than the
+    all-reduce, or under half of it), neither figure goes below 0."""
+    n, s = cal.num_devices, cal.spec
+    ar, ag = cal.measurements["link"]["in_program_s"].values()
+    assert ar > 0 and ag > 0
+    priced_ar = s.collective_overhead_s + 2 * (n - 1) * s.link_latency_s
+    priced_ag = s.collective_overhead_s + (n - 1) * s.link_latency_s
+    if ag < ar < 2 * ag:
+        assert (priced_ar, priced_ag) == (pytest.approx(ar), pytest.approx(ag))
+    elif ar <= ag:
+        assert s.link_latency_s == 0 and s.collective_overhead_s == pytest.approx(ar)
+    else:
+        assert s.collective_overhead_s == 0 and priced_ag == pytest.approx(ar - ag)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from models import collectives_reproduced
 
 from jaxwap.calibrate import Calibration, load_calibration
 from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
@@ -45,6 +46,7 @@ def test_two_process_cluster_calibration_measures_the_link(tmp_path):
         assert min(link["sizes_bytes"]) <= 4096 and max(link["sizes_bytes"]) >= 2**20
         assert "2 process" in link["what"]
         assert cal.spec.link_bandwidth > 0 and cal.spec.link_latency_s >= 0
+        collectives_reproduced(cal)
         assert cal.spec.peak_flops_f32 > 0 and cal.spec.memory_bandwidth > 0
         assert not any("one device" in n or "fell back" in n for n in cal.notes)
         assert "REUSED True" in r.output  # the second calibration reused it, on both
@@ -139,15 +141,21 @@ def test_launcher_kills_the_rest_when_one_fails():
     assert results[0].timed_out and "time ran out" in describe(results)
 
 
-def test_a_format_1_record_still_loads(tmp_path):
+@pytest.mark.parametrize("fmt", [1, 3])
+def test_a_record_of_an_older_format_is_stale(tmp_path, fmt):
+    # formats before 4 timed the link latency by calls of their own and lack what a
+    # collective costs inside a program: calibrating again beats planning with them
     path = tmp_path / "calibration"
     path.mkdir()
-    from jaxwap.calibrate import calibration_path
+    from jaxwap.calibrate import CALIBRATION_FORMAT, calibration_path
     from jaxwap.hardware import builtin_for_kind
 
     d = {"spec": builtin_for_kind("cpu", "cpu").to_dict(), "device_kind": "cpu",
          "platform": "cpu", "num_devices": 8, "jax_version": jax.__version__,
-         "driver": "none", "measurements": {}, "notes": [], "format": 1}
+         "driver": "none", "measurements": {}, "notes": [], "format": fmt}
+    calibration_path(jax.devices()[0], tmp_path, 1).write_text(json.dumps(d))
+    assert load_calibration(jax.devices()[0], tmp_path, 1) is None
+    d["format"] = CALIBRATION_FORMAT
     calibration_path(jax.devices()[0], tmp_path, 1).write_text(json.dumps(d))
     cal = load_calibration(jax.devices()[0], tmp_path, 1)
     assert cal is not None and cal.num_processes == 1 and cal.num_devices == 8

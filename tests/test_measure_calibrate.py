@@ -8,7 +8,7 @@ import importlib
 import jax
 import numpy as np
 import pytest
-from models import MLP, copy_tree, setup
+from models import MLP, collectives_reproduced, copy_tree, setup
 
 import jaxwap
 import jaxwap.measure
@@ -45,6 +45,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     assert cal.measurements["link_buffer_latency_s"] >= 0
     assert cal.measurements["matmul_f32"]["seconds"] and cal.num_devices == len(jax.devices())
     assert cal.measurements["link"] is not None  # 8 devices: an all-reduce was timed
+    collectives_reproduced(cal)
     assert any("power not measured" in n for n in cal.notes)  # CPU: no NVML, said so
     assert calibration_path(jax.devices()[0]).exists()
 
