@@ -213,7 +213,8 @@ def batch_reduce_comm(graph: Graph, d: int, cluster: Cluster,
 
 
 def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
-                     zero1: bool = False, inner: int | None = None) -> tuple[float, float]:
+                     zero1: bool = False, inner: int | None = None, iterations: float = 1.0
+                     ) -> tuple[float, float]:
     """(seconds, bytes) of reducing a gradient that is not data-sharded, once per partial
     gradient (`reductions`), each a buffer of the combined reduction. ZeRO-1 reduces it
     to shards and all-gathers the new weight. Where the backend combines collectives
@@ -221,15 +222,18 @@ def grad_reduce_comm(param_bytes: float, d: int, cluster: Cluster, reductions: f
     the all-reduce they replace in two combined buffers (textbook; unverified on a GPU).
     XLA:CPU all-reduces the whole gradient (each device slicing its share) and gathers
     each updated weight in a collective of its own, paying its latency (GPT-2-small's 28
-    weights on 2 devices: one all-reduce of 30 buffers and 28 all-gathers)."""
+    weights on 2 devices: one all-reduce of 30 buffers and 28 all-gathers). A layer
+    scan's stacked weight is reduced in each of its `iterations`, a slice each, a buffer
+    each (a scanned 4-layer MLP: 8 buffers for its two stacked parameters)."""
     t, b = all_reduce(param_bytes, d, cluster, False, inner)
     t, b = t * reductions, b * reductions
+    buffers = buffer_latency(reductions * iterations, d, cluster)
     if not zero1:
-        return t + buffer_latency(reductions, d, cluster), b
+        return t + buffers, b
     if cluster.device.combines_collectives:
         return t + buffer_latency(2 * reductions, d, cluster), b
     g_t, g_b = all_gather(param_bytes, d, cluster, True, inner)
-    return t + buffer_latency(reductions, d, cluster) + g_t, b + g_b
+    return t + buffers + g_t, b + g_b
 
 
 def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]:
@@ -266,7 +270,7 @@ def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
               passes: float = 1.0, inner: int | None = None, moved: bool = False,
-              regathered: bool = False) -> tuple[float, float]:
+              regathered: bool = False, iterations: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight.
 
     Gathered, where the backend combines collectives (`DeviceSpec.combines_collectives`;
@@ -278,6 +282,7 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     reading that gather (a layer scan's backward loop gathers it again: `regathered`),
     each gather a collective of its own paying its latency; each partial gradient is
     all-reduced whole (each device slicing its share), a buffer of the combined reduction.
+    A stacked weight's collectives run in each of the scan's `iterations`, on a slice.
     GPT-2-small's 28 weights on 2 devices: 34 all-gathers (a LayerNorm's scale and offset
     gathered again for the backward pass) and one all-reduce of 30 buffers; the textbook
     price, on gloo, was 1.6x its measured step on 2 processes.
@@ -291,10 +296,11 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
         t, sent = all_gather(param_bytes, d, cluster, moved, inner)
         k = 2 * passes + reductions
         return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
-    gathers = passes * (2 if regathered else 1)
-    g_t, g_b = all_gather(param_bytes, d, cluster, True, inner)
+    gathers = passes * (2 if regathered else 1) * iterations
+    g_t, g_b = all_gather(param_bytes / iterations, d, cluster, True, inner)
     r_t, r_b = all_reduce(param_bytes, d, cluster, False, inner)
-    return (gathers * g_t + reductions * r_t + buffer_latency(reductions, d, cluster),
+    return (gathers * g_t + reductions * r_t
+            + buffer_latency(reductions * iterations, d, cluster),
             gathers * g_b + reductions * r_b)
 
 

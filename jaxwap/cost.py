@@ -228,9 +228,11 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     np.maximum.at(passes, graph.owner[graph.owner >= 0], graph.repeat[graph.owner >= 0])
     # a stacked parameter's ops repeat once per layer of its scan, each gathering one
     # layer's slice: the whole stack is gathered once per pass of the loops around it
-    stacked = (graph.stacked_dim >= 0).tolist()
+    # ... and its collectives run in each layer iteration, a slice each
+    layers = np.ones(len(graph.params))
     for j in np.flatnonzero(graph.stacked_dim >= 0):
-        passes[j] = max(1.0, passes[j] / graph.params[j].shape[graph.stacked_dim[j]])
+        layers[j] = graph.params[j].shape[graph.stacked_dim[j]]
+        passes[j] = max(1.0, passes[j] / layers[j])
     # every (parameter, strategy) pair at once: the splits its three groups of ops take
     pairs = [(j, st) for j, strats in enumerate(strategies) for st in strats]
     split_of: dict[int, tuple[int, int, int]] = {}   # by identity: shared objects
@@ -263,7 +265,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             t = graph.relayout_reads[j] * dev.layout_change_s(
                 graph.relayout_bytes[j] / splits[i, 2]) / speed
             vals[i, [0, 1, 6]] += t
-    comm_of: dict[tuple[float, bool, bool, float, float, bool, bool],
+    comm_of: dict[tuple[float, bool, bool, float, float, bool, float],
                   tuple[float, float]] = {}
     g_comm: list[tuple[tuple[float, float], ...]] = []
     host: list[tuple[float, ...]] = []
@@ -286,7 +288,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                 local = graph.layer_of[j].act_in_bytes
             # the blocks of a deep model repeat the same few shapes: price each once
             key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
-                   float(passes[j]), moved, stacked[j])
+                   float(passes[j]), moved, float(layers[j]))
             if key not in comm_of:
                 if st.data_sharded and r > 1:
                     comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
@@ -294,11 +296,11 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                     # the weight is gathered once per pass (a scan's backward loop gathers
                     # it again), each partial gradient reduced
                     comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
-                                             moved, stacked[j])
+                                             moved, layers[j] > 1, layers[j])
                 else:
                     comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
                                                     zero1=st.state_spec is not None,
-                                                    inner=inner)
+                                                    inner=inner, iterations=layers[j])
             row_c.append(comm_of[key])
             row_h.append(float(resident[j]) / split_of[id(st)][2]
                          / dev.host_bandwidth if st.offload else 0.0)
