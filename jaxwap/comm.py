@@ -270,7 +270,7 @@ def fsdp_moves(layers: Sequence[Layer], data_dim: Mapping[int, int]) -> set[int]
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
               passes: float = 1.0, inner: int | None = None, moved: bool = False,
-              regathered: bool = False, iterations: float = 1.0) -> tuple[float, float]:
+              iterations: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight.
 
     Gathered, where the backend combines collectives (`DeviceSpec.combines_collectives`;
@@ -279,10 +279,10 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
     reduce-scattered once per partial gradient (`reductions`), each a combined buffer.
     XLA:CPU, as its compiled programs show: the SPMD partitioner gathers the weight once
     a pass, where the forward pass first uses it, the backward pass of the same iteration
-    reading that gather (a layer scan's backward loop gathers it again: `regathered`),
-    each gather a collective of its own paying its latency; each partial gradient is
-    all-reduced whole (each device slicing its share), a buffer of the combined reduction.
-    A stacked weight's collectives run in each of the scan's `iterations`, on a slice.
+    reading that gather, each gather a collective of its own paying its latency; each
+    partial gradient is all-reduced whole (each device slicing its share), a buffer of
+    the combined reduction. A layer scan's stacked weight has its collectives in each of
+    the scan's `iterations`, on a slice, and its backward loop gathers it again.
     GPT-2-small's 28 weights on 2 devices: 34 all-gathers (a LayerNorm's scale and offset
     gathered again for the backward pass) and one all-reduce of 30 buffers; the textbook
     price, on gloo, was 1.6x its measured step on 2 processes.
@@ -296,7 +296,7 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
         t, sent = all_gather(param_bytes, d, cluster, moved, inner)
         k = 2 * passes + reductions
         return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
-    gathers = passes * (2 if regathered else 1) * iterations
+    gathers = passes * (2 if iterations > 1 else 1) * iterations
     g_t, g_b = all_gather(param_bytes / iterations, d, cluster, True, inner)
     r_t, r_b = all_reduce(param_bytes, d, cluster, False, inner)
     return (gathers * g_t + reductions * r_t

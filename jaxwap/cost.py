@@ -296,7 +296,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                     # the weight is gathered once per pass (a scan's backward loop gathers
                     # it again), each partial gradient reduced
                     comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
-                                             moved, layers[j] > 1, layers[j])
+                                             moved, layers[j])
                 else:
                     comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
                                                     zero1=st.state_spec is not None,
