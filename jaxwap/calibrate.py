@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import probes
+from .comm import ring_fit
 from .device import efficiency_table
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
@@ -298,10 +299,9 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     linked = link is not None
     if linked:   # inside a program: overhead + 2(n-1) or n-1 steps x latency
         ar, ag = fig["all_reduce_s"], fig["all_gather_s"]
-        lat = max(ar - ag, 0.0) / (len(devs) - 1)
+        lat, once = ring_fit(ar, ag, len(devs))
         link = dict(link, in_program_s={"all-reduce": ar, "all-gather": ag}, latency_s=lat,
-                    overhead_s=max(ar - 2 * (len(devs) - 1) * lat, 0.0),
-                    fitted_latency_s=link["latency_s"])
+                    overhead_s=once, fitted_latency_s=link["latency_s"])
     small_conv = fig["small_input_conv_flops"]
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path

@@ -52,6 +52,15 @@ def _ring(nbytes: float, n: int, cluster: Cluster, factor: int, latency: bool,
         + latency * (factor * (n - 1) * lat + cluster.device.collective_overhead_s)
 
 
+def ring_fit(all_reduce_s: float, all_gather_s: float, n: int) -> tuple[float, float]:
+    """(latency per ring step, overhead per collective) that price a small all-reduce
+    (2(n-1) steps) and all-gather (n-1 steps) over n devices as timed: the two unknowns
+    of the two formulas. Where both cannot hold (a gather no cheaper than the all-reduce,
+    or under half of it: noise), the all-reduce still does, and neither goes below 0."""
+    lat = min(max(all_reduce_s - all_gather_s, 0.0), all_reduce_s / 2) / (n - 1)
+    return lat, max(all_reduce_s - 2 * (n - 1) * lat, 0.0)
+
+
 def all_reduce(nbytes: float, n: int, cluster: Cluster, latency: bool = True,
                inner: int | None = None) -> tuple[float, float]:
     """(seconds, bytes sent per device) of an all-reduce over n devices, `inner` of which
@@ -395,5 +404,5 @@ def tp_chain_cost(graph: Graph, kinds: Mapping[int, str], d: int, m: int,
 
 __all__ = ["all_gather", "all_reduce", "all_reduce_latency", "axis_inner", "batch_dims",
            "batch_reduce_comm", "buffer_latency", "collective_cost", "fsdp_comm",
-           "fsdp_moves", "grad_reduce_comm", "group_kind", "hsdp_comm", "tp_chain_cost",
-           "tp_final_cost", "tp_group_cost"]
+           "fsdp_moves", "grad_reduce_comm", "group_kind", "hsdp_comm", "ring_fit",
+           "tp_chain_cost", "tp_final_cost", "tp_group_cost"]

@@ -18,7 +18,7 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.comm import all_reduce, batch_reduce_comm
+from jaxwap.comm import all_gather, all_reduce, batch_reduce_comm, ring_fit
 from jaxwap.compile import compile_layout
 from jaxwap.cost import mesh_costs, predict
 from jaxwap.device import DeviceSpec
@@ -320,3 +320,20 @@ def test_a_layer_scans_collectives_run_in_each_layer(layout):
     compiled = next(c for c in plan.candidates if c.chosen).verified
     assert plan.predicted.grad_comm_time_s == pytest.approx(compiled.grad_comm_time_s,
                                                             rel=0.1)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+@pytest.mark.parametrize("timed", [(4.0e-3, 2.7e-3), (4.0e-3, 1.2e-3), (3.5e-3, 3.8e-3)],
+                         ids=["both-held", "gather-under-half", "gather-dearer"])
+def test_calibrated_ring_figures_price_the_timed_collectives(n, timed):
+    # calibration's latency and per-collective overhead from a small all-reduce and
+    # all-gather timed inside a program (gloo: 4.0 and 2.7 ms): the ring formulas give
+    # both back; where noise makes that impossible, the all-reduce still comes back
+    ar, ag = timed
+    lat, once = ring_fit(ar, ag, n)
+    assert lat >= 0 and once >= 0
+    spec = dataclasses.replace(GLOO, link_latency_s=lat, collective_overhead_s=once)
+    cluster = jaxwap.Cluster(spec, n)
+    assert all_reduce(4, n, cluster)[0] == pytest.approx(ar, rel=1e-3)
+    if ag < ar < 2 * ag:
+        assert all_gather(4, n, cluster)[0] == pytest.approx(ag, rel=1e-3)
