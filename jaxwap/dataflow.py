@@ -12,8 +12,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from .flatten import FlatOp, FlatProgram
-from .primitives import ELEMENTWISE, FREE, prim_info
+from .primitives import ELEMENTWISE, FREE, HEAVY, prim_info
 from .state import BATCH, PARAM, LeafRole, ParamInfo
+
+
+def op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
+    """Each op's kind from the primitive table, and which ops cross to or from host memory.
+
+    A device_put between device and host memory is a transfer over the host link, and its
+    result a buffer of its own: heavy, not the free alias a device_put otherwise is.
+    """
+    crossing = np.array([op.prim == "device_put"
+                         and len({bool(prog.on_host[i]) for i in op.ins + op.outs}) > 1
+                         for op in prog.ops], dtype=bool)
+    kinds = [HEAVY if c else prim_info(op.prim).kind
+             for op, c in zip(prog.ops, crossing, strict=True)]
+    return kinds, crossing
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,20 @@ def dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRol
     return Dataflow(dep, pdep, owner, perm, _batched(prog, dep, owner, batch_size))
 
 
+def looked_up(prog: FlatProgram, in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
+              params: Sequence[ParamInfo], batch_size: int | None) -> frozenset[int]:
+    """The parameters an embedding lookup reads: each one a `gather` takes its table from
+    (the parameter itself, or a cast or copy of it: `dataflow`'s ownership). XLA's
+    partitioner gives a lookup's result the table's sharding: a table sharded over the
+    data axis on its feature dim makes the looked-up activations feature-sharded and
+    whole-batch, and from there the rest of the network (`compile.compile_layout` gathers
+    such a table first)."""
+    kinds, _ = op_kinds(prog)
+    owner = dataflow(prog, kinds, in_roles, out_roles, params, batch_size).owner
+    return frozenset(int(owner[op.ins[0]]) for op in prog.ops
+                     if op.prim == "gather" and owner[op.ins[0]] >= 0)
+
+
 _SCAN_OPS = ("scan_slice", "scan_stack")
 
 
@@ -158,4 +186,4 @@ def stacked_dims(prog: FlatProgram, flow: Dataflow, params: Sequence[ParamInfo]
     return stacked
 
 
-__all__ = ["Dataflow", "dataflow", "stacked_dims"]
+__all__ = ["Dataflow", "dataflow", "looked_up", "op_kinds", "stacked_dims"]

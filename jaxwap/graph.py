@@ -35,18 +35,12 @@ from typing import Any
 import numpy as np
 import scipy.sparse
 
-from .dataflow import Dataflow, dataflow, stacked_dims
+from .dataflow import Dataflow, dataflow, op_kinds, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
 from .model_split import TP_KINDS, ModelSplit, model_splits
 from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
-from .primitives import (
-    FREE,
-    HEAVY,
-    MATMUL,
-    prim_info,
-    roofline_rules,
-)
+from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import data_reductions, grad_repeat, relayouts
 from .state import PARAM, LeafRole, ParamInfo
 
@@ -225,7 +219,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     """Flatten the step's jaxpr and derive per-op costs, splits, layers and liveness."""
     rules = roofline_rules()  # fails loudly, before any cost, on a jax it does not fit
     prog = flatten(closed_jaxpr)
-    kinds, host_transfer = _op_kinds(prog)
+    kinds, host_transfer = op_kinds(prog)
     flow = dataflow(prog, kinds, in_roles, out_roles, params, batch_size)
     costs = op_costs(prog, kinds, rules)
     splits = _op_splits(prog, kinds, flow, params)
@@ -275,20 +269,6 @@ def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits
             j, name = split.pairs[e]
             param[k], kind[k] = j, TP_KINDS.index(name)
     return param, kind
-
-
-def _op_kinds(prog: FlatProgram) -> tuple[list[str], np.ndarray]:
-    """Each op's kind from the primitive table, and which ops cross to or from host memory.
-
-    A device_put between device and host memory is a transfer over the host link, and its
-    result a buffer of its own: heavy, not the free alias a device_put otherwise is.
-    """
-    crossing = np.array([op.prim == "device_put"
-                         and len({bool(prog.on_host[i]) for i in op.ins + op.outs}) > 1
-                         for op in prog.ops], dtype=bool)
-    kinds = [HEAVY if c else prim_info(op.prim).kind
-             for op, c in zip(prog.ops, crossing, strict=True)]
-    return kinds, crossing
 
 
 # --------------------------------------------------------------------------- splits

@@ -123,3 +123,37 @@ def test_roofline_adapter_rejects_changed_context(monkeypatch, fresh_adapter):
                         "RooflineRuleContext", Context)
     with pytest.raises(RuntimeError, match="avals_in"):
         roofline_rules()
+
+
+def test_a_table_read_by_a_lookup_is_looked_up_and_a_matmul_weight_is_not():
+    # the embedding table is cast to bf16 before the lookup (a form of it, as a
+    # mixed-precision model reads its weights); the dense weight is only multiplied
+    from jaxwap.dataflow import looked_up
+    from jaxwap.flatten import flatten
+    from jaxwap.trace import layout_of
+
+    def step(params, tokens):
+        def loss(p):
+            x = jnp.take(p["embed"].astype(jnp.bfloat16), tokens, axis=0)
+            return jnp.mean((x.astype(jnp.float32) @ p["dense"]) ** 2)
+        g = jax.grad(loss)(params)
+        return jax.tree.map(lambda w, d: w - 0.1 * d, params, g)
+
+    params = {"embed": jax.ShapeDtypeStruct((50, 16), jnp.float32),
+              "dense": jax.ShapeDtypeStruct((16, 16), jnp.float32)}
+    tokens = jax.ShapeDtypeStruct((8, 4), jnp.int32)
+    layout, closed = layout_of(step, (params, tokens), {}, params)
+    got = looked_up(flatten(closed), layout.inputs.roles, layout.outputs.roles,
+                    layout.params, layout.inputs.batch_size)
+    assert {layout.params[j].keystr for j in got} == {"['embed']"}
+
+
+def test_a_weight_without_the_data_axis_keeps_its_model_split():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxwap.compile import without_data
+
+    assert without_data(P(None, "data")) == P(None, None)
+    assert without_data(P(("replica", "data"), "model")) == P(None, "model")
+    assert without_data(P(("data", "model"), None)) == P("model", None)
+    assert without_data(P("model", None)) == P("model", None)
