@@ -38,7 +38,7 @@ import scipy.sparse
 from .dataflow import Dataflow, dataflow, op_kinds, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
 from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
-from .model_split import TP_KINDS, ModelSplit, model_splits
+from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
 from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import data_reductions, grad_repeat, relayouts
@@ -136,6 +136,10 @@ class Graph:
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
     tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    # parameters whose column split would reach more than one other layer's matmul (the
+    # residual stream, not a row partner): XLA keeps such a split for the rest of the
+    # network, so `strategies` does not offer it; absent, none
+    tp_leaks: frozenset[int] = frozenset()
     # [ops] of `bytes`, what a batched op moves whole whatever the batch split (weights
     # read, weight gradients written: `opcost.unbatched_bytes`); left out, none
     fixed_bytes: np.ndarray | None = field(default=None)
@@ -250,7 +254,9 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         relayout_reads=relayout_reads,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
-                                               strict=True) if g > 0})
+                                               strict=True) if g > 0},
+        tp_leaks=column_leaks(prog, kinds, flow.owner, flow.perm, splits.layers, params,
+                              stacked))
 
 
 def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits

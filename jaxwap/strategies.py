@@ -43,7 +43,7 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
     out = _strategies_for(tuple(graph.params[j].shape), dims,
                           bool(graph.resident_bytes[j] > 0), d, m, offload,
                           None if rules is None or pin is not None else rules.families,
-                          int(graph.stacked_dim[j]), granules)
+                          int(graph.stacked_dim[j]), granules, j in graph.tp_leaks)
     return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer)
 
 
@@ -60,21 +60,26 @@ def pins_hold(graph: Graph, rules: LayoutRules | None, d: int, m: int, offload: 
 def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], ...] | None,
                     has_state: bool, d: int, m: int, offload: bool,
                     allowed: frozenset[str] | None, stacked: int = -1,
-                    granules: tuple[int, int] = (0, 0)) -> tuple[Strategy, ...]:
+                    granules: tuple[int, int] = (0, 0), leaks: bool = False
+                    ) -> tuple[Strategy, ...]:
     """`param_strategies` for a parameter of this shape (the blocks of a deep model share
     a few shapes, so each is worked out once). The dim a scan iterates over (`stacked`)
     is never split: each iteration slices one layer out of it, and a split stack would be
     gathered whole. A tensor-parallel kind whose activations' split dims (`granules`,
     col then row: heads, kv heads, hidden) the model axis does not divide is not offered:
     it would split inside a head (4 kv heads on a model axis of 8 compiled to all-to-alls
-    and collective-permutes the chain does not price)."""
+    and collective-permutes the chain does not price). Nor is a column split that `leaks`
+    (`Graph.tp_leaks`): one that reaches the residual stream reaches every later layer,
+    and XLA keeps the stream split by feature from there (a lone column-parallel
+    attention projection in GPT-2's first block, or one paired across a residual add
+    and a LayerNorm: 7.5 GB of collectives on 8 devices where the chain prices 0.6)."""
     nd = len(shape)
     all_dims = [i for i in range(nd) if i != stacked]
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
     if m > 1 and layer_dims is not None:
         for kind, dims, g in (("col", layer_dims[0], granules[0]),
                               ("row", layer_dims[1], granules[1])):
-            if g and g % m:
+            if (g and g % m) or (kind == "col" and leaks):
                 continue
             tdim = _largest_dim(shape, [i for i in dims if i != stacked], m)
             if tdim is not None:
