@@ -41,6 +41,29 @@ def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any
     return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
 
 
+def own_buffers(placed: list[Any], given: Sequence[Any], donated: Sequence[int],
+                shs: Sequence[NamedSharding]) -> None:
+    """Give every donated leaf of `placed` a buffer of its own, in place: XLA refuses to
+    donate one buffer twice, or one that another argument also reads, and the same array
+    passed at two leaves (an EMA started as `ema = params`, one zeros array reused at two
+    paths) is that. A repeat (the same object given, or placed: `device_put` onto an
+    array's own sharding returns it, and places two copies of one array over the same
+    device's buffer) is copied; the first use is donated, as any donated argument is."""
+    if not donated:
+        return
+    seen: set[int] = set()
+    donating = set(donated)
+    for i, (x, y) in enumerate(zip(given, placed, strict=True)):
+        if i not in donating:
+            seen.update((id(x), id(y)))
+    for i in donated:
+        ids = (id(given[i]), id(placed[i]))
+        if seen.isdisjoint(ids):
+            seen.update(ids)
+        else:
+            placed[i] = jax.device_put(placed[i], shs[i], may_alias=False)
+
+
 @functools.lru_cache(maxsize=256)
 def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
     """How many rows (leading-dim entries) of a `shape` array this process's devices hold
@@ -94,6 +117,7 @@ class AutoShardedStep:
         self._plans: dict[Any, Planned] = {}
         self._measured: set[Any] = set()
         self._execs: dict[Any, CompiledStep] = {}
+        self._donated: dict[Any, tuple[int, ...]] = {}   # per compiled step: donated leaves
         self._current: Planned | None = None
         # plan for the hardware described even where its devices are not present
         # (`jaxwap.plan`); a step that runs plans for the devices it runs on
@@ -221,6 +245,10 @@ class AutoShardedStep:
         ex = self._compile(key, planned)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
+        if key not in self._donated:
+            self._donated[key] = tuple(i for i, a in enumerate(
+                jax.tree_util.tree_leaves(ex.compiled.args_info)) if a.donated)
+        own_buffers(placed, [leaf for _, leaf in flat], self._donated[key], ex.in_shardings)
         self._power_limit(planned)
         try:
             out = ex.compiled(*placed)

@@ -9,6 +9,7 @@ global batch. Nothing here touches a device or a real array.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,16 @@ def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
     return [(*_root_path(path, names), leaf) for path, leaf in flat], treedef, names
 
 
+def own_arrays(leaves: Sequence[Any]) -> dict[int, int]:
+    """id(array) -> parameter index for the params' own arrays, which settles a leaf that is
+    one of them whatever its path. An array at several parameters (one zeros array used
+    as two biases) says none of them: each of its uses is told by its path instead."""
+    arrays = [(j, leaf) for j, leaf in enumerate(leaves)
+              if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))]
+    uses = Counter(id(leaf) for _, leaf in arrays)
+    return {id(leaf): j for j, leaf in arrays if uses[id(leaf)] == 1}
+
+
 def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               params: Any, batch_size: int | None = None) -> tuple[ArgLayout, Any]:
     """Classify every argument leaf, trace the step, classify every output leaf.
@@ -89,8 +100,7 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     """
     ptree = find_params(args, params)
     infos, ptreedef = param_infos(ptree)
-    identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(ptree))
-                if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))}
+    identity = own_arrays(jax.tree_util.tree_leaves(ptree))
     entries, treedef, names = leaf_entries(args, kwargs)
     leaves = [leaf for _, _, leaf in entries]
     avals = abstract_entries(entries)
