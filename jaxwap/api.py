@@ -399,7 +399,7 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
     are present plans for that cluster (analytically: verification needs the devices);
     save the plan with `to_json()` and run it there with `auto_shard(..., plan=path)`.
     `measure=` runs the finalists, so it needs real arrays."""
-    option_kw, step_kwargs = split_options(kwargs)
+    option_kw, step_kwargs = split_options(kwargs, train_step)
     opts = PlanOptions.of(options, **option_kw)
     if opts.measure and not _concrete(args, step_kwargs):
         raise ValueError("jaxwap.plan(measure=...) runs the finalists on the devices, so it "

@@ -9,6 +9,8 @@ part of the plan cache's key, so every option that can change a plan changes the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -317,12 +319,30 @@ def _strategies(families: Any) -> tuple[str, ...]:
     return tuple(f for f in STRATEGY_FAMILIES if f in given)
 
 
-def split_options(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_options(kwargs: dict[str, Any], step: Any = None
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(options, the rest): `jaxwap.plan(step, *args, **kwargs)` passes the step's own
-    keyword arguments beside jaxwap's options; a name that is an option is an option."""
+    keyword arguments beside jaxwap's options; a name that is an option is an option. A
+    keyword the `step` cannot take (its signature has no such parameter and no
+    **kwargs) is refused here, naming the options it resembles: a misspelt option
+    (`mesh_shap=`) would otherwise reach the step as its own argument."""
     names = {f.name for f in dataclasses.fields(PlanOptions)}
-    return ({k: v for k, v in kwargs.items() if k in names},
-            {k: v for k, v in kwargs.items() if k not in names})
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    if rest and step is not None:
+        try:
+            sig = inspect.signature(step)
+        except (TypeError, ValueError):   # a builtin or C callable: nothing to check by
+            sig = None
+        takes_any = sig is None or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                       for p in sig.parameters.values())
+        bad = [] if takes_any else [k for k in rest if k not in sig.parameters]
+        if bad:
+            hints = "; ".join(f"{k!r}: did you mean {', '.join(close)}?" for k in bad
+                              if (close := difflib.get_close_matches(k, names, n=3)))
+            raise TypeError(f"{', '.join(map(repr, bad))}: neither an option of jaxwap "
+                            f"(PlanOptions: {', '.join(sorted(names))}) nor a keyword "
+                            f"argument of the step{'; ' + hints if hints else ''}")
+    return {k: v for k, v in kwargs.items() if k in names}, rest
 
 
 __all__ = ["DEFAULT_MEASURE_STEPS", "PlanOptions", "split_options"]

@@ -75,6 +75,19 @@ def test_options_are_checked_once_by_name():
     assert jaxwap.PlanOptions(measure=True).measure == 5
 
 
+def test_plan_refuses_a_misspelt_option_the_step_cannot_take_and_passes_its_own():
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    with pytest.raises(TypeError, match="'mesh_shap'.*did you mean mesh_shape"):
+        jaxwap.plan(step, params, opt, batch, mesh_shap={"data": 4}, verify=0, cache=False)
+
+    def scaled(params, opt_state, batch, *, scale=1.0):   # a keyword of the step's own
+        return step(params, opt_state, batch)
+
+    made = jaxwap.plan(scaled, params, opt, batch, scale=2.0, verify=0, cache=False,
+                       hardware=jaxwap.Cluster("cpu", 8), mesh_shape={"data": 4})
+    assert made.mesh_shape == {"data": 4, "model": 1}
+
+
 def test_plan_measure_needs_arrays():
     step, params, opt, batch = abstract_setup((32, 10), 16, 8)
     with pytest.raises(ValueError, match="measure"):
