@@ -4,12 +4,19 @@ The step is opaque, so its arguments' roles are inferred from structure, not dec
 - a leaf whose key path ends with a parameter's path (relative to the params tree) and
   has its shape is that parameter or mirrors it (the params themselves, optax moments,
   `TrainState.params` and its `opt_state`, an `nnx.State`): it takes the parameter's
-  sharding, so optimizer state is sharded exactly like what it tracks;
+  sharding, so optimizer state is sharded exactly like what it tracks. A mirror is state
+  the step hands back: where the step's outputs are known, a leaf other than the
+  parameter itself that no output of the parameter's path and shape is left for is not
+  one (`unreturned`). With flat-tuple params `(W, b)` the path of `W` is just `0`, which
+  `x` of a batch `(x, y)` ends with too: the step returns one new `W`, and it is `W`'s;
 - a leaf whose leading dimension is the batch size is data, split over the data axis;
 - everything else (scalars, step counters, PRNG keys, state the step hands back such as
   batch-norm statistics) is replicated.
 The batch size is the leading dimension most common among the leaves that are neither
-parameters nor state the step returns (or the `batch_size=` the user gives).
+parameters nor state the step returns (or the `batch_size=` the user gives). A legacy
+PRNG key (`jax.random.PRNGKey`: uint32[2], or uint32[4] for rbg) is a plain array, but
+its leading dimension is the key's width, not a batch: such leaves do not vote, and are
+batch leaves only where `batch_size` is given (`raw_key`).
 """
 
 from __future__ import annotations
@@ -80,6 +87,13 @@ def is_key_dtype(dtype: Any) -> bool:
         return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
     except TypeError:
         return False
+
+
+def raw_key(aval: Any) -> bool:
+    """A uint32[2] (threefry) or uint32[4] (rbg) array: what `jax.random.PRNGKey` gives.
+    Its 2 or 4 is no batch size, so it is not counted when the batch size is inferred:
+    a batch of one beside such a key would otherwise tie 1 against 2 and lose."""
+    return tuple(aval.shape) in ((2,), (4,)) and str(aval.dtype) == "uint32"
 
 
 def abstract_leaf(leaf: Any, where: str | Callable[[], str]) -> jax.ShapeDtypeStruct:
@@ -156,6 +170,51 @@ def param_index(params: Sequence[ParamInfo]) -> SuffixIndex:
     return SuffixIndex([(p.path, (j, p.shape)) for j, p in enumerate(params)])
 
 
+def common_suffix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    """How many trailing tokens two paths share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def unreturned(tokens_of: Sequence[tuple[str, ...]], param_of: Sequence[int],
+               own: Sequence[bool], returned: Sequence[tuple[tuple[str, ...], Any]],
+               index: SuffixIndex) -> set[int]:
+    """The leaves that match a parameter but are neither it nor handed back by the step.
+
+    The step hands back the parameter and each of its mirrors (optimizer moments) at a
+    path ending with the parameter's and with its shape. Those outputs are shared out
+    among the leaves matching the parameter, the pair with the longest common path suffix
+    first (an optax moment `0.mu.0` gets the output `1.0.mu.0`), ties to the parameter
+    itself (the user's own array, else the first match) and then to the earlier leaf; a
+    leaf left without one is not a mirror. Batch data that merely ends at a parameter's
+    path with its shape (`x` of `(x, y)` beside flat-tuple params `(W, b)`) is never
+    handed back, so it stays data and is never donated."""
+    matches: dict[int, list[int]] = {}
+    for i, j in enumerate(param_of):
+        if j >= 0:
+            matches.setdefault(j, []).append(i)
+    outs: dict[int, list[tuple[str, ...]]] = {}
+    for tokens, shape in returned:
+        j = match_param(tuple(tokens), tuple(int(d) for d in shape), index)
+        if j >= 0:
+            outs.setdefault(j, []).append(tuple(tokens))
+    dropped: set[int] = set()
+    for j, leaves in matches.items():
+        order = sorted(leaves, key=lambda i: (not own[i], i))  # the parameter itself first
+        pairs = sorted((-common_suffix(tokens_of[i], t), r, k)
+                       for r, i in enumerate(order) for k, t in enumerate(outs.get(j, ())))
+        got: set[int] = set()
+        used: set[int] = set()
+        for _, r, k in pairs:
+            if r not in got and k not in used:
+                got.add(r)
+                used.add(k)
+        dropped |= {i for r, i in enumerate(order) if r > 0 and r not in got and not own[i]}
+    return dropped
+
+
 @dataclass(frozen=True)
 class LeafTable:
     """Every flattened leaf of the step's (args, kwargs) with its abstract value and role."""
@@ -177,6 +236,7 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
                     batch_size: int | None = None, infer_batch: bool = True,
                     carried: Callable[[tuple[str, ...], tuple[int, ...]], bool] | None = None,
+                    returned: Sequence[tuple[tuple[str, ...], Any]] | None = None,
                     by_path: bool = False,
                     avals: Sequence[jax.ShapeDtypeStruct] | None = None) -> LeafTable:
     """Assign roles to `(root, key path, leaf)` entries: param mirror, batch, or other.
@@ -185,7 +245,11 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
     arrays, which settles them whatever their path. `batch_size` fixes B (outputs are
     classified with the inputs' B); otherwise it is inferred. `carried(path, shape)` says
     a leaf is state the step returns (batch-norm statistics, counters): never data, and
-    not counted when inferring B. `by_path` decides parameter-or-mirror from the path
+    not counted when inferring B. `returned`: the (path, shape) of every output of the
+    step, where known; a leaf matching a parameter that is neither the parameter itself
+    nor handed back among them is not its mirror (`unreturned`) but data or other, like a
+    leaf matching none. Legacy PRNG keys (`raw_key`) neither vote for B nor are batch
+    leaves unless `batch_size` is given. `by_path` decides parameter-or-mirror from the path
     alone (`is_parameter_path`), for a tree that holds only optimizer state. `avals`: the
     entries' abstract values when the caller has them (`abstract_entries`).
     """
@@ -205,12 +269,21 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
         paths.append(where)
         avals.append(a)
         param_of.append(j)
-        state.append(j < 0 and carried is not None and carried(tokens, shape))
+    dropped = set() if returned is None else unreturned(tokens_of, param_of, own, returned,
+                                                        index)
+    for i in dropped:
+        param_of[i] = -1
+    # state the step returns; a dropped leaf's path is handed back only as the parameter's
+    state = [j < 0 and i not in dropped and carried is not None
+             and carried(t, tuple(int(d) for d in a.shape))
+             for i, (j, t, a) in enumerate(zip(param_of, tokens_of, avals, strict=True))]
 
+    given_batch = batch_size is not None
     if batch_size is None and infer_batch:
         counts: Counter[int] = Counter()
         for a, j, st in zip(avals, param_of, state, strict=True):
-            if j < 0 and not st and len(a.shape) >= 1 and not is_key_dtype(a.dtype):
+            if (j < 0 and not st and len(a.shape) >= 1 and not is_key_dtype(a.dtype)
+                    and not raw_key(a)):
                 counts[int(a.shape[0])] += 1
         if counts:
             top = max(counts.values())
@@ -231,7 +304,8 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
             seen.add(j)
             roles.append(LeafRole(PARAM, j, mirror))
         elif (batch_size is not None and not st and len(a.shape) >= 1
-              and not is_key_dtype(a.dtype) and int(a.shape[0]) == batch_size):
+              and not is_key_dtype(a.dtype) and (given_batch or not raw_key(a))
+              and int(a.shape[0]) == batch_size):
             roles.append(LeafRole(BATCH))
         else:
             roles.append(LeafRole(OTHER))

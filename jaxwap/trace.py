@@ -125,7 +125,8 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
 
     inputs = globalize(classify_leaves(entries, infos, identity=identity,
                                        batch_size=batch_size, infer_batch=batch_size is None,
-                                       carried=carried, avals=avals), leaves)
+                                       carried=carried, returned=returned, avals=avals),
+                                       leaves)
     check_params_found(inputs, infos)
     if batch_size is not None and not any(r.kind == BATCH for r in inputs.roles):
         raise ValueError(f"batch_size={batch_size}: no argument leaf has it as its leading "
