@@ -58,7 +58,9 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # Bumped when what a record's compiled figures describe changes: saved records of another
 # format are compiled again. 2: candidates compiled by verify.compile_candidate with their
 # real placements (format 1 laid ZeRO-1 / offloaded optimizer state out like the weight).
-FORMAT = 2
+# 3: an FSDP embedding table gathered before its lookup (`compile.gathered_first`), and no
+# column split that leaks into the residual stream among the planner's layouts.
+FORMAT = 3
 
 
 @dataclass(frozen=True)
