@@ -59,8 +59,9 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # format are compiled again. 2: candidates compiled by verify.compile_candidate with their
 # real placements (format 1 laid ZeRO-1 / offloaded optimizer state out like the weight).
 # 3: an FSDP embedding table gathered before its lookup (`compile.gathered_first`), and no
-# column split that leaks into the residual stream among the planner's layouts.
-FORMAT = 3
+# column split that leaks into the residual stream among the planner's layouts. 4: nor
+# one a fused q/k/v split cuts, nor an unpaired row-parallel layer where another kind can.
+FORMAT = 4
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,10 @@ class Graph:
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
     tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
-    # parameters whose column split would reach more than one other layer's matmul (the
-    # residual stream, not a row partner): XLA keeps such a split for the rest of the
-    # network, so `strategies` does not offer it; absent, none
+    # parameters whose column split XLA would not keep as Megatron does: one that reaches
+    # more than one other layer's matmul (the residual stream, not a row partner), kept
+    # for the rest of the network; one a split or slice cuts into parts (a fused q/k/v
+    # weight), reshuffled. `strategies` does not offer it; absent, none
     tp_leaks: frozenset[int] = frozenset()
     # [ops] of `bytes`, what a batched op moves whole whatever the batch split (weights
     # read, weight gradients written: `opcost.unbatched_bytes`); left out, none
@@ -256,7 +257,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
                                                strict=True) if g > 0},
         tp_leaks=column_leaks(prog, kinds, flow.owner, flow.perm, splits.layers, params,
-                              stacked))
+                              stacked) | {model_split.pairs[e][0] for e in model_split.cut
+                                          if model_split.pairs[e][1] == "col"})
 
 
 def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits

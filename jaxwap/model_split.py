@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .flatten import FlatProgram
+from .flatten import FlatOp, FlatProgram
 from .primitives import MATMUL, batch_rule, default_batch
 from .state import ParamInfo
 
@@ -36,6 +36,10 @@ class ModelSplit:
     # a GQA model's kv heads, an MLP's hidden): a model axis that does not divide it
     # would split inside a head, which XLA reshuffles with all-to-alls
     granule: tuple[int, ...] = ()
+    # the pairs whose split dim a split or slice cuts into parts (a fused q/k/v weight's
+    # output split into q, k and v): the parts do not fall on the devices' blocks, and
+    # XLA reshuffles them (a collective-permute forward, all-to-alls backward)
+    cut: frozenset[int] = frozenset()
 
 
 def tp_dims(layers: Sequence[Layer], params: Sequence[ParamInfo], stacked: np.ndarray
@@ -78,6 +82,7 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     if not tdim:
         return ModelSplit(np.full(len(prog.vars), -1, np.int64), ())
     granule: dict[int, int] = {}
+    cut: set[int] = set()
     pair_id: dict[tuple[int, str], int] = {}
     owner, batched = owner.tolist(), batched.tolist()
     label: list[tuple[int, int] | None] = [None] * len(prog.vars)  # (pair, dim)
@@ -104,6 +109,8 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
                     cands.setdefault(e, [None] * n)[pos] = pm.index(pd)
         if not cands:
             continue
+        if op.prim in ("split", "slice"):
+            cut.update(e for e, axes in cands.items() if _cuts(op, axes[0]))
         rule = batch_rule(op.prim)
         for e, axes in cands.items():
             try:
@@ -121,7 +128,17 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     pairs = tuple(sorted(pair_id, key=pair_id.__getitem__))
     return ModelSplit(np.array([-1 if lab is None else lab[0] for lab in label],
                                 dtype=np.int64), pairs,
-                      tuple(granule.get(e, 0) for e in range(len(pairs))))
+                      tuple(granule.get(e, 0) for e in range(len(pairs))), frozenset(cut))
+
+
+def _cuts(op: FlatOp, dim: int | None) -> bool:
+    """Whether a split or slice cuts its operand's `dim` into less than the whole."""
+    if dim is None:
+        return False
+    if op.prim == "split":
+        return op.eqn.params["axis"] == dim and len(op.eqn.params["sizes"]) > 1
+    p = op.eqn.params
+    return p["limit_indices"][dim] - p["start_indices"][dim] < op.eqn.invars[0].aval.shape[dim]
 
 
 def column_leaks(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,

@@ -188,7 +188,7 @@ def gpt2():
     return w, args, reference(w.step, args, 2)
 
 
-def test_forced_tensor_parallel_on_gpt2_is_megatron_attention_and_mlp(gpt2):
+def test_forced_tensor_parallel_on_gpt2_is_megatron_mlp_and_no_column_split_qkv(gpt2):
     w, args, ref = gpt2
     sharded = jaxwap.auto_shard(w.step, w.params, strategies=("tp",),
                                 mesh_shape={"data": 2, "model": 2}, verify=0, cache=False)
@@ -196,10 +196,12 @@ def test_forced_tensor_parallel_on_gpt2_is_megatron_attention_and_mlp(gpt2):
     plan = sharded.plan
     assert dict(plan.mesh_shape) == {"data": 2, "model": 2}
     where = placements(plan)
-    # per block: the fused q/k/v projection and the MLP's first layer split their outputs
-    # (column), the attention output projection and the MLP's second layer their inputs
-    # (row), so each pair needs one all-reduce and no gather in between
-    expect = {"['attn']['qkv']['kernel']": ("tp-col", (None, "model")),
+    # per block: the MLP's first layer splits its output (column), its second its input
+    # (row): one all-reduce for the pair, no gather in between. The fused q/k/v
+    # projection is not column-parallel (q, k and v cut its split: XLA reshuffles them)
+    # and the attention projection's column split would reach the residual stream, so
+    # under "tp" alone both are row-parallel
+    expect = {"['attn']['qkv']['kernel']": ("tp-row", ("model", None)),
               "['attn']['proj']['kernel']": ("tp-row", ("model", None)),
               "['mlp']['fc']['kernel']": ("tp-col", (None, "model")),
               "['mlp']['proj']['kernel']": ("tp-row", ("model", None))}
