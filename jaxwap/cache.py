@@ -46,7 +46,10 @@ CACHE_FORMAT = 1
 # make an old key collide with a new one. 2: the `jaxpr` part, `jaxpr_fingerprint`, is now
 # a hash of the jaxpr's structure (fingerprint.py), no longer of its printed text; a part
 # whose meaning changes gets a new format, so no key made under the old meaning can match.
-KEY_FORMAT = 2
+# 3: plans made before column splits XLA does not keep were withheld (`Graph.tp_leaks`),
+# unpaired row-parallel layers refused, and leaf roles settled by what the step hands
+# back may hold layouts and roles this planner no longer makes: they are planned again.
+KEY_FORMAT = 3
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.
