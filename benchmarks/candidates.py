@@ -61,7 +61,8 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # 3: an FSDP embedding table gathered before its lookup (`compile.gathered_first`), and no
 # column split that leaks into the residual stream among the planner's layouts. 4: nor
 # one a fused q/k/v split cuts, nor an unpaired row-parallel layer where another kind can.
-FORMAT = 4
+# 5: after a column-parallel layer, only a row-parallel one where it can be.
+FORMAT = 5
 
 
 @dataclass(frozen=True)

@@ -168,16 +168,20 @@ def _pairs(prev: str, ks: Sequence[str], states: Any, kinds: set[str]) -> bool:
     unpaired row-parallel layer (its input whole) has the producers upstream split and
     gathered in every block before it (16 extra activation gathers in a 2-block Llama),
     a column-parallel layer after another (GPT-2's attention projection after its fused
-    q/k/v) cost 3x the bytes priced. So neither is proposed where a pair can form
+    q/k/v) cost 3x the bytes priced, and a replicated layer after a column-parallel one
+    is not given its input gathered, as priced, but computed on the split input and its
+    output all-reduced (ResNet-50's bottleneck convolutions on 1x8: 6.58 GB of
+    collectives where the chain priced 1.57). So none is proposed where a pair can form
     instead: a row-parallel group only after a column-parallel one (or where the group
-    has no other kind: a forced layout), a column-parallel group after one only when it
-    cannot be row-parallel. (A row-parallel fused q/k/v projection and the attention
-    projection after it, unpaired once the fused split was withheld, compiled 2-layer
-    GPT-2 on 1x2 to 0.40 GB of collectives where the chain priced 0.09; the MLPs' pairs
-    alone, 0.10 GB: XLA:CPU's f32 reductions of the 0.05 priced.)"""
+    has no other kind: a forced layout), and after a column-parallel group only a
+    row-parallel one where it can be. (A row-parallel fused q/k/v projection and the
+    attention projection after it, unpaired once the fused split was withheld, compiled
+    2-layer GPT-2 on 1x2 to 0.40 GB where the chain priced 0.09; the MLPs' pairs alone,
+    0.10 GB: XLA:CPU's f32 reductions of the 0.05 priced. ResNet-50 on 1x8, pairs only:
+    2.02 GB against 0.83.)"""
     if "row" in ks and prev != "col" and kinds - {"row"}:
         return False
-    return not ("col" in ks and prev == "col" and "row" in kinds)
+    return not (prev == "col" and "row" in kinds and "row" not in ks)
 
 
 def _combos(options: Sequence[Sequence[tuple[str, int, float]]]
