@@ -89,6 +89,12 @@ def own_arrays(leaves: Sequence[Any]) -> dict[int, int]:
     return {id(leaf): j for j, leaf in arrays if uses[id(leaf)] == 1}
 
 
+def passed_through(closed: Any) -> set[int]:
+    """The outputs of a traced step that are one of its inputs, untouched."""
+    ins = {id(v) for v in closed.jaxpr.invars}
+    return {k for k, v in enumerate(closed.jaxpr.outvars) if id(v) in ins}
+
+
 def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
               params: Any, batch_size: int | None = None) -> tuple[ArgLayout, Any]:
     """Classify every argument leaf, trace the step, classify every output leaf.
@@ -117,8 +123,11 @@ def layout_of(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any],
     returned = [(path_tokens(p), tuple(int(d) for d in x.shape)) for p, x in out_flat]
 
     # (path suffix, shape) of every output: an input the step hands back at the end of
-    # one of them, with its shape, is carried state
-    handed_back = {(t[len(t) - n:], s) for t, s in returned for n in range(1, len(t) + 1)}
+    # one of them, with its shape, is carried state; an input it returns untouched (the
+    # batch's labels beside the predictions) is not made state by that
+    kept = passed_through(closed)
+    handed_back = {(t[len(t) - n:], s) for k, (t, s) in enumerate(returned) if k not in kept
+                   for n in range(1, len(t) + 1)}
 
     def carried(tokens: tuple[str, ...], shape: tuple[int, ...]) -> bool:
         return len(tokens) > 0 and (tokens, shape) in handed_back

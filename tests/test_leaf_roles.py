@@ -146,3 +146,30 @@ def test_explicit_batch_size_still_takes_a_uint32_leaf_of_that_length_as_data():
     labels = jnp.arange(2, dtype=jnp.uint32)
     layout, _ = layout_of(step, (params, labels), {}, None, batch_size=2)
     assert layout.inputs.batch_size == 2 and roles(layout.inputs)["args[1]"].kind == BATCH
+
+
+def test_a_batch_leaf_the_step_returns_untouched_stays_data():
+    # labels handed back beside the predictions (or the whole batch, for logging) were
+    # taken for carried state: replicated, and with the whole batch returned the step had
+    # no batch to split. Returned untouched, an input is not made state by that.
+    params = {"w": jnp.ones((16, 10)) * 0.1}
+    batch = {"x": jnp.ones((16, 16)), "labels": jnp.arange(16) % 10}
+
+    def step(p, b):
+        def loss(p):
+            logits = b["x"] @ p["w"]
+            lp = jax.nn.log_softmax(logits)
+            return -jnp.mean(jnp.take_along_axis(lp, b["labels"][:, None], 1)), logits
+        (value, logits), g = jax.value_and_grad(loss, has_aux=True)(p)
+        p = jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, p, g)
+        return p, {"loss": value, "preds": jnp.argmax(logits, -1), "labels": b["labels"]}
+
+    def step_all(p, b):
+        return (*step(p, b), b)
+
+    layout, _ = layout_of(step, (params, batch), {}, params)
+    roles = dict(zip(layout.inputs.paths, layout.inputs.roles, strict=True))
+    assert roles["args[1]['labels']"].kind == BATCH and roles["args[1]['x']"].kind == BATCH
+    plan = jaxwap.auto_shard(step_all, cache=False, verify=0,
+                             mesh_shape={"data": 8}).plan_for(params, batch)
+    assert plan.mesh_shape == {"data": 8, "model": 1} and plan.batch_size == 16
