@@ -194,11 +194,18 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     if ranking.best < 0:
         shown = ", ".join(r.describe() for r in results)
         if mesh is not None:
+            forced = allowed is not None and allowed.families is not None \
+                and "tp" in allowed.families
+            advice = ("tensor parallelism is allowed, but no layout of it gains here or "
+                      "none is offered (a split XLA would not compile as priced is "
+                      "withheld); pin a spec with constraints= to force one, or use a model "
+                      "axis of 1"
+                      if forced else "force tensor parallelism with strategies=('tp', "
+                      "...) or use a model axis of 1")
             raise ValueError(
                 f"mesh_shape {mesh[0]}x{mesh[1]}: no parameter gains from being split over "
-                f"its model axis of {mesh[1]}, so its devices would only duplicate work. "
-                f"Force tensor parallelism with strategies=('tp', ...) or use a model axis "
-                f"of 1.")
+                f"its model axis of {mesh[1]}, so its devices would only duplicate work: "
+                f"{advice}.")
         raise ValueError(
             f"every usable mesh ({shown}) needs a model axis (batch "
             f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "

@@ -306,3 +306,18 @@ def test_failed_call_does_not_poison_the_wrapper():
     assert wrapped.plan.batch_size == 16
     assert jax.tree_util.tree_structure(new_params) == jax.tree_util.tree_structure(params)
     assert_intact(snap)
+
+
+@pytest.mark.parametrize("strategies, advice", [
+    (("replicate",), "force tensor parallelism with strategies="),
+    (("tp", "replicate"), "tensor parallelism is allowed, but no layout of it gains"),
+])
+def test_an_unused_model_axis_advises_what_the_strategies_do_not_already_say(strategies,
+                                                                           advice):
+    # a narrow MLP on 8 fast GPUs: no split over a model axis of 2 pays for itself
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    with pytest.raises(ValueError, match=re.escape("mesh_shape 1x2: no parameter gains")
+                       + ".*" + re.escape(advice)):
+        jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("h100-sxm", 8),
+                    mesh_shape={"data": 1, "model": 2}, strategies=strategies, verify=0,
+                    cache=False)
