@@ -111,12 +111,8 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
             continue
         if op.prim in ("split", "slice"):
             cut.update(e for e, axes in cands.items() if _cuts(op, axes[0]))
-        rule = batch_rule(op.prim)
         for e, axes in cands.items():
-            try:
-                outs, _ = rule(op.eqn, axes)
-            except Exception:  # noqa: BLE001 - an equation its rule does not expect
-                outs, _ = default_batch(op.eqn, axes)
+            outs = _moved(op, axes)
             if any(a is not None for a in outs):
                 for o, a in zip(op.outs, outs, strict=True):
                     if a is not None and batched[o]:
@@ -129,6 +125,16 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     return ModelSplit(np.array([-1 if lab is None else lab[0] for lab in label],
                                 dtype=np.int64), pairs,
                       tuple(granule.get(e, 0) for e in range(len(pairs))), frozenset(cut))
+
+
+def _moved(op: FlatOp, axes: Sequence[int | None]) -> Sequence[int | None]:
+    """Where the op puts a split dim of its operands (`axes`, None: not split) in each of
+    its results, by its batch rule (`primitives.batch_rule`)."""
+    try:
+        outs, _ = batch_rule(op.prim)(op.eqn, axes)
+    except Exception:  # noqa: BLE001 - an equation its rule does not expect
+        outs, _ = default_batch(op.eqn, axes)
+    return outs
 
 
 def _cuts(op: FlatOp, dim: int | None) -> bool:
@@ -191,11 +197,7 @@ def column_leaks(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
                 continue
             axes: list[int | None] = [None] * n
             axes[pos] = pm.index(cols[j])
-            try:
-                outs, _ = batch_rule(op.prim)(op.eqn, axes)
-            except Exception:  # noqa: BLE001 - an equation its rule does not expect
-                outs, _ = default_batch(op.eqn, axes)
-            for o, a in zip(op.outs, outs, strict=True):
+            for o, a in zip(op.outs, _moved(op, axes), strict=True):
                 if a is not None:
                     carried[o] |= bit[j]
                     forward.add(j)
