@@ -143,7 +143,7 @@ def _chain(graph: Graph, cluster: Cluster, mc: MeshCosts, f: FlatCosts,
             own_sum = sum(o for _, _, o in combo)
             left = group_kind(ks)
             for prev, c in states.items():
-                if not _pairs(prev, ks, states, kinds_of):
+                if not _pairs(prev, ks, kinds_of):
                     continue
                 cost = c + own_sum + comm(group, prev, ks)
                 if left not in nxt or cost < nxt[left]:
@@ -160,7 +160,7 @@ def _chain(graph: Graph, cluster: Cluster, mc: MeshCosts, f: FlatCosts,
     return choice
 
 
-def _pairs(prev: str, ks: Sequence[str], states: Any, kinds: set[str]) -> bool:
+def _pairs(prev: str, ks: Sequence[str], kinds: set[str]) -> bool:
     """Whether the chain may go from a group that left `prev` to one of kinds `ks`.
     Megatron pairs (column-parallel, then row-parallel) compile as the chain prices them
     (a compiled Llama block's model-axis bytes within 3%); other sequences are left to

@@ -68,11 +68,12 @@ def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], .
     gathered whole. A tensor-parallel kind whose activations' split dims (`granules`,
     col then row: heads, kv heads, hidden) the model axis does not divide is not offered:
     it would split inside a head (4 kv heads on a model axis of 8 compiled to all-to-alls
-    and collective-permutes the chain does not price). Nor is a column split that `leaks`
-    (`Graph.tp_leaks`): one that reaches the residual stream reaches every later layer,
-    and XLA keeps the stream split by feature from there (a lone column-parallel
-    attention projection in GPT-2's first block, or one paired across a residual add
-    and a LayerNorm: 7.5 GB of collectives on 8 devices where the chain prices 0.6)."""
+    and collective-permutes the chain does not price). Nor is a column split XLA would
+    not keep (`leaks`: `Graph.tp_leaks`): one that reaches the residual stream reaches
+    every later layer, and XLA keeps the stream split by feature from there (GPT-2's
+    first attention projection column-parallel, paired across a residual add and a
+    LayerNorm: 7.5 GB of collectives on 8 devices where the chain prices 0.6), and one
+    that a fused q/k/v split cuts into parts XLA reshuffles."""
     nd = len(shape)
     all_dims = [i for i in range(nd) if i != stacked]
     bases: list[tuple[str, str, int | None]] = [("replicate", "none", None)]
