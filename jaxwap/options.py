@@ -176,6 +176,18 @@ class PlanOptions:
             except (OSError, ValueError, KeyError) as e:
                 raise ValueError(f"plan={str(path)!r} cannot be read as a jaxwap plan: "
                                  f"{e}") from e
+        if self.plan is not None:
+            # the plan fixes the mesh: a mesh_shape or num_devices that says otherwise
+            # would be ignored without a word
+            have = dict(self.plan.mesh_shape)
+            if self.mesh_shape is not None and any(
+                    int(have.get(axis, 1)) != size for axis, size in self.mesh_shape):
+                raise ValueError(f"mesh_shape={dict(self.mesh_shape)} contradicts the plan "
+                                 f"given (mesh {have}); give one of them")
+            if self.num_devices is not None and self.num_devices != self.plan.num_devices:
+                raise ValueError(f"num_devices={self.num_devices} contradicts the plan given "
+                                 f"({self.plan.num_devices} devices, mesh {have}); give one "
+                                 f"of them")
 
     @property
     def allowed(self) -> frozenset[str] | None:

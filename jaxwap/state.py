@@ -102,6 +102,11 @@ def abstract_leaf(leaf: Any, where: str | Callable[[], str]) -> jax.ShapeDtypeSt
     if isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        if leaf.dtype == object:    # jax cannot hold it; say which leaf before it tries
+            where = where() if callable(where) else where
+            raise TypeError(f"{where}: a numpy array of Python objects (dtype=object, "
+                            f"shape {leaf.shape}) is not an array jax can use; convert it "
+                            f"to a numeric dtype")
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=None)
     if isinstance(leaf, (bool, int, float, complex)):
         # Python scalars are traced as weakly typed 0-d arrays, as jax.jit does.

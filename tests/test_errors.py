@@ -104,6 +104,27 @@ def test_string_leaf_in_batch_is_type_error_naming_path():
     assert_intact(snap)
 
 
+def test_object_array_leaf_in_batch_is_type_error_naming_path():
+    step, params, opt_state, batch = make_setup()
+    bad = dict(batch, tags=np.array(["a", 1, None], dtype=object))
+    snap = snapshot(params, opt_state, batch)
+    with pytest.raises(TypeError, match=re.escape("['tags']") + ".*dtype=object"):
+        jaxwap.auto_shard(step)(params, opt_state, bad)
+    assert_intact(snap)
+
+
+def test_plan_given_with_a_contradicting_mesh_or_device_count_is_refused():
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    made = jaxwap.plan(step, params, opt, batch, verify=0, cache=False,
+                       hardware=jaxwap.Cluster("cpu", 8), mesh_shape={"data": 4})
+    with pytest.raises(ValueError, match=r"mesh_shape=\{'data': 2, 'model': 1\} contradicts"):
+        jaxwap.PlanOptions(plan=made, mesh_shape={"data": 2})
+    with pytest.raises(ValueError, match="num_devices=8 contradicts the plan given"):
+        jaxwap.PlanOptions(plan=made, num_devices=8)
+    same = jaxwap.PlanOptions(plan=made, mesh_shape={"data": 4}, num_devices=4)
+    assert same.plan == made
+
+
 def test_string_leaf_plan_names_the_argument():
     step, params, opt_state, batch = make_setup()
     bad = dict(batch, name="abc")
