@@ -332,11 +332,13 @@ def uses_model_axis(r: MeshResult) -> bool:
 
 
 def _no_mesh_message(graph: Graph, n: int, exact: int | None, skipped: Sequence[str]) -> str:
-    B = graph.batch_size
+    """Why no mesh of the devices can run a batch of this size: each mesh's own reason
+    (the batch split, or no weight the model axis can split), not one reason for all."""
     what = f"exactly {exact}" if exact else f"up to {n}"
-    return (f"batch size {B} is not divisible by the data-axis size of any usable mesh of "
-            f"{what} devices ({'; '.join(skipped[:6])}). Change the batch size or the "
-            f"number of devices.")
+    more = f"; {len(skipped) - 6} more" if len(skipped) > 6 else ""
+    return (f"no mesh of {what} devices can run batch size {graph.batch_size}: "
+            f"{'; '.join(skipped[:6])}{more}. Change the batch size or the number of "
+            f"devices.")
 
 
 # the search's own names, and those of its parts that callers reach through it

@@ -342,3 +342,16 @@ def test_an_unused_model_axis_advises_what_the_strategies_do_not_already_say(str
         jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("h100-sxm", 8),
                     mesh_shape={"data": 1, "model": 2}, strategies=strategies, verify=0,
                     cache=False)
+
+
+def test_no_mesh_message_gives_each_meshs_own_reason():
+    # batch 12 on exactly 7 devices: 7x1 fails on the batch split, 1x7 on the weights (no
+    # dim of them divides by 7); the message used to blame the batch for both
+    step, params, opt, batch = abstract_setup((32, 10), 12, 8)
+    with pytest.raises(ValueError) as e:
+        jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("cpu", 8),
+                    num_devices=7, verify=0, cache=False)
+    msg = str(e.value)
+    assert msg.startswith("no mesh of exactly 7 devices can run batch size 12: "), msg
+    assert "1x7: no layer weight has a dim divisible by model=7" in msg
+    assert "7x1: batch 12 is not divisible by data=7" in msg
