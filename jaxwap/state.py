@@ -133,7 +133,10 @@ def param_infos(params: Any) -> tuple[tuple[ParamInfo, ...], Any]:
                             f"got the Python scalar {leaf!r}")
         a = abstract_leaf(leaf, where)
         if is_key_dtype(a.dtype):
-            raise TypeError(f"{where}: a PRNG key is not a parameter")
+            raise TypeError(f"{where}: a PRNG key is not a parameter; where the step's "
+                            f"first argument holds more than its parameters (an NNX model's "
+                            f"whole state, with its RNG streams), pass the trainable ones as "
+                            f"params= (e.g. nnx.state(model, nnx.Param))")
         infos.append(ParamInfo(path_tokens(path), jax.tree_util.keystr(path),
                                tuple(int(s) for s in a.shape), str(np.dtype(a.dtype))))
     return tuple(infos), treedef

@@ -355,3 +355,15 @@ def test_no_mesh_message_gives_each_meshs_own_reason():
     assert msg.startswith("no mesh of exactly 7 devices can run batch size 12: "), msg
     assert "1x7: no layer weight has a dim divisible by model=7" in msg
     assert "7x1: batch 12 is not divisible by data=7" in msg
+
+
+def test_a_key_among_the_params_names_it_and_points_to_params():
+    # an NNX model's whole state holds its RNG streams beside its parameters
+    state = {"w": jnp.ones((4, 4)), "rngs": {"key": jax.random.key(0)}}
+
+    def step(state, x):
+        return {**state, "w": state["w"] - 0.1 * (x @ state["w"])}, x.sum()
+
+    with pytest.raises(TypeError, match=re.escape("params['rngs']['key']: a PRNG key is not "
+                                                  "a parameter") + ".*params="):
+        jaxwap.plan(step, state, jnp.ones((8, 4)), verify=0, cache=False)
