@@ -117,7 +117,6 @@ class AutoShardedStep:
         self._plans: dict[Any, Planned] = {}
         self._measured: set[Any] = set()
         self._execs: dict[Any, CompiledStep] = {}
-        self._donated: dict[Any, tuple[int, ...]] = {}   # per compiled step: donated leaves
         self._current: Planned | None = None
         # plan for the hardware described even where its devices are not present
         # (`jaxwap.plan`); a step that runs plans for the devices it runs on
@@ -245,10 +244,7 @@ class AutoShardedStep:
         ex = self._compile(key, planned)
         placed = [place(leaf, sh, aval) for (_, leaf), sh, aval in
                   zip(flat, ex.in_shardings, planned.layout.inputs.avals, strict=True)]
-        if key not in self._donated:
-            self._donated[key] = tuple(i for i, a in enumerate(
-                jax.tree_util.tree_leaves(ex.compiled.args_info)) if a.donated)
-        own_buffers(placed, [leaf for _, leaf in flat], self._donated[key], ex.in_shardings)
+        own_buffers(placed, [leaf for _, leaf in flat], ex.donated, ex.in_shardings)
         self._power_limit(planned)
         try:
             out = ex.compiled(*placed)

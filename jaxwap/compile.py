@@ -168,6 +168,7 @@ class CompiledStep:
     in_shardings: tuple[NamedSharding, ...]
     compiled: Any
     compile_time_s: float
+    donated: tuple[int, ...] = ()   # the input leaves the step donates
 
 
 def compile_layout(fn: Callable, layout: Any, d: int, m: int,
@@ -229,4 +230,4 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
             program = traced(first)
         lowered = program.lower()
     compiled = lowered.compile(compiler_options=opts or None)
-    return CompiledStep(mesh, in_sh, compiled, time.perf_counter() - t0)
+    return CompiledStep(mesh, in_sh, compiled, time.perf_counter() - t0, donated)
