@@ -329,7 +329,8 @@ def is_parameter_path(tokens: tuple[str, ...], param_path: tuple[str, ...]) -> b
 
 
 def check_params_found(table: LeafTable, params: Sequence[ParamInfo]) -> None:
-    """Every parameter must appear among the arguments, or the plan would shard nothing."""
+    """Every parameter must appear among the arguments, or the plan would shard nothing,
+    and as the dtype `params=` gives it, or the plan would count its bytes wrong."""
     found = {r.param for r in table.roles if r.kind == PARAM}
     missing = [p for j, p in enumerate(params) if j not in found]
     if missing:
@@ -338,3 +339,13 @@ def check_params_found(table: LeafTable, params: Sequence[ParamInfo]) -> None:
         raise ValueError(f"params not found among the step's arguments: {shown}{more}. "
                          f"Pass the same params pytree (or one of the same structure and "
                          f"shapes) that the step receives.")
+    # the parameter's own leaf (not a mirror: an optimizer moment may keep another dtype)
+    # must be what params= says, or every byte the plan counts for it is off
+    for path, aval, role in zip(table.paths, table.avals, table.roles, strict=True):
+        if role.kind == PARAM and not role.mirror \
+                and np.dtype(aval.dtype) != np.dtype(params[role.param].dtype):
+            p = params[role.param]
+            raise TypeError(f"params{p.keystr} is {p.dtype}{list(p.shape)} in params=, but "
+                            f"the step receives {np.dtype(aval.dtype)} at {path}: pass "
+                            f"params= with the dtypes the step receives (or the arrays "
+                            f"themselves)")

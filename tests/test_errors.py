@@ -91,6 +91,24 @@ def test_params_not_found_other_paths_names_missing_leaf():
     assert_intact(snap)
 
 
+def test_params_given_in_another_dtype_names_the_leaf_and_both_dtypes():
+    """params= as ShapeDtypeStructs of bfloat16 for a step that receives float32 weights:
+    the plan would count every weight at half its bytes, so it is refused, naming the leaf."""
+    step, params, opt_state, batch = make_setup()
+    as_bf16 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16), params)
+    snap = snapshot(params, opt_state, batch)
+    with pytest.raises(TypeError, match=r"params\['params'\]\['Dense_0'\]\['(kernel|bias)'\] "
+                       r"is bfloat16.*receives float32 at args\[0\]") as e:
+        jaxwap.auto_shard(step, params=as_bf16)(params, opt_state, batch)
+    assert "dtypes the step receives" in str(e.value)
+    assert_intact(snap)
+    with pytest.raises(TypeError, match="is bfloat16"):
+        jaxwap.plan(step, params, opt_state, batch, params=as_bf16)
+    # the same shapes in the step's own dtype are fine
+    same = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    assert jaxwap.plan(step, params, opt_state, batch, params=same, verify=0).mesh_shape
+
+
 # --------------------------------------------------------------------------- non-array leaves
 def test_string_leaf_in_batch_is_type_error_naming_path():
     step, params, opt_state, batch = make_setup()
