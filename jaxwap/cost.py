@@ -37,10 +37,12 @@ from .comm import (
     fsdp_moves,
     grad_reduce_comm,
     hsdp_comm,
+    moved_in,
     tp_chain_cost,
 )
-from .graph import GRAD, NUM_CLASSES, OPT, Graph
+from .graph import GRAD, OPT, Graph, Layer
 from .hardware import Cluster
+from .layout_memory import peak_memory
 from .model_split import TP_KINDS
 from .records import DATA, MODEL, CompiledFigures, Prediction, Strategy
 
@@ -143,6 +145,12 @@ class MeshCosts:
     param_work: tuple[tuple[float, ...], ...] = ()
     riders: tuple[tuple[int, int], ...] = ()
     param_relayout: tuple[tuple[float, ...], ...] = ()   # of param_time: layout changes
+    # `grad_comm` is the search's estimate: a layer's FSDP layout moves activations where
+    # it would were every layer FSDP. A layout's own price (`grad_comms`) takes each
+    # layer's as its chosen neighbours make it: gathered, or moved (None: it cannot move)
+    gathered_comm: tuple[tuple[tuple[float, float], ...], ...] = ()
+    moved_comm: tuple[tuple[tuple[float, float] | None, ...], ...] = ()
+    layers: tuple[Layer, ...] = ()
 
 
 def rides(kernel: Strategy, bias: Strategy) -> bool:
@@ -155,10 +163,13 @@ def rides(kernel: Strategy, bias: Strategy) -> bool:
 
 def grad_comms(mc: MeshCosts, choice: Sequence[int]) -> list[tuple[float, float]]:
     """Per parameter, the (seconds, bytes) of its data-axis communication in this
-    choice: its own price, none for a bias that rides with its kernel (`rides`)."""
-    out = [mc.grad_comm[j][s] for j, s in enumerate(choice)]
+    choice: its own price, moved or gathered as the choice's layers make it
+    (`comm.moved_in`), none for a bias that rides with its moved kernel (`rides`)."""
+    moved = moved_in(mc.layers, [mc.strategies[j][s] for j, s in enumerate(choice)])
+    out = [mc.moved_comm[j][s] if j in moved and mc.moved_comm[j][s] is not None
+           else mc.gathered_comm[j][s] for j, s in enumerate(choice)]
     for b, k in mc.riders:
-        if rides(mc.strategies[k][choice[k]], mc.strategies[b][choice[b]]):
+        if k in moved and rides(mc.strategies[k][choice[k]], mc.strategies[b][choice[b]]):
             out[b] = (0.0, 0.0)
     return out
 
@@ -267,44 +278,49 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             vals[i, [0, 1, 6]] += t
     comm_of: dict[tuple[float, bool, bool, float, float, bool, float],
                   tuple[float, float]] = {}
-    g_comm: list[tuple[tuple[float, float], ...]] = []
+    g_comm, gathered, moved_c = [], [], []
     host: list[tuple[float, ...]] = []
     # where XLA would move activations rather than gather weights, were every layer FSDP
+    # (the search's estimate; `grad_comms` prices each layout as its layers make it)
     fsdp_dim = {j: st.spec.index(DATA) for j, strats in enumerate(strategies)
                 for st in strats if st.name == "fsdp" and DATA in st.spec}
     moves = fsdp_moves(graph.layers, fsdp_dim)
-    riders = tuple((L.bias, L.param) for L in graph.layers
-                   if L.bias >= 0 and L.param in moves and r == 1)
+    riders = tuple((L.bias, L.param) for L in graph.layers if L.bias >= 0 and r == 1)
+
+    def price(j: int, st: Strategy, local: float, moved: bool) -> tuple[float, float]:
+        # the blocks of a deep model repeat the same few shapes: price each once
+        key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
+               float(passes[j]), moved, float(layers[j]))
+        if key not in comm_of:
+            if st.data_sharded and r > 1:
+                comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
+            elif st.data_sharded:
+                # the weight is gathered once per pass (a scan's backward loop gathers it
+                # again), each partial gradient reduced
+                comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
+                                         moved, layers[j])
+            else:
+                comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
+                                                zero1=st.state_spec is not None,
+                                                inner=inner, iterations=layers[j])
+        return comm_of[key]
+
     for j, strats in enumerate(strategies):
-        row_c, row_h = [], []
-        pbytes = graph.params[j].nbytes
+        row_g, row_m, row_h = [], [], []
         for st in strats:
-            local = pbytes / (m if st.tp != "none" else 1)
+            local = graph.params[j].nbytes / (m if st.tp != "none" else 1)
             # under tensor parallelism too (the model axis splits the rest); not under
             # HSDP, whose replicas still all-reduce the weight's gradient shard
-            moved = st.data_sharded and j in moves and r == 1 \
-                and graph.layer_of[j].act_in_bytes < local
-            if moved:
-                local = graph.layer_of[j].act_in_bytes
-            # the blocks of a deep model repeat the same few shapes: price each once
-            key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
-                   float(passes[j]), moved, float(layers[j]))
-            if key not in comm_of:
-                if st.data_sharded and r > 1:
-                    comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
-                elif st.data_sharded:
-                    # the weight is gathered once per pass (a scan's backward loop gathers
-                    # it again), each partial gradient reduced
-                    comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
-                                             moved, layers[j])
-                else:
-                    comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
-                                                    zero1=st.state_spec is not None,
-                                                    inner=inner, iterations=layers[j])
-            row_c.append(comm_of[key])
+            act = graph.layer_of[j].act_in_bytes if j in graph.layer_of else np.inf
+            row_g.append(price(j, st, local, False))
+            row_m.append(price(j, st, act, True)
+                         if st.data_sharded and r == 1 and act < local else None)
             row_h.append(float(resident[j]) / split_of[id(st)][2]
                          / dev.host_bandwidth if st.offload else 0.0)
-        g_comm.append(tuple(row_c))
+        g_comm.append(tuple(mv if mv is not None and j in moves else g
+                            for g, mv in zip(row_g, row_m, strict=True)))
+        gathered.append(tuple(row_g))
+        moved_c.append(tuple(row_m))
         host.append(tuple(row_h))
     starts = np.cumsum([0] + [len(st) for st in strategies])
 
@@ -315,41 +331,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
                      table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
-                     table(3), table(4), riders, table(6))
-
-
-# --------------------------------------------------------------------------- memory
-def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
-                   r: int = 1) -> np.ndarray:
-    """Per-bucket share of each live byte on one device: 1/d for batched values, 1 for the
-    rest, per parameter and class one over how many ways that class is split (0 for
-    state kept in host memory), and for the batched values a tensor-parallel layer's
-    layout splits (`Graph.tp_live_param`) 1/(d*m) where that parameter's layout is of
-    that kind, 1/d where it is not. With r replicas (HSDP) the data axis shards
-    parameters d/r ways."""
-    P = len(graph.params)
-    base = 2 + NUM_CLASSES * P
-    w = np.empty(graph.live.shape[1])
-    w[0] = 1.0 / d
-    w[1] = 1.0
-    div = np.array([s.divisors(d // r, m) for s in strats],
-                   dtype=np.float64).reshape(P, -1)
-    w[2:base] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
-    if len(graph.tp_live_param):
-        split = np.array([strats[j].tp == k for j, k in
-                          zip(graph.tp_live_param.tolist(), graph.tp_live_kind, strict=True)])
-        w[base:] = np.where(split, 1.0 / (d * m), 1.0 / d)
-    return w
-
-
-def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
-                r: int = 1) -> tuple[float, int, float]:
-    """(peak live bytes per device, index of the peak point, scratch bytes: the peak
-    over what is live when the step starts, its state and batch; what a step allocates
-    for itself, as XLA's temp allocation holds it)."""
-    per_point = graph.live_at(memory_weights(graph, d, strats, m, r))
-    k = int(np.argmax(per_point))
-    return float(per_point[k]), k, float(per_point[k] - per_point[0])
+                     table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c),
+                     tuple(graph.layers))
 
 
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
@@ -440,5 +423,5 @@ def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Clust
     return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 
-__all__ = ["MeshCosts", "grad_comms", "mesh_costs", "op_model_split", "op_parts",
-           "peak_memory", "predict", "rides", "with_compiled"]
+__all__ = ["MeshCosts", "grad_comms", "mesh_costs", "op_model_split", "op_parts", "predict",
+           "rides", "with_compiled"]

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from .constraints import LayoutRules
-from .cost import MeshCosts, memory_weights, peak_memory
+from .cost import MeshCosts
 from .graph import NUM_CLASSES, Graph
 from .hardware import Cluster
+from .layout_memory import memory_weights, peak_memory
 from .meshes import mesh_shapes
 from .records import Strategy
 from .strategies import param_strategies, pins_hold

@@ -34,9 +34,9 @@ from typing import Any
 import jax
 
 from .constraints import LayoutRules
-from .cost import memory_weights
 from .graph import NUM_CLASSES, Graph, analyze
 from .hardware import Cluster
+from .layout_memory import memory_weights
 from .meshes import mesh_shapes
 from .objective import Objective
 from .options import PlanOptions

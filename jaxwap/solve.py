@@ -6,7 +6,9 @@ together), and the communication a group costs depends only on what the group be
 leaves (column-then-row pairs need no gather in between), so a dynamic program along the
 chain finds the per-parameter strategies that minimise modelled step time (`chain.py`).
 Gradient reduction overlaps backward compute, which makes its cost non-additive; the DP is
-run with the reduction weighted 1, 1/2 and 0 and each result is priced exactly.
+run with the reduction weighted 1, 1/2 and 0 and each result is priced exactly; FSDP's
+moved activations, which hang on the layers before (`comm.moved_in`), are estimated
+as if every layer were FSDP, and searched again with none moving.
 Non-layer parameters (norms, embeddings) choose independently; a bias that can ride with
 its kernel's moved FSDP activations is decided with its kernel (`chain._fold_riders`).
 On a cluster of
@@ -104,16 +106,23 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                           predict(graph, cluster, mc, [0] * len(picked)), False, r=r)
     mc = mesh_costs(graph, cluster, d, m, strategies, r)
     tried: dict[tuple[int, ...], Prediction] = {}
-    flat = flat_costs(mc)
+    # the program searches with FSDP layers moving activations where they would were every
+    # layer FSDP; a mixed choice may gather them instead (each choice is priced as its own
+    # layers make it), so it searches again with nothing moving
+    estimates = [mc]
+    if any(x is not None for row in mc.moved_comm for x in row):
+        estimates.append(dataclasses.replace(mc, grad_comm=mc.gathered_comm, riders=()))
     repaired: dict[tuple[int, ...], list[int]] = {}   # the weightings often agree
-    for w in _OVERLAP_WEIGHTS:
-        choice = chain_dp(graph, cluster, mc, w, flat)
-        if tuple(choice) not in repaired:
-            repaired[tuple(choice)] = repair(graph, cluster, mc, choice, budget)
-        for c in (choice, repaired[tuple(choice)]):
-            key = tuple(c)
-            if key not in tried:
-                tried[key] = predict(graph, cluster, mc, c)
+    for est in estimates:
+        flat = flat_costs(est)
+        for w in _OVERLAP_WEIGHTS:
+            choice = chain_dp(graph, cluster, est, w, flat)
+            if tuple(choice) not in repaired:
+                repaired[tuple(choice)] = repair(graph, cluster, est, choice, budget)
+            for c in (choice, repaired[tuple(choice)]):
+                key = tuple(c)
+                if key not in tried:
+                    tried[key] = predict(graph, cluster, mc, c)
     fitting = {k: p for k, p in tried.items() if p.peak_memory_bytes <= budget}
     pool = fitting or tried
     key = min(pool, key=lambda k: (pool[k].step_time_s if fitting

@@ -259,8 +259,9 @@ def test_repair_shards_optimizer_state_first():
     # enough is ZeRO-1 (state over the data axis), not FSDP, not host offload. The batch
     # is larger than the weights, so FSDP would gather them (at a smaller batch XLA
     # moves the activations instead, and FSDP is the cheaper move)
-    from jaxwap.cost import mesh_costs, peak_memory
+    from jaxwap.cost import mesh_costs
     from jaxwap.fitting import repair as _repair
+    from jaxwap.layout_memory import peak_memory
     from jaxwap.strategies import param_strategies
 
     step, params, opt, batch = mlp_problem((1024, 1024, 10), 1024, 2048)

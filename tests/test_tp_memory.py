@@ -4,7 +4,7 @@ A Megatron layout (a column-parallel layer, then a row-parallel one) splits the
 activations between the two over the model axis: an MLP's hidden, attention's q/k/v,
 scores and probabilities per head, and in the backward pass their cotangents. The graph
 keeps those batched bytes in columns of their own (`Graph.tp_live_param` /
-`tp_live_kind`), which `cost.memory_weights` divides by the model axis when the layout
+`tp_live_kind`), which `layout_memory.memory_weights` divides by the model axis when the layout
 is of that kind. The predictions are checked against XLA's memory analysis of the same
 layouts compiled on 4 of the simulated CPU devices.
 
@@ -27,8 +27,8 @@ from models import abstract_setup
 
 import jaxwap
 from jaxwap.compile import compile_layout
-from jaxwap.cost import memory_weights, peak_memory
 from jaxwap.graph import NUM_CLASSES, Graph, analyze
+from jaxwap.layout_memory import memory_weights, peak_memory
 from jaxwap.solve import param_strategies
 from jaxwap.trace import layout_of
 
