@@ -328,7 +328,7 @@ def run_explain(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     """`jaxwap explain`: a saved plan's explain()."""
     try:
         plan = Plan.from_json(args.plan.read_text())
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         p.error(f"argument PLAN_JSON: cannot read {str(args.plan)!r} as a jaxwap plan: "
                 f"{type(e).__name__}: {e}")
     print(plan.explain(max_params=args.max_params))

@@ -128,6 +128,10 @@ class PlanOptions:
             if not self.devices:
                 raise ValueError("devices= is empty: jaxwap needs at least one device to "
                                  "plan for")
+            twice = [d for i, d in enumerate(self.devices) if d in self.devices[:i]]
+            if twice:
+                raise ValueError(f"devices= lists {twice[0]} more than once: a mesh holds "
+                                 f"each device once")
         if self.memory_budget is not None:
             if not _is_number(self.memory_budget) or not self.memory_budget > 0:
                 raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget!r}")
@@ -150,8 +154,13 @@ class PlanOptions:
         if not isinstance(self.cache, (bool, PlanCache)):
             raise TypeError(f"cache must be True, False or a jaxwap.PlanCache, got "
                             f"{type(self.cache).__name__}")
-        put("donate", bool(self.donate))
-        put("offload", bool(self.offload))
+        for flag in ("donate", "offload"):
+            # a string ("False" from a config file) would read as True: donate= would
+            # delete the arrays of a user who asked to keep them
+            if not isinstance(getattr(self, flag), (bool, np.bool_)):
+                raise TypeError(f"{flag} must be True or False, got "
+                                f"{getattr(self, flag)!r}")
+            put(flag, bool(getattr(self, flag)))
         if self.mesh_shape is not None:
             put("mesh_shape", _mesh_shape(self.mesh_shape))
             n = math.prod(s for _, s in self.mesh_shape)
@@ -173,7 +182,7 @@ class PlanOptions:
             path = Path(self.plan)
             try:
                 put("plan", Plan.from_json(path.read_text()))
-            except (OSError, ValueError, KeyError) as e:
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"plan={str(path)!r} cannot be read as a jaxwap plan: "
                                  f"{e}") from e
         if self.plan is not None:

@@ -267,6 +267,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict):
+            raise ValueError(f"a plan is a JSON object, got {type(d).__name__}")
         if d.get("format") != PLAN_FORMAT:
             raise ValueError(f"unsupported plan format {d.get('format')!r} "
                              f"(this jaxwap reads format {PLAN_FORMAT})")

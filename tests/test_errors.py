@@ -109,6 +109,28 @@ def test_params_given_in_another_dtype_names_the_leaf_and_both_dtypes():
     assert jaxwap.plan(step, params, opt_state, batch, params=same, verify=0).mesh_shape
 
 
+@pytest.mark.parametrize("flag", ["donate", "offload"])
+def test_a_string_for_a_yes_no_option_is_refused_not_read_as_true(flag):
+    """donate="False" (a config file's string) read as True would delete the arrays of a
+    user who asked to keep them."""
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'False'"):
+        jaxwap.auto_shard(make_setup()[0], cache=False, **{flag: "False"})
+
+
+def test_a_device_listed_twice_is_refused_naming_it():
+    d = jax.devices()[1]
+    with pytest.raises(ValueError, match=re.escape(f"devices= lists {d} more than once")):
+        jaxwap.auto_shard(make_setup()[0], devices=[d, d], cache=False)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"a plan"', '{"format": 99}'])
+def test_a_plan_file_that_is_not_a_plan_names_the_file(tmp_path, text):
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"plan={str(path)!r} cannot be read")):
+        jaxwap.auto_shard(make_setup()[0], plan=path, cache=False)
+
+
 # --------------------------------------------------------------------------- non-array leaves
 def test_string_leaf_in_batch_is_type_error_naming_path():
     step, params, opt_state, batch = make_setup()
