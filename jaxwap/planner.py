@@ -155,7 +155,9 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             jaxpr=jaxpr_fingerprint(closed), args=_arg_key(layout),
             params=[(p.path, p.shape, p.dtype) for p in layout.params], options=options,
             devices=devs, hardware=cluster, memory_budget=budget,
-            xla_flags=os.environ.get("XLA_FLAGS"))
+            xla_flags=os.environ.get("XLA_FLAGS"),
+            # a plan for the devices a Cluster describes is not one for those present
+            usable=usable, described=described)
         hit = store.get(key)
         if hit is not None:
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)

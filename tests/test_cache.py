@@ -492,3 +492,18 @@ def test_planning_reads_back_a_cached_plan_quickly(tmp_path):
                         objective="throughput", cache=store)
     assert len(list(tmp_path.glob("*.json"))) == 2
     assert other.objective != first.objective
+
+
+def test_a_plan_for_a_described_cluster_is_not_read_back_for_the_devices_present(tmp_path):
+    """jaxwap.plan for hardware describing 16 GPUs plans 16 devices; auto_shard with the
+    same hardware runs on the 8 present. One key for both read the 16-device plan back
+    where 8 devices must run it."""
+    step, params, opt_state, batch = models.abstract_setup((256, 256, 10), 64, 256)
+    hardware = jaxwap.Cluster("h100-sxm", 16)
+    store = PlanCache(tmp_path)
+    # a budget only 16 devices meet: on the 8 present nothing fits
+    opts = {"hardware": hardware, "verify": 0, "memory_budget": 150e3, "cache": store}
+    described = jaxwap.plan(step, params, opt_state, batch, **opts)
+    assert described.num_devices > len(jax.devices())
+    with pytest.raises(MemoryError, match="no candidate plan fits"):
+        jaxwap.auto_shard(step, **opts).plan_for(params, opt_state, batch)
