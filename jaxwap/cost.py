@@ -145,12 +145,12 @@ class MeshCosts:
     param_work: tuple[tuple[float, ...], ...] = ()
     riders: tuple[tuple[int, int], ...] = ()
     param_relayout: tuple[tuple[float, ...], ...] = ()   # of param_time: layout changes
-    # `grad_comm` is the search's estimate: a layer's FSDP layout moves activations where
-    # it would were every layer FSDP. A layout's own price (`grad_comms`) takes each
-    # layer's as its chosen neighbours make it: gathered, or moved (None: it cannot move)
+    # `grad_comm` and `riders` are the search's estimate: a layer's FSDP layout moves
+    # activations where it would were every layer FSDP. A layout's own price
+    # (`grad_comms`) takes each layer's as its chosen neighbours make it: gathered, or
+    # moved (None: it cannot move)
     gathered_comm: tuple[tuple[tuple[float, float], ...], ...] = ()
     moved_comm: tuple[tuple[tuple[float, float] | None, ...], ...] = ()
-    layers: tuple[Layer, ...] = ()
 
 
 def rides(kernel: Strategy, bias: Strategy) -> bool:
@@ -161,16 +161,19 @@ def rides(kernel: Strategy, bias: Strategy) -> bool:
     return kernel.data_sharded and kernel.tp == "none" and bias.data_sharded
 
 
-def grad_comms(mc: MeshCosts, choice: Sequence[int]) -> list[tuple[float, float]]:
+def grad_comms(mc: MeshCosts, choice: Sequence[int],
+               layers: Sequence[Layer]) -> list[tuple[float, float]]:
     """Per parameter, the (seconds, bytes) of its data-axis communication in this
-    choice: its own price, moved or gathered as the choice's layers make it
+    choice: its own price, moved or gathered as the choice's `layers` make it
     (`comm.moved_in`), none for a bias that rides with its moved kernel (`rides`)."""
-    moved = moved_in(mc.layers, [mc.strategies[j][s] for j, s in enumerate(choice)])
-    out = [mc.moved_comm[j][s] if j in moved and mc.moved_comm[j][s] is not None
-           else mc.gathered_comm[j][s] for j, s in enumerate(choice)]
-    for b, k in mc.riders:
-        if k in moved and rides(mc.strategies[k][choice[k]], mc.strategies[b][choice[b]]):
-            out[b] = (0.0, 0.0)
+    moved = {j for j in moved_in(layers, [mc.strategies[j][s] for j, s in enumerate(choice)])
+             if mc.moved_comm[j][choice[j]] is not None}
+    out = [(mc.moved_comm if j in moved else mc.gathered_comm)[j][s]
+           for j, s in enumerate(choice)]
+    for L in layers:
+        if L.bias >= 0 and L.param in moved and rides(mc.strategies[L.param][choice[L.param]],
+                                                      mc.strategies[L.bias][choice[L.bias]]):
+            out[L.bias] = (0.0, 0.0)
     return out
 
 
@@ -285,7 +288,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     fsdp_dim = {j: st.spec.index(DATA) for j, strats in enumerate(strategies)
                 for st in strats if st.name == "fsdp" and DATA in st.spec}
     moves = fsdp_moves(graph.layers, fsdp_dim)
-    riders = tuple((L.bias, L.param) for L in graph.layers if L.bias >= 0 and r == 1)
+    riders = tuple((L.bias, L.param) for L in graph.layers
+                   if L.bias >= 0 and L.param in moves and r == 1)
 
     def price(j: int, st: Strategy, local: float, moved: bool) -> tuple[float, float]:
         # the blocks of a deep model repeat the same few shapes: price each once
@@ -331,8 +335,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
                      table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
-                     table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c),
-                     tuple(graph.layers))
+                     table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c))
 
 
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
@@ -340,7 +343,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
     d, m = mc.d, mc.m
     picked = list(enumerate(choice))
     strats = [mc.strategies[j][s] for j, s in picked]
-    grads = grad_comms(mc, choice)
+    grads = grad_comms(mc, choice, graph.layers)
     first = graph.layers[0].param if graph.layers else None
     tp_t, tp_b = tp_chain_cost(graph, {j: s.tp for j, s in enumerate(strats)}, d, m, cluster)
     # the loss, metrics and batch statistics are partial sums over the batch too
