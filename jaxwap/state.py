@@ -240,6 +240,15 @@ def abstract_entries(entries: Sequence[tuple[str, Sequence[Any], Any]]
             for root, path, leaf in entries]
 
 
+def likeliest_batch(leading: Counter[int]) -> int | None:
+    """The batch size among leaves' leading dims (counted): the dim most of them share,
+    the largest of equals; None where no leaf has one."""
+    if not leading:
+        return None
+    top = max(leading.values())
+    return max(b for b, c in leading.items() if c == top)
+
+
 def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
                     batch_size: int | None = None, infer_batch: bool = True,
@@ -293,9 +302,7 @@ def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
             if (j < 0 and not st and len(a.shape) >= 1 and not is_key_dtype(a.dtype)
                     and not raw_key(a)):
                 counts[int(a.shape[0])] += 1
-        if counts:
-            top = max(counts.values())
-            batch_size = max(b for b, c in counts.items() if c == top)
+        batch_size = likeliest_batch(counts)
 
     # The parameter itself is the user's own array where identity says so, else the first
     # leaf matching it (params come before optimizer state in every conventional step

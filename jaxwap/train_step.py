@@ -24,6 +24,7 @@ The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .records import DATA, REPLICA, StepVariant
+from .state import likeliest_batch
 
 
 def _policy(name: str) -> Any:
@@ -86,9 +88,17 @@ class TrainStep:
         if k == 1:
             (loss, aux), g = vag(params, batch)
             return loss, aux, g
-        micro = jax.tree_util.tree_map_with_path(lambda p, x: _split(p, x, k), batch)
+        # the leaves with the batch's leading dim are split; the rest (class weights, a
+        # temperature) go whole to every micro-batch
+        flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        b = likeliest_batch(Counter(int(np.shape(x)[0]) for _, x in flat if np.ndim(x)))
+        split = [np.ndim(x) > 0 and np.shape(x)[0] == b for _, x in flat]
+        micro = [_split(p, x, k) for (p, x), cut in zip(flat, split, strict=True) if cut]
 
-        def body(acc: Any, mb: Any) -> tuple[Any, Any]:
+        def body(acc: Any, parts: Any) -> tuple[Any, Any]:
+            it = iter(parts)
+            mb = jax.tree_util.tree_unflatten(treedef, [next(it) if cut else x for (_, x), cut
+                                                        in zip(flat, split, strict=True)])
             (loss, aux), g = vag(params, mb)
             acc_g, acc_l = acc
             return (jax.tree_util.tree_map(jnp.add, acc_g, g),
@@ -98,7 +108,7 @@ class TrainStep:
         # the loss sums in float32 (a mean loss is float32 in the usual step anyway)
         (g, loss), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
         g = jax.tree_util.tree_map(lambda x: x / k, g)
-        aux = jax.tree_util.tree_map(_combine, auxs)
+        aux = jax.tree_util.tree_map(lambda x: _combine(x, (b or 0) // k), auxs)
         return loss / k, aux, g
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
@@ -133,7 +143,7 @@ def _split(path: Any, x: Any, k: int) -> Any:
     """[B, ...] -> [k, B/k, ...], micro-batch i holding rows i, i+k, ...: a batch whose
     rows are sharded in contiguous blocks over the data axis stays where it is."""
     shape = np.shape(x)
-    if len(shape) == 0 or shape[0] % k:
+    if shape[0] % k:
         where = f"batch{jax.tree_util.keystr(path)}"
         raise ValueError(f"{where} with shape {tuple(shape)}: its leading (batch) dimension "
                          f"must divide into {k} micro-batches")
@@ -141,17 +151,29 @@ def _split(path: Any, x: Any, k: int) -> Any:
     return jnp.moveaxis(x.reshape(shape[0] // k, k, *shape[1:]), 1, 0)
 
 
-def _combine(x: Any) -> Any:
-    """Per-micro-batch aux values, stacked: floats are averaged (metrics that are means stay
-    means of the whole batch), anything else keeps the last micro-batch's value."""
-    return x.mean(0) if jnp.issubdtype(x.dtype, jnp.floating) else x[-1]
+def _combine(x: Any, rows: int) -> Any:
+    """Per-micro-batch aux values, stacked [k, ...], as the whole batch would give them:
+    one per example (`rows`, the micro-batch's batch size, leading) put back in the
+    batch's order (`_split`'s inverse); other floats averaged (a mean metric stays the
+    whole batch's mean), integers summed (counts over the batch add up), booleans and-ed
+    (a flag holds for the batch where it holds for every part)."""
+    if x.ndim > 1 and x.shape[1] == rows:
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[0] * rows, *x.shape[2:])
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.mean(0)
+    return x.all(0) if x.dtype == jnp.bool_ else x.sum(0, dtype=x.dtype)
 
 
 def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
                     has_aux: bool = False) -> TrainStep:
     """A standard training step from `loss_fn(params, batch) -> loss` (or `(loss, aux)`
     with `has_aux=True`) and an optax optimizer. The loss should be a mean over the batch,
-    so that micro-batching leaves the result unchanged. `auto_shard` may restructure the
+    so that micro-batching leaves the result unchanged. Under micro-batches an aux is
+    combined as the whole batch would give it where its kind says how: per-example
+    outputs (the batch's leading dim) reassembled, float metrics averaged, integers
+    summed (counts), booleans and-ed; a float sum or an integer that is not a count would
+    need the loss to return it per example. Batch leaves without the batch's leading dim
+    (class weights, a temperature) reach every micro-batch whole. `auto_shard` may restructure the
     step (micro-batches, remat policy) when a plan does not fit otherwise; calling it
     directly runs it as written."""
     return TrainStep(loss_fn, optimizer, has_aux=has_aux)

@@ -37,7 +37,8 @@ def cnn_problem(batch=32, size=16, has_aux=False, tx=None):
         logits = model.apply(p, b["x"])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
         if has_aux:
-            return loss, {"acc": (logits.argmax(-1) == b["y"]).mean(), "n": b["y"].shape[0]}
+            return loss, {"acc": (logits.argmax(-1) == b["y"]).mean(), "n": b["y"].shape[0],
+                          "logits": logits, "finite": jnp.isfinite(loss)}
         return loss
 
     step = jaxwap.make_train_step(loss_fn, tx or optax.adam(1e-2), has_aux=has_aux)
@@ -97,14 +98,35 @@ def test_remat_step_equals_plain_step(policy):
           run(step.with_variant(StepVariant(remat=policy)), params, opt, batch))
 
 
-def test_aux_is_averaged_over_micro_batches():
+def test_aux_is_the_whole_batchs_under_micro_batches():
     step, params, opt, batch = cnn_problem(has_aux=True)
     _, _, (loss, aux) = run(step, params, opt, batch, n=1)
     _, _, (loss4, aux4) = run(step.with_variant(StepVariant(micro_batches=4)), params, opt,
                               batch, n=1)
     np.testing.assert_allclose(loss, loss4, rtol=1e-5)
-    np.testing.assert_allclose(aux["acc"], aux4["acc"], rtol=1e-6)
-    assert int(aux4["n"]) == 8      # not a float: the last micro-batch's value
+    np.testing.assert_allclose(aux["acc"], aux4["acc"], rtol=1e-6)   # a float: averaged
+    assert int(aux4["n"]) == int(aux["n"]) == 32    # an integer count: summed
+    # per-example outputs come back whole, each row its own example's
+    assert aux4["logits"].shape == aux["logits"].shape == (32, 10)
+    np.testing.assert_allclose(aux4["logits"], aux["logits"], rtol=1e-5, atol=1e-6)
+    assert bool(aux4["finite"]) and aux4["finite"].dtype == jnp.bool_   # and-ed
+
+
+def test_batch_leaves_without_the_batch_dim_reach_every_micro_batch_whole():
+    """Class weights (C,) and a scalar temperature in the batch: cut into micro-batches
+    they made the loss wrong (4.58 where the full batch gives 3.50) or the step fail."""
+    step, params, opt, batch = cnn_problem()
+
+    def weighted(p, b):
+        logits = CNN().apply(p, b["x"] / b["temp"])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+        return jnp.mean(b["cw"][b["y"]] * ce)    # a mean over the examples
+
+    step = jaxwap.make_train_step(weighted, step.optimizer)
+    batch = dict(batch, cw=jnp.linspace(0.5, 2.0, 10), temp=jnp.float32(2.0))
+    close(run(step, params, opt, batch),
+          run(step.with_variant(StepVariant(micro_batches=4)), params, opt, batch),
+          rtol=1e-4, atol=1e-5)
 
 
 def test_bad_inputs_are_named():
