@@ -20,6 +20,7 @@ import numpy as np
 from .state import (
     BATCH,
     PARAM,
+    LeafRole,
     LeafTable,
     ParamInfo,
     SuffixIndex,
@@ -153,16 +154,27 @@ def _mirror_inputs(outputs: LeafTable, returned: Sequence[tuple[tuple[str, ...],
                    inputs: LeafTable) -> LeafTable:
     """An output at the path and shape of an input takes that input's role: state comes
     back as it went in, and a parameter's output is the parameter or one of its mirrors
-    as the input at the longest matching path was (whatever order the step returns them)."""
-    keyed = SuffixIndex([(path_tokens(p), (tuple(int(d) for d in a.shape), r))
-                         for (_, p, _), a, r in zip(entries, inputs.avals, inputs.roles,
-                                                    strict=True) if len(p) > 0])
+    as the input at the longest matching path was (whatever order the step returns them).
+    An output at the very path of a positional argument's leaf, its position included
+    (`out[1][0]['w']` for `args[1][0]['w']`: the step hands back its arguments in their
+    order), is that leaf, however well another path's end matches: new params returned
+    beside `(ema, opt_state)` would otherwise take the EMA's role, `('0', 'w')` ending
+    `args[1][0]['w']`'s path more fully than `args[0]['w']`'s."""
+    items = [(path_tokens(p), root, (tuple(int(d) for d in a.shape), r))
+             for (root, p, _), a, r in zip(entries, inputs.avals, inputs.roles, strict=True)]
+    keyed = SuffixIndex([(t, sr) for t, _, sr in items if t])
+    at = {(root[5:-1], *t): sr for t, root, sr in items if root.startswith("args[")}
     roles = list(outputs.roles)
     for i, (tokens, shape) in enumerate(returned):
         out = roles[i]
-        best = keyed.longest(tokens, lambda sr, out=out, shape=shape: (
-            sr[0] == shape and (sr[1].kind == PARAM) == (out.kind == PARAM)
-            and (out.kind != PARAM or sr[1].param == out.param)))
+
+        def fits(sr: tuple[tuple[int, ...], LeafRole], out: LeafRole = out,
+                 shape: tuple[int, ...] = shape) -> bool:
+            return sr[0] == shape and (sr[1].kind == PARAM) == (out.kind == PARAM) \
+                and (out.kind != PARAM or sr[1].param == out.param)
+        best = at.get(tokens)
+        if best is None or not fits(best):
+            best = keyed.longest(tokens, fits)
         if best is not None:
             roles[i] = best[1]
     return LeafTable(outputs.paths, outputs.avals, tuple(roles), outputs.batch_size)

@@ -100,3 +100,32 @@ def test_one_array_at_two_param_paths_is_two_params_and_matches_jit():
     out = step(params, x, y)
     assert_close(ref, out)
     assert out[0]["l0"]["b"] is not out[0]["l1"]["b"]
+
+
+def ema_in_state_step(p, state, batch):
+    """State as a tuple `(ema, opt_state)`: the EMA's paths (`args[1][0]['w1']`) end in
+    more of the new params' output path (`out[0]['w1']`) than the params' own do."""
+    ema, (count,) = state
+    p, ema, value = ema_step(p, ema, batch)
+    return p, (ema, (count + 1,)), value
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "offload"])
+def test_params_beside_a_tuple_of_ema_and_state_come_back_on_their_own_layout(strategy):
+    """The new params came back on the EMA's layout: split over data under ZeRO-1, in
+    pinned host memory under offload (the buffers donated for them unused, and a user's
+    own jit of the returned params failing on their memory kind)."""
+    params, batch = mlp_params(), data()
+    state = (copy_tree(params), (jnp.zeros((), jnp.int32),))
+    ref = jax.jit(ema_in_state_step)(copy_tree(params), copy_tree(state), batch)
+    step = jaxwap.auto_shard(ema_in_state_step, cache=False, verify=0,
+                             mesh_shape={"data": 4}, strategies=(strategy,))
+    p = copy_tree(params)
+    step.plan_for(p, state, batch)
+    went_in = jax.tree.map(lambda a: a.sharding, step.shard(p))
+    out = step(p, copy_tree(state), batch)
+    assert all(strategy in pl.strategy for pl in step.plan.params), step.plan.params
+    for name, a in out[0].items():
+        assert a.sharding.spec == went_in[name].spec, name
+        assert a.sharding.memory_kind == went_in[name].memory_kind, name
+    assert_close(ref, out)
