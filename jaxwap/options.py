@@ -13,6 +13,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +89,9 @@ class PlanOptions:
       plan: run this plan (a `jaxwap.Plan`, or the path of its `to_json()` file) instead of
         planning: a plan made ahead of time for the cluster, by `jaxwap.plan(...,
         hardware=Cluster(...))` on another machine. The cluster it was made for must be
-        the devices present (same count), and the step's parameters the plan's.
+        the devices present (same count), and the step's parameters the plan's. An option
+        the plan breaks (a mesh_shape, num_devices, strategies, constraints, offload=False
+        or memory_budget it does not obey) is refused rather than ignored.
       power_limit: what to do with the power limit the plan chooses (`Plan.power_limit_w`)
         "recommend" (the default): report it, change nothing; "apply": set it through
         NVML on the devices the plan uses while the step object lives, and put the
@@ -197,6 +200,10 @@ class PlanOptions:
                 raise ValueError(f"num_devices={self.num_devices} contradicts the plan given "
                                  f"({self.plan.num_devices} devices, mesh {have}); give one "
                                  f"of them")
+            why = _plan_contradicts(self)
+            if why:
+                raise ValueError(f"{why}: the plan given runs as saved, so give one of them "
+                                 f"(or plan again without plan=)")
 
     @property
     def allowed(self) -> frozenset[str] | None:
@@ -321,6 +328,30 @@ def _pipeline(value: Any) -> bool | tuple[tuple[str, int], ...] | None:
     for k, v in value.items():
         _check_int(f"pipeline[{k!r}]", v, 2 if k == "stages" else 1)
     return tuple((k, int(value[k])) for k in _PIPELINE_KEYS if k in value)
+
+
+def _plan_contradicts(o: PlanOptions) -> str | None:
+    """What in `o`'s planning options the plan it was given breaks (they would otherwise be
+    ignored without a word), or None: a family `strategies` leaves out, a pin of
+    `constraints`, `offload=False` under offloaded state, a `memory_budget` its memory is
+    over (XLA's figure where the plan was verified)."""
+    for p in o.plan.params:
+        where = f"params{p.keystr} is {p.strategy} ({'/'.join(p.families)})"
+        if not o.offload and p.offload:
+            return f"offload=False contradicts the plan given: {where}"
+        if o.strategies is not None and not p.families <= frozenset(o.strategies):
+            return f"strategies={o.strategies} contradicts the plan given: {where}"
+        c = next((c for c in o.constraints or () if re.search(c.pattern, "/".join(p.path))),
+                 None)
+        if c is not None and not (tuple(p.spec) == c.spec if c.spec is not None
+                                  else c.family in p.families):
+            return f"constraint {c.pattern!r}: {c.describe()} contradicts the plan given: {where}"
+    memory = (o.plan.compiled.memory_bytes if o.plan.compiled is not None
+              else o.plan.predicted.peak_memory_bytes)
+    if o.memory_budget is not None and memory > o.memory_budget:
+        return (f"memory_budget={o.memory_budget:.4g} contradicts the plan given: it needs "
+                f"{memory:.4g} bytes per device")
+    return None
 
 
 def _strategies(families: Any) -> tuple[str, ...]:

@@ -19,11 +19,14 @@ from jax.sharding import PartitionSpec as P
 from .hardware import Cluster
 from .objective import Objective
 from .records import (
+    DATA,
+    MODEL,
     CompiledFigures,
     Judged,
     Measurement,
     Prediction,
     StepVariant,
+    Strategy,
     judge,
 )
 
@@ -81,6 +84,14 @@ class ParamPlacement:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def families(self) -> frozenset[str]:
+        """The `STRATEGY_FAMILIES` this layout combines (`Strategy.families`)."""
+        axes = {a for e in self.spec for a in (e if isinstance(e, tuple) else (e,))}
+        return Strategy(self.strategy, tuple(self.spec), tp="col" if MODEL in axes else "none",
+                        data_sharded=DATA in axes, state_spec=self.state_spec,
+                        offload=self.offload).families
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": list(self.path), "keystr": self.keystr, "shape": list(self.shape),

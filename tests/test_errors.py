@@ -165,6 +165,30 @@ def test_plan_given_with_a_contradicting_mesh_or_device_count_is_refused():
     assert same.plan == made
 
 
+def test_plan_given_with_contradicting_planning_options_is_refused():
+    """plan= runs the saved plan as it is: offload=False, strategies=, constraints= or a
+    memory_budget= that it breaks were ignored without a word."""
+    step, params, opt, batch = abstract_setup((32, 10), 16, 8)
+    made = jaxwap.plan(step, params, opt, batch, verify=0, cache=False,
+                       hardware=jaxwap.Cluster("cpu", 8), mesh_shape={"data": 4},
+                       strategies=("offload",))
+    assert all(p.offload for p in made.params)
+    for bad, says in [({"offload": False}, "offload=False contradicts"),
+                      ({"strategies": ("fsdp",)}, r"strategies=\('fsdp',\) contradicts"),
+                      ({"constraints": {"kernel": "fsdp"}}, "constraint 'kernel': 'fsdp'"),
+                      ({"memory_budget": 1000}, "memory_budget=1000 contradicts")]:
+        with pytest.raises(ValueError, match=says) as e:
+            jaxwap.PlanOptions(plan=made, **bad)
+        assert "give one of them" in str(e.value)
+        if "memory" not in says:     # the parameter the plan lays out otherwise is named
+            assert re.search(r"params\[.*\] is .*offload", str(e.value)), str(e.value)
+    # what the plan obeys is fine
+    same = jaxwap.PlanOptions(plan=made, strategies=("offload", "replicate"),
+                              constraints={"kernel": "offload"},
+                              memory_budget=made.predicted.peak_memory_bytes)
+    assert same.plan == made
+
+
 def test_string_leaf_plan_names_the_argument():
     step, params, opt_state, batch = make_setup()
     bad = dict(batch, name="abc")
