@@ -37,14 +37,25 @@ import scipy.sparse
 
 from .dataflow import Dataflow, dataflow, op_kinds, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
-from .liveness import GRAD, NUM_CLASSES, OPT, RESIDENT, WEIGHT, liveness, value_classes
+from .liveness import (
+    GRAD,
+    NUM_CLASSES,
+    OPT,
+    RESIDENT,
+    WEIGHT,
+    WHOLE,
+    gathered_whole,
+    liveness,
+    value_classes,
+)
 from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
 from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import data_reductions, grad_repeat, relayouts
 from .state import PARAM, LeafRole, ParamInfo
 
-__all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "Graph", "Layer", "analyze"]
+__all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "WHOLE", "Graph", "Layer",
+           "analyze"]
 
 
 @dataclass(frozen=True)
@@ -231,7 +242,9 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     stacked = stacked_dims(prog, flow, params)
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
-    mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split)
+    mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
+                  gathered_whole(prog.ops, prog.nbytes, splits.layers, splits.tp_param,
+                                 splits.owner, stacked))
     repeats, reduce_bytes, reduce_count = data_reductions(prog, in_roles, out_roles, params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
@@ -398,7 +411,8 @@ class _Memory:
 
 def _memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
             in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
-            num_params: int, split: ModelSplit) -> _Memory:
+            num_params: int, split: ModelSplit,
+            whole: Sequence[tuple[int, int, int, float]] = ()) -> _Memory:
     """Live device bytes per program point in buckets, the class of what each op makes,
     and each parameter's resident optimizer state (its mirrors among the inputs), which a
     memory plan may shard or offload apart from the weight.
@@ -412,7 +426,7 @@ def _memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
     device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
     label = np.where(flow.batched, split.label, -1)
     live = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes, flow.batched,
-                    flow.owner, vclass, num_params, label, len(split.pairs))
+                    flow.owner, vclass, num_params, label, len(split.pairs), whole)
     base = 2 + NUM_CLASSES * num_params
     extra = live[:, base:]
     used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .graph import NUM_CLASSES, Graph
+from .comm import moved_in
+from .graph import NUM_CLASSES, WHOLE, Graph
 from .records import Strategy
 
 
@@ -18,7 +19,8 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
     state kept in host memory), and for the batched values a tensor-parallel layer's
     layout splits (`Graph.tp_live_param`) 1/(d*m) where that parameter's layout is of
     that kind, 1/d where it is not. With r replicas (HSDP) the data axis shards
-    parameters d/r ways."""
+    parameters d/r ways. What an FSDP layout gathers whole (WHOLE) counts where the
+    layout's own layers gather it, not where they move activations (`comm.moved_in`)."""
     P = len(graph.params)
     base = 2 + NUM_CLASSES * P
     w = np.empty(graph.live.shape[1])
@@ -26,6 +28,9 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
     w[1] = 1.0
     div = np.array([s.divisors(d // r, m) for s in strats],
                    dtype=np.float64).reshape(P, -1)
+    if r == 1:
+        # a layer whose activations XLA moves keeps its weight sharded: nothing whole
+        div[sorted(moved_in(graph.layers, strats)), WHOLE] = np.inf
     w[2:base] = (1.0 / div.T[:NUM_CLASSES]).reshape(-1)
     if len(graph.tp_live_param):
         split = np.array([strats[j].tp == k for j, k in

@@ -72,11 +72,14 @@ class Strategy:
         zero1 = self.state_spec is not None and DATA in self.state_spec
         return self.shard(d, m) * (d if zero1 and not self.data_sharded else 1)
 
-    def divisors(self, d: int, m: int) -> tuple[float, float, float, float]:
-        """Per-device share divisors of the WEIGHT, GRAD, OPT and RESIDENT classes
-        (infinite: not in device memory between uses)."""
+    def divisors(self, d: int, m: int) -> tuple[float, float, float, float, float]:
+        """Per-device share divisors of the WEIGHT, GRAD, OPT, RESIDENT and WHOLE classes
+        (infinite: not in device memory between uses). WHOLE is what a data-sharded
+        weight is gathered to (split over the model axis only); other layouts hold no such
+        copy."""
         w, s = float(self.shard(d, m)), float(self.state_shard(d, m))
-        return w, w, s, (float("inf") if self.offload else s)
+        whole = float(m if self.tp != "none" else 1) if self.data_sharded else float("inf")
+        return w, w, s, (float("inf") if self.offload else s), whole
 
     @property
     def layout_of_state(self) -> tuple[str | None, ...]:

@@ -160,3 +160,30 @@ def collectives_reproduced(cal: Any) -> None:
     assert ar > 0 and ag > 0
     assert (cal.spec.link_latency_s, cal.spec.collective_overhead_s) == \
         pytest.approx(ring_fit(ar, ag, cal.num_devices))
+
+
+def mixed_mlp_plan(pins: Any) -> Any:
+    """A 4-layer tanh MLP shaped like AlexNet's classifier (256 -> 256 -> 4096 -> 4096 ->
+    10, batch 8, float32), trained by Adam, planned on a 4 x 1 mesh with each layer's
+    layout pinned through `constraints=`, and its choice compiled (`verify=1`)."""
+    import jaxwap
+
+    widths = (256, 256, 4096, 4096, 10)
+
+    def loss(p: Any, b: Any) -> Any:
+        h = b["x"]
+        for i in range(4):
+            h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            h = jnp.tanh(h) if i < 3 else h
+        return jnp.mean((h - b["y"]) ** 2)
+
+    def sds(*shape: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    params = {f"l{i}": {"w": sds(widths[i], widths[i + 1]), "b": sds(widths[i + 1])}
+              for i in range(4)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-3))
+    return jaxwap.plan(step, params, jax.eval_shape(step.init, params),
+                       {"x": sds(8, 256), "y": sds(8, 10)}, params=params,
+                       mesh_shape={"data": 4, "model": 1}, constraints=pins, verify=1,
+                       cache=False)

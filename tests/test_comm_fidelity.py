@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from models import abstract_setup
+from models import abstract_setup, mixed_mlp_plan
 
 import jaxwap
 from jaxwap.comm import all_gather, all_reduce, batch_reduce_comm, ring_fit
@@ -217,30 +217,6 @@ def test_fsdp_gathers_a_weight_split_on_its_contracted_dim_against_the_batch():
     assert predicted > 0.4 * weights
 
 
-def _mixed_mlp(pins):
-    """A 4-layer MLP shaped like AlexNet's classifier (256 -> 256 -> 4096 -> 4096 -> 10,
-    batch 8), trained by Adam on a 4 x 1 mesh with each layer's layout pinned through
-    `constraints=`: (the plan's strategy per parameter, predicted, compiled bytes)."""
-    widths = (256, 256, 4096, 4096, 10)
-
-    def loss(p, b):
-        h = b["x"]
-        for i in range(4):
-            h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
-            h = jnp.tanh(h) if i < 3 else h
-        return jnp.mean((h - b["y"]) ** 2)
-
-    params = {f"l{i}": {"w": _sds(widths[i], widths[i + 1]), "b": _sds(widths[i + 1])}
-              for i in range(4)}
-    step = jaxwap.make_train_step(loss, optax.adam(1e-3))
-    plan = jaxwap.plan(step, params, jax.eval_shape(step.init, params),
-                       {"x": _sds(8, 256), "y": _sds(8, 10)}, params=params,
-                       mesh_shape={"data": 4, "model": 1}, constraints=pins, verify=1,
-                       cache=False)
-    got = {"/".join(p.path): (p.strategy.split(",")[0], tuple(p.spec)) for p in plan.params}
-    return got, plan.predicted.comm_bytes, plan.compiled.comm_bytes
-
-
 @pytest.mark.parametrize("case", [
     "on its input dim behind zero1", "moved behind fsdp",
     pytest.param("on its output dim behind zero1", marks=pytest.mark.xfail(
@@ -259,7 +235,9 @@ def test_a_mixed_layouts_fsdp_layer_moves_or_gathers_as_its_own_neighbours_make_
                                   "l2/w": P("data", None), "l2/b": "fsdp", **rest},
             "on its output dim behind zero1": {"l2/w": P(None, "data"),
                                                "l2/b": "fsdp", **rest}}[case]
-    got, predicted, compiled = _mixed_mlp(pins)
+    plan = mixed_mlp_plan(pins)
+    got = {"/".join(p.path): (p.strategy.split(",")[0], tuple(p.spec)) for p in plan.params}
+    predicted, compiled = plan.predicted.comm_bytes, plan.compiled.comm_bytes
     assert got["l0/w"][0] == "zero1" and got["l3/w"][0] == "zero1", got
     assert got["l2/w"][1] == tuple(pins["l2/w"]), got
     if case == "moved behind fsdp":
