@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .pipeline import micro_join, micro_split
 from .records import DATA, REPLICA, StepVariant
 from .state import likeliest_batch
 
@@ -147,8 +148,7 @@ def _split(path: Any, x: Any, k: int) -> Any:
         where = f"batch{jax.tree_util.keystr(path)}"
         raise ValueError(f"{where} with shape {tuple(shape)}: its leading (batch) dimension "
                          f"must divide into {k} micro-batches")
-    x = jnp.asarray(x)
-    return jnp.moveaxis(x.reshape(shape[0] // k, k, *shape[1:]), 1, 0)
+    return micro_split(jnp.asarray(x), k)
 
 
 def _combine(x: Any, rows: int) -> Any:
@@ -158,7 +158,7 @@ def _combine(x: Any, rows: int) -> Any:
     whole batch's mean), integers summed (counts over the batch add up), booleans and-ed
     (a flag holds for the batch where it holds for every part)."""
     if x.ndim > 1 and x.shape[1] == rows:
-        return jnp.moveaxis(x, 0, 1).reshape(x.shape[0] * rows, *x.shape[2:])
+        return micro_join(x)
     if jnp.issubdtype(x.dtype, jnp.floating):
         return x.mean(0)
     return x.all(0) if x.dtype == jnp.bool_ else x.sum(0, dtype=x.dtype)
@@ -173,9 +173,9 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
     outputs (the batch's leading dim) reassembled, float metrics averaged, integers
     summed (counts), booleans and-ed; a float sum or an integer that is not a count would
     need the loss to return it per example. Batch leaves without the batch's leading dim
-    (class weights, a temperature) reach every micro-batch whole. `auto_shard` may restructure the
-    step (micro-batches, remat policy) when a plan does not fit otherwise; calling it
-    directly runs it as written."""
+    (class weights, a temperature) reach every micro-batch whole. `auto_shard` may
+    restructure the step (micro-batches, remat policy) when a plan does not fit
+    otherwise; calling it directly runs it as written."""
     return TrainStep(loss_fn, optimizer, has_aux=has_aux)
 
 
