@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -61,8 +61,12 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # 3: an FSDP embedding table gathered before its lookup (`compile.gathered_first`), and no
 # column split that leaks into the residual stream among the planner's layouts. 4: nor
 # one a fused q/k/v split cuts, nor an unpaired row-parallel layer where another kind can.
-# 5: after a column-parallel layer, only a row-parallel one where it can be.
-FORMAT = 5
+# 5: after a column-parallel layer, only a row-parallel one where it can be. 6: a ZeRO-1
+# gradient pinned to its weight's layout where it is made (`jaxwap.pins`).
+FORMAT = 6
+# {older format: which of its records still describe what is compiled now (by strategies)}
+STILL_VALID: dict[int, Callable[[Sequence[str]], bool]] = {
+    5: lambda strategies: not any("zero1" in s for s in strategies)}
 
 
 @dataclass(frozen=True)
@@ -169,8 +173,10 @@ def load_or_compile(w: zoo.Workload, small: bool, refresh: bool = False,
     if path.exists() and not refresh:
         try:
             saved = json.loads(path.read_text())
-            if _same_question(saved.get("meta"), meta):
-                saved_records = saved["records"]
+            was = (saved.get("meta") or {}).get("format")
+            valid = (lambda strategies: True) if was == FORMAT else STILL_VALID.get(was)
+            if valid is not None and _same_question({**saved["meta"], "format": FORMAT}, meta):
+                saved_records = [r for r in saved["records"] if valid(r["strategies"])]
                 for rec in map(Record.from_dict, saved_records):
                     known[(rec.d, rec.m, rec.strategies)] = (rec.compiled, rec.error)
         except (ValueError, KeyError, TypeError):

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from .dataflow import looked_up
 from .flatten import flatten
+from .pins import gradient_pins, pinned
 from .records import DATA, MODEL, REPLICA, STAGE
 from .state import BATCH, PARAM, LeafTable
 
@@ -160,6 +161,17 @@ def gathered_first(jaxpr: Any, layout: Any, in_lay: Sequence[LeafLayout],
             if layout.inputs.roles[i].param in tables}
 
 
+def zero1_weights(placements: Sequence[Any]) -> dict[int, P]:
+    """{parameter: weight spec} of the parameters whose optimizer state splits over the
+    data axis while the weight does not (ZeRO-1): the gradients `pins` keeps whole."""
+    out = {}
+    for j, p in enumerate(placements):
+        spec, state, _ = placement_of(p)
+        if without_data(P(*spec)) == P(*spec) and without_data(P(*state)) != P(*state):
+            out[j] = P(*spec)
+    return out
+
+
 @dataclass(frozen=True)
 class CompiledStep:
     """A compiled step and what it takes to call it."""
@@ -217,17 +229,21 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
                                      weak_type=getattr(a, "weak_type", False))
                 for a, s in zip(layout.inputs.avals, in_sh, strict=True)]
 
-    def traced(first: dict[int, NamedSharding]) -> Any:
-        jitted = jax.jit(step(first), in_shardings=in_sh, out_shardings=out_sh,
+    def traced(flat: Callable[..., tuple[Any, ...]]) -> Any:
+        jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh,
                          donate_argnums=donated)
         return jitted.trace(*abstract)
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh) if stages > 1 else contextlib.nullcontext():
-        program = traced({})
+        program = traced(step({}))
         first = gathered_first(program.jaxpr, layout, in_lay, mesh)
         if first:
-            program = traced(first)
+            program = traced(step(first))
+        pins = gradient_pins(program.jaxpr, layout, zero1_weights(placements)) \
+            if stages == 1 else {}
+        if pins:
+            program = traced(pinned(program.jaxpr, pins, mesh))
         lowered = program.lower()
     compiled = lowered.compile(compiler_options=opts or None)
     return CompiledStep(mesh, in_sh, compiled, time.perf_counter() - t0, donated)

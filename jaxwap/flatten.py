@@ -13,7 +13,7 @@ drops them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +176,41 @@ class _Flattener:
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
         return [self.atom(a, env) for a in inner.outvars]
+
+
+def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """Run one equation on `ins` (values or tracers): its primitive bound with its params,
+    its results as a list."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # jax 0.10 returns the params (call primitives add `subfuns` to them); older versions
+    # returned (subfuns, params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+             run: Callable[[int, Any, list[Any]], list[Any]] | None = None) -> list[Any]:
+    """A jaxpr (not closed) run on `args`, equation by equation: `run(index, eqn, inputs)`
+    gives each equation's results (`bind` by default). How every jaxwap evaluator of a
+    traced step runs it again (`stack` restructuring it, `pins` constraining values inside
+    it). Equations bind outside their recorded context (`eqn.ctx`): it holds the mesh of
+    the trace that made them, not the one they run in."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if type(v).__name__ == "Literal" else env[v]
+
+    for v, x in (*zip(jaxpr.constvars, consts, strict=True),
+                 *zip(jaxpr.invars, args, strict=True)):
+        env[v] = x
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in eqn.invars]
+        outs = bind(eqn, ins) if run is None else run(k, eqn, ins)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if type(v).__name__ != "DropVar":
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _dce(ops: list[FlatOp], out_ids: Sequence[int]) -> list[FlatOp]:

@@ -34,6 +34,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 from jax.sharding import AxisType
 
+from .flatten import bind, evaluate
 from .pipeline import pipelined, stage_order, to_stages
 from .records import STAGE
 
@@ -235,45 +236,25 @@ def find_layer_scan(loss_fn: Callable, params: Any, batch: Any) -> LayerScan:
 def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
           replace: tuple[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
           in_stage: bool = False) -> list[Any]:
-    """Evaluate a jaxpr by binding its equations in turn. `replace=(path, fn)`: the
-    equation at `path` (nested calls on the way inlined) computes `fn(inputs)` instead.
-    `in_stage`: evaluated inside the pipeline's `shard_map`, so nested jit calls are
-    inlined (their meshes are not the stage's) and sharding constraints dropped.
+    """Evaluate a jaxpr (`flatten.evaluate`). `replace=(path, fn)`: the equation at `path`
+    (nested calls on the way inlined) computes `fn(inputs)` instead. `in_stage`: evaluated
+    inside the pipeline's `shard_map`, so nested jit calls are inlined (their meshes are
+    not the stage's) and sharding constraints dropped."""
 
-    Equations bind outside their recorded context (`eqn.ctx`): it holds the mesh of the
-    trace that made them, not the one they run in."""
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    for v, x in (*zip(jaxpr.constvars, consts, strict=True),
-                 *zip(jaxpr.invars, args, strict=True)):
-        env[v] = x
-    for k, eqn in enumerate(jaxpr.eqns):
-        ins = [read(v) for v in eqn.invars]
+    def run(k: int, eqn: Any, ins: list[Any]) -> list[Any]:
         name = eqn.primitive.name
         here = replace is not None and replace[0][0] == k
         if here and len(replace[0]) == 1:
-            outs = replace[1](ins)
-        elif here or (in_stage and name in _CALLS):
+            return replace[1](ins)
+        if here or (in_stage and name in _CALLS):
             inner = _inner(eqn)
-            outs = _eval(inner.jaxpr, inner.consts, ins, in_stage=in_stage,
+            return _eval(inner.jaxpr, inner.consts, ins, in_stage=in_stage,
                          replace=(replace[0][1:], replace[1]) if here else None)
-        elif in_stage and name in _STAGE_IDENTITY:
-            outs = ins
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)
-            # jax 0.10 returns the params (call primitives add `subfuns` to them); older
-            # versions returned (subfuns, params)
-            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+        if in_stage and name in _STAGE_IDENTITY:
+            return ins
+        return bind(eqn, ins)
+
+    return evaluate(jaxpr, consts, args, run)
 
 
 def _at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:

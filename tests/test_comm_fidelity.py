@@ -371,3 +371,54 @@ def test_calibrated_ring_figures_price_the_timed_collectives(n, timed):
     assert all_reduce(4, n, cluster)[0] == pytest.approx(ar, rel=1e-3)
     if ag < ar < 2 * ag:
         assert all_gather(4, n, cluster)[0] == pytest.approx(ag, rel=1e-3)
+
+
+def test_zero1_pins_the_gradients_reductions_make_and_leaves_the_matmuls_to_xla():
+    """Under ZeRO-1 the step pins a gradient to its weight's layout where a reduction makes
+    it (a bias's, a batch norm's scale and offset: XLA otherwise splits the batch norm's
+    statistics with them and gathers them back) and leaves a kernel's, which a
+    convolution or matmul makes, to XLA's own choice (`jaxwap.pins`)."""
+    import flax.linen as nn
+
+    from jaxwap.compile import zero1_weights
+    from jaxwap.pins import gradient_pins
+
+    class BNNet(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(16, (3, 3))(x)))
+            return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+    model, tx = BNNet(), optax.adam(1e-3)
+    variables = jax.eval_shape(model.init, jax.random.key(0), _sds(B, 8, 8, 3))
+    params, stats = variables["params"], variables["batch_stats"]
+
+    def step(params, stats, opt_state, batch):
+        def loss_fn(p):
+            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["x"],
+                                      mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, new["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, loss
+
+    batch = {"x": _sds(B, 8, 8, 3), "y": _sds(B, dtype=jnp.int32)}
+    layout, closed = layout_of(step, (params, stats, jax.eval_shape(tx.init, params), batch),
+                               {}, params, batch_size=B)
+    graph = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
+                    layout.inputs.batch_size)
+    placed = [next(s for s in param_strategies(graph, j, 2, 1) if s.name == "zero1")
+              for j in range(len(graph.params))]
+    weights = zero1_weights(placed)
+    assert sorted(weights) == list(range(len(graph.params)))   # all six parameters
+    pins = gradient_pins(closed, layout, weights)
+    pinned = [(closed.jaxpr.eqns[k], j) for k, outs in pins.items() for j in outs]
+    # the sums over the batch of the conv bias, the batch norm's scale and offset and the
+    # dense bias, each pinned whole; (the batch norm's mean and variance are pinned too:
+    # elementwise partners of its scale's gradient, a form of it to `dataflow`, and whole
+    # is their layout as well); never a kernel's gradient, which a conv or matmul makes
+    assert {e.primitive.name for e, _ in pinned} <= {"reduce_sum", "reshape"}, pinned
+    assert {tuple(e.outvars[j].aval.shape) for e, j in pinned} == {(10,), (16,)}
+    assert all(spec == P(None) for outs in pins.values() for spec in outs.values())
