@@ -270,6 +270,15 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             vals[sel, :5] += got
             if group not in ("w", "s"):
                 vals[sel, 5] += got[:, 0]
+    if graph.conv_relayout_moves.any():
+        # a convolution kernel moved into the layouts its backward convolution and its
+        # update read it in, at its share; one move fewer where the data axis all-reduces
+        # its gradient whole
+        for i in np.flatnonzero(graph.conv_relayout_moves[J] > 0).tolist():
+            j, st = int(J[i]), pairs[i][1]
+            moves = graph.conv_relayout_moves[j] - (d > 1 and not st.data_sharded)
+            t = moves * dev.layout_change_s(graph.conv_relayout_bytes[j] / splits[i, 1]) / speed
+            vals[i, [0, 1, 6]] += t
     if d > 1 and graph.relayout_reads.any():
         # a gradient all-reduced over the data axis, read in the matmul's layout: each
         # read moves its share (the optimizer state's) into the weight's layout

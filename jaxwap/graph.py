@@ -41,21 +41,27 @@ from .liveness import (
     GRAD,
     NUM_CLASSES,
     OPT,
+    REDUCED,
     RESIDENT,
     WEIGHT,
     WHOLE,
     gathered_whole,
-    liveness,
-    value_classes,
+    step_memory,
 )
 from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
 from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
-from .reductions import data_reductions, grad_repeat, relayouts
-from .state import PARAM, LeafRole, ParamInfo
+from .reductions import (
+    conv_relayouts,
+    data_reductions,
+    grad_repeat,
+    reduced_copies,
+    relayouts,
+)
+from .state import LeafRole, ParamInfo
 
-__all__ = ["GRAD", "NUM_CLASSES", "OPT", "RESIDENT", "WEIGHT", "WHOLE", "Graph", "Layer",
-           "analyze"]
+__all__ = ["GRAD", "NUM_CLASSES", "OPT", "REDUCED", "RESIDENT", "WEIGHT", "WHOLE", "Graph",
+           "Layer", "analyze"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +150,10 @@ class Graph:
     # (`reductions.relayouts`); left out, none
     relayout_bytes: np.ndarray | None = field(default=None)
     relayout_reads: np.ndarray | None = field(default=None)
+    # [P] bytes and moves per step of each convolution kernel as the backend's layout
+    # assignment moves it (`reductions.conv_relayouts`); left out, none
+    conv_relayout_bytes: np.ndarray | None = field(default=None)
+    conv_relayout_moves: np.ndarray | None = field(default=None)
     # (parameter, kind) -> the gcd of the activation dims that layout splits (heads, kv
     # heads, hidden): a model axis must divide it (`strategies`); absent, no constraint
     tp_granule: Mapping[tuple[int, str], int] = field(default_factory=dict)
@@ -181,7 +191,8 @@ class Graph:
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
-        for name in ("relayout_bytes", "relayout_reads"):
+        for name in ("relayout_bytes", "relayout_reads", "conv_relayout_bytes",
+                     "conv_relayout_moves"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.params)))
         width = 2 + NUM_CLASSES * len(self.params) + len(self.tp_live_param)
@@ -242,14 +253,16 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     stacked = stacked_dims(prog, flow, params)
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
-    mem = _memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
+    mem = step_memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
                   gathered_whole(prog.ops, prog.nbytes, splits.layers, splits.tp_param,
-                                 splits.owner, stacked))
+                                 splits.owner, stacked),
+                  reduced_copies(prog, in_roles, out_roles))
     repeats, reduce_bytes, reduce_count = data_reductions(prog, in_roles, out_roles, params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     repeats = np.where(repeats > 0, repeats, fallback)
     tp_op_param, tp_op_kind = _op_model_splits(prog, model_split, splits)
+    conv_bytes, conv_moves = conv_relayouts(prog, flow.owner, flow.batched, len(params))
     relayout_bytes, relayout_reads = relayouts(prog, kinds, flow.owner, flow.batched,
                                                len(params))
     return Graph(
@@ -266,6 +279,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,
+        conv_relayout_bytes=conv_bytes, conv_relayout_moves=conv_moves,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
                                                strict=True) if g > 0},
@@ -399,45 +413,3 @@ def _layer_of(op: FlatOp, k: int, flow: Dataflow, nbytes: np.ndarray,
     return None
 
 
-# --------------------------------------------------------------------------- memory
-@dataclass(frozen=True)
-class _Memory:
-    live: np.ndarray
-    op_class: np.ndarray
-    resident_bytes: np.ndarray
-    tp_live_param: np.ndarray
-    tp_live_kind: tuple[str, ...]
-
-
-def _memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
-            in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
-            num_params: int, split: ModelSplit,
-            whole: Sequence[tuple[int, int, int, float]] = ()) -> _Memory:
-    """Live device bytes per program point in buckets, the class of what each op makes,
-    and each parameter's resident optimizer state (its mirrors among the inputs), which a
-    memory plan may shard or offload apart from the weight.
-
-    A batched value a tensor-parallel layout splits (`model_split.model_splits`) goes to its
-    (parameter, kind)'s column after the per-class ones instead of the batched column;
-    only the (parameter, kind) pairs that hold some bytes get a column, in the order of
-    parameter, then kind."""
-    vclass = value_classes(prog.ops, prog.in_ids, in_roles, prog.out_ids, out_roles,
-                           flow.owner, flow.dep)
-    device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
-    label = np.where(flow.batched, split.label, -1)
-    live = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes, flow.batched,
-                    flow.owner, vclass, num_params, label, len(split.pairs), whole)
-    base = 2 + NUM_CLASSES * num_params
-    extra = live[:, base:]
-    used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])
-            if extra[:, e].any()]
-    live = np.concatenate([live[:, :base], extra[:, used]], axis=1)
-    pairs = [split.pairs[e] for e in used]
-    resident = np.zeros(num_params)
-    for i, r in zip(prog.in_ids, in_roles, strict=True):
-        if r.kind == PARAM and r.mirror:
-            resident[r.param] += prog.nbytes[i]
-    op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
-                        dtype=np.int64)
-    return _Memory(live, op_class, resident, np.array([j for j, _ in pairs], dtype=np.int64),
-                   tuple(k for _, k in pairs))

@@ -3,23 +3,28 @@
 A candidate plan shards each bucket differently (batched values over the data axis, a
 parameter's values however that parameter is placed), so the walk keeps the live bytes
 split into buckets: batched, other, and per parameter one column for each of four value
-classes a memory plan can place differently, and a fifth for what an FSDP layout gathers
-whole (WHOLE). A candidate's peak memory is then one matrix-vector product over the rows
+classes a memory plan can place differently, a fifth for what an FSDP layout gathers
+whole (WHOLE) and a sixth for the copy XLA's combined gradient all-reduce writes
+(REDUCED). A candidate's peak memory is then one matrix-vector product over the rows
 kept.
 
-It models XLA's fusion: elementwise chains are fused (their intermediates are not
-materialised, the chain keeps its inputs alive instead) and layout-only ops are aliases
-of their operand.
+It models XLA's fusion and buffer assignment: elementwise chains are fused (their
+intermediates are not materialised, the chain keeps its inputs alive instead), a fused
+chain's result takes over the buffer of an operand of its size that nothing reads after
+it (`_share_buffers`), and layout-only ops are aliases of their operand.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .flatten import FlatOp
+from .dataflow import Dataflow
+from .flatten import FlatOp, FlatProgram
+from .model_split import ModelSplit
 from .primitives import ELEMENTWISE, FREE, HEAVY, MATMUL
 from .state import PARAM, LeafRole
 
@@ -27,10 +32,10 @@ if TYPE_CHECKING:
     from .graph import Layer
 
 # Classes of a parameter's own values (columns of Graph.live after batched and other).
-# WHOLE holds no value of the program: what an FSDP layout gathers whole for a while
-# (`intervals` of `liveness`).
-WEIGHT, GRAD, OPT, RESIDENT, WHOLE = range(5)
-NUM_CLASSES = 5
+# WHOLE and REDUCED hold no value of the program: what an FSDP layout gathers whole for a
+# while, and the all-reduced copy of a gradient (`whole` and `reduced` of `liveness`).
+WEIGHT, GRAD, OPT, RESIDENT, WHOLE, REDUCED = range(6)
+NUM_CLASSES = 6
 
 
 def value_classes(ops: Sequence[FlatOp], in_ids: Sequence[int],
@@ -92,7 +97,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              out_ids: Sequence[int], nbytes: np.ndarray, batched: np.ndarray,
              owner: np.ndarray, vclass: np.ndarray, num_params: int,
              extra: np.ndarray | None = None, num_extra: int = 0,
-             whole: Sequence[tuple[int, int, int, float]] = ()) -> np.ndarray:
+             whole: Sequence[tuple[int, int, int, float]] = (),
+             reduced: Sequence[tuple[int, int, int, float]] = ()) -> np.ndarray:
     """Live bytes per program point, in buckets [batched, other, then (class, param), then
     `num_extra` more].
 
@@ -102,7 +108,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     of the batched one (a bucket a memory plan weighs apart: bytes a tensor-parallel
     layout also splits). `whole` adds (first op, last op, parameter, bytes) to that
     parameter's WHOLE bucket from before the first op to after the last: bytes no value of
-    the program holds. Every bucket's weight is non-negative, so pruning the points
+    the program holds; `reduced` likewise to the REDUCED bucket
+    (`reductions.reduced_copies`). Every bucket's weight is non-negative, so pruning the points
     another dominates in every bucket stays exact.
     """
     nv, n, P = len(nbytes), len(ops), num_params
@@ -146,6 +153,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
         for r in roots.get(o, {o}):
             last[r] = n
             materialized[r] = True
+    _share_buffers(ops, kinds, roots, start, last, materialized, nbytes)
     start = np.array(start, dtype=np.int64)
     last = np.array(last, dtype=np.int64)
     materialized = np.array(materialized, dtype=bool)
@@ -155,11 +163,88 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     mat = np.flatnonzero(materialized)
     s = np.maximum(start[mat], -1) + 1          # shift: point 0 is "before the first op"
     e = np.maximum(last[mat], start[mat]) + 1
-    w = np.array(whole, dtype=np.float64).reshape(-1, 4)
+    w = np.array([(*x, WHOLE) for x in whole] + [(*x, REDUCED) for x in reduced],
+                 dtype=np.float64).reshape(-1, 5)
     return _live_rows(n + 2, np.concatenate([s, w[:, 0].astype(np.int64) + 1]),
                       np.concatenate([e + 1, w[:, 1].astype(np.int64) + 2]),
-                      np.concatenate([cols[mat], 2 + WHOLE * P + w[:, 2].astype(np.int64)]),
+                      np.concatenate([cols[mat], 2 + w[:, 4].astype(np.int64) * P
+                                      + w[:, 2].astype(np.int64)]),
                       np.concatenate([nbytes[mat], w[:, 3]]), base + num_extra)
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """`step_memory`'s answer: what `Graph` keeps of the step's memory."""
+
+    live: np.ndarray
+    op_class: np.ndarray
+    resident_bytes: np.ndarray
+    tp_live_param: np.ndarray
+    tp_live_kind: tuple[str, ...]
+
+
+def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
+                in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
+                num_params: int, split: ModelSplit,
+                whole: Sequence[tuple[int, int, int, float]] = (),
+                reduced: Sequence[tuple[int, int, int, float]] = ()) -> StepMemory:
+    """Live device bytes per program point in buckets, the class of what each op makes,
+    and each parameter's resident optimizer state (its mirrors among the inputs), which a
+    memory plan may shard or offload apart from the weight.
+
+    A batched value a tensor-parallel layout splits (`model_split.model_splits`) goes to its
+    (parameter, kind)'s column after the per-class ones instead of the batched column;
+    only the (parameter, kind) pairs that hold some bytes get a column, in the order of
+    parameter, then kind."""
+    vclass = value_classes(prog.ops, prog.in_ids, in_roles, prog.out_ids, out_roles,
+                           flow.owner, flow.dep)
+    device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
+    label = np.where(flow.batched, split.label, -1)
+    live = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes, flow.batched,
+                    flow.owner, vclass, num_params, label, len(split.pairs), whole, reduced)
+    base = 2 + NUM_CLASSES * num_params
+    extra = live[:, base:]
+    used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])
+            if extra[:, e].any()]
+    live = np.concatenate([live[:, :base], extra[:, used]], axis=1)
+    pairs = [split.pairs[e] for e in used]
+    resident = np.zeros(num_params)
+    for i, r in zip(prog.in_ids, in_roles, strict=True):
+        if r.kind == PARAM and r.mirror:
+            resident[r.param] += prog.nbytes[i]
+    op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
+                        dtype=np.int64)
+    return StepMemory(live, op_class, resident, np.array([j for j, _ in pairs], dtype=np.int64),
+                   tuple(k for _, k in pairs))
+
+
+def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
+                   roots: dict[int, frozenset[int]], start: list[int], last: list[int],
+                   materialized: list[bool], nbytes: np.ndarray) -> None:
+    """Elementwise results written over an operand's buffer, as XLA's buffer assignment
+    writes a loop fusion's result into an operand of its size that nothing reads after it
+    (the state the step is donated included: Adam's new moment where the old one was).
+    Such an operand's life ends where the fused op starts (`last` is moved back), so the
+    two are not counted live together: AlexNet-small on one device peaked at 413 MB in
+    its 64 MiB fc7's update (old and new moment, gradient and weight) where XLA allocates
+    354 MB. One result per operand buffer; an operand in its own bucket first."""
+    size = nbytes.tolist()
+    taken: set[int] = set()
+    for k, (op, kind) in enumerate(zip(ops, kinds, strict=True)):
+        if kind != ELEMENTWISE:
+            continue
+        for o in op.outs:
+            if not materialized[o] or start[o] != k or size[o] <= 0:
+                continue
+            fed: set[int] = set()
+            for i in op.ins:
+                fed |= roots.get(i, {i})
+            free = sorted(r for r in fed if materialized[r] and last[r] == k
+                          and r not in taken and size[r] == size[o])
+            if free:
+                r = free[0]
+                taken.add(r)
+                last[r] = k - 1
 
 
 def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,

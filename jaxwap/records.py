@@ -72,14 +72,18 @@ class Strategy:
         zero1 = self.state_spec is not None and DATA in self.state_spec
         return self.shard(d, m) * (d if zero1 and not self.data_sharded else 1)
 
-    def divisors(self, d: int, m: int) -> tuple[float, float, float, float, float]:
-        """Per-device share divisors of the WEIGHT, GRAD, OPT, RESIDENT and WHOLE classes
-        (infinite: not in device memory between uses). WHOLE is what a data-sharded
-        weight is gathered to (split over the model axis only); other layouts hold no such
-        copy."""
+    def divisors(self, d: int, m: int) -> tuple[float, float, float, float, float, float]:
+        """Per-device share divisors of the WEIGHT, GRAD, OPT, RESIDENT, WHOLE and REDUCED
+        classes (infinite: not in device memory between uses). WHOLE is what a
+        data-sharded weight is gathered to (split over the model axis only); other layouts
+        hold no such copy. REDUCED is the all-reduced copy of a gradient the data axis
+        reduces whole (split as the weight is), on more than one data device; an FSDP
+        gradient's is left out (WHOLE holds its whole gradient)."""
         w, s = float(self.shard(d, m)), float(self.state_shard(d, m))
-        whole = float(m if self.tp != "none" else 1) if self.data_sharded else float("inf")
-        return w, w, s, (float("inf") if self.offload else s), whole
+        inf = float("inf")
+        whole = float(m if self.tp != "none" else 1) if self.data_sharded else inf
+        reduced = w if d > 1 and not self.data_sharded else inf
+        return w, w, s, (inf if self.offload else s), whole, reduced
 
     @property
     def layout_of_state(self) -> tuple[str | None, ...]:

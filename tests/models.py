@@ -162,10 +162,11 @@ def collectives_reproduced(cal: Any) -> None:
         pytest.approx(ring_fit(ar, ag, cal.num_devices))
 
 
-def mixed_mlp_plan(pins: Any) -> Any:
+def mixed_mlp_plan(pins: Any, mesh_shape: Any = None, **options: Any) -> Any:
     """A 4-layer tanh MLP shaped like AlexNet's classifier (256 -> 256 -> 4096 -> 4096 ->
-    10, batch 8, float32), trained by Adam, planned on a 4 x 1 mesh with each layer's
-    layout pinned through `constraints=`, and its choice compiled (`verify=1`)."""
+    10, batch 8, float32), trained by Adam, planned on a 4 x 1 mesh (or `mesh_shape`) with
+    each layer's layout pinned through `constraints=` (and any other planning `options`),
+    and its choice compiled (`verify=1`)."""
     import jaxwap
 
     widths = (256, 256, 4096, 4096, 10)
@@ -185,5 +186,5 @@ def mixed_mlp_plan(pins: Any) -> Any:
     step = jaxwap.make_train_step(loss, optax.adam(1e-3))
     return jaxwap.plan(step, params, jax.eval_shape(step.init, params),
                        {"x": sds(8, 256), "y": sds(8, 10)}, params=params,
-                       mesh_shape={"data": 4, "model": 1}, constraints=pins, verify=1,
-                       cache=False)
+                       mesh_shape=mesh_shape or {"data": 4, "model": 1}, constraints=pins,
+                       verify=1, cache=False, **options)

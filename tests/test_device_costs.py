@@ -299,3 +299,31 @@ def test_an_all_reduced_transposed_gradient_is_moved_for_each_read(state):
     figs = plan.compiled
     fed = {name: with_compiled(p, figs, cluster, 32, 2).step_time_s for name, p in pred.items()}
     assert fed["with"] == pytest.approx(fed["bare"], rel=1e-9)
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_convolution_kernels_are_moved_as_xla_cpu_moves_them(d):
+    """XLA:CPU's layout assignment moves each convolution kernel into the layout the input
+    gradient's transposed convolution reads it in (the kernel jax reverses), and twice in
+    the update, once where data parallelism all-reduces the gradient (the first layer has
+    no input gradient). The model counts those moves of each kernel as the compiled
+    program has them, and prices them (`reductions.conv_relayouts`)."""
+    from models import CNN, host_setup
+
+    step, params, opt, batch = host_setup(CNN(), (8, 16, 16, 3))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            (params, opt, batch))
+    graph = analyze_step(step, *abstract, batch_size=8)
+    kernels = {j: p for j, p in enumerate(graph.params) if len(p.shape) == 4}
+    assert sorted(graph.conv_relayout_moves[j] for j in kernels) == [2, 3]   # conv1, conv2
+    plan = jaxwap.plan(step, *abstract, params=abstract[0], cache=False,
+                       hardware=Cluster(SPEC, 8), mesh_shape={"data": d, "model": 1},
+                       strategies=("replicate",), verify=1, objective="throughput")
+    sizes = {graph.conv_relayout_bytes[j] for j in kernels}
+    got = {b: n for b, n in plan.compiled.layout_changes if b in sizes}
+    want = {graph.conv_relayout_bytes[j]: graph.conv_relayout_moves[j] - (d > 1)
+            for j in kernels}
+    assert got == want
+    # and the analytic prediction carries them at the device's layout-change cost
+    assert plan.predicted.layout_change_time_s >= sum(
+        n * SPEC.layout_change_s(b) for b, n in want.items())

@@ -140,7 +140,7 @@ def test_nothing_fits_by_xla_is_a_clear_error():
     step, params, opt, batch = abstract_setup((36, 20, 8), 2, 12, regression=True)
     with pytest.raises(MemoryError, match=r"XLA's own memory analysis.*memory_budget="):
         jaxwap.plan(step, params, opt, batch, hardware=H100X8, objective="throughput",
-                    memory_budget=3000)
+                    memory_budget=3200)   # the model: 3.09 kB fits; XLA: 4.83 kB
 
 
 def test_verify_zero_compiles_nothing_and_bad_values_are_refused():
