@@ -49,7 +49,10 @@ CACHE_FORMAT = 1
 # 3: plans made before column splits XLA does not keep were withheld (`Graph.tp_leaks`),
 # unpaired row-parallel layers refused, and leaf roles settled by what the step hands
 # back may hold layouts and roles this planner no longer makes: they are planned again.
-KEY_FORMAT = 3
+# 4: the memory model counts the optimizer's update in place and the combined gradient
+# reduction's copy, and the time model the convolution kernels' layout changes: plans
+# made before hold other predictions (and, under memory pressure, other layouts).
+KEY_FORMAT = 4
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.
