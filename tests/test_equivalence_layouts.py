@@ -430,6 +430,28 @@ def test_gpt2_small_under_plain_options_matches_single_device(gpt2):
     assert_close(ref, out)
 
 
+def test_gpt2_small_under_forced_zero1_pins_its_reduced_gradients_and_matches(gpt2):
+    """ZeRO-1 on GPT-2-small: the step is evaluated again from its jaxpr with the
+    gradients a reduction makes pinned (the layer norms' scales and offsets and the
+    biases; `jaxwap.pins`), through NNX's state, and gives the single-device numbers."""
+    from jaxwap.compile import zero1_weights
+    from jaxwap.pins import gradient_pins
+    from jaxwap.trace import layout_of
+
+    w, args, ref = gpt2
+    sharded = jaxwap.auto_shard(w.step, w.params, strategies=("zero1",),
+                                mesh_shape={"data": 2}, verify=0, cache=False)
+    out = sharded_run(sharded, args, 2)
+    plan = sharded.plan
+    assert {pl.strategy for pl in plan.params} == {"zero1"}
+    layout, closed = layout_of(w.step, w.args, {}, w.params)
+    pinned = gradient_pins(closed, layout, zero1_weights(plan.params))
+    shapes = [closed.jaxpr.eqns[k].outvars[j].aval.shape
+              for k, outs in pinned.items() for j in outs]
+    assert len(shapes) >= 16 and all(len(x) == 1 for x in shapes)   # vectors, no kernel
+    assert_close(ref, out)
+
+
 def test_resnet50_small_under_plain_options_matches_single_device():
     w = zoo.small("resnet50")                # 2 bottleneck stages, width 16, batch norm
     # `synthetic`, not `init`: compiling ResNet's initialiser costs ~10 s on this CPU;
