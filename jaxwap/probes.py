@@ -62,11 +62,15 @@ def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
     its ops back to back inside one program, so this, not the time of a call of its own,
     is what an op costs there: a call of its own also pays the dispatch and the wake-up
     of the host's thread pool (about 50 us each on a 2-core CPU, far more than a small
-    matmul)."""
+    matmul). The two are timed in turn, not one after the other, so the machine's drift
+    falls on both alike (`benchmarks/calibration_spread.py`)."""
     one, many = jax.jit(make(1)), jax.jit(make(reps + 1))
-    t1 = time_it(lambda: jax.block_until_ready(one(*args)), repeats)
-    tr = time_it(lambda: jax.block_until_ready(many(*args)), repeats)
-    return max((tr - t1) / reps, 1e-9)
+    t1: list[float] = []
+    tr: list[float] = []
+    for _ in range(repeats):   # interleaved, so the machine's drift falls on both alike
+        time_it(lambda: jax.block_until_ready(one(*args)), 1, t1)
+        time_it(lambda: jax.block_until_ready(many(*args)), 1, tr)
+    return max((float(np.median(tr)) - float(np.median(t1))) / reps, 1e-9)
 
 
 def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
@@ -85,9 +89,11 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
                   progress: Progress) -> dict[str, Any]:
     """Seconds per n x n x n matmul inside a program (`in_program`: a chain of them, the
     weight all 1/n so the values stay 1): slope = 1 / peak, intercept = w_half / peak +
-    launch. Each size is repeated until it holds about twice the largest size's work."""
+    launch. Each size is repeated until it holds about eight times the largest size's work
+    (at twice, the largest size's two-matmul difference of two timings swung the peak
+    between 0.5x and 2x the machine's on this 2-core VM)."""
     works, times = [], []
-    target = 4.0 * float(sizes[-1]) ** 3
+    target = 16.0 * float(sizes[-1]) ** 3
     for n in sizes:
         w = jax.device_put(jnp.full((n, n), 1.0 / n, dtype), device)
         work = 2.0 * n ** 3
