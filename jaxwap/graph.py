@@ -55,6 +55,7 @@ from .reductions import (
     conv_relayouts,
     data_reductions,
     grad_repeat,
+    partial_sums,
     reduced_copies,
     relayouts,
 )
@@ -253,11 +254,12 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     stacked = stacked_dims(prog, flow, params)
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
+    sums = partial_sums(prog, in_roles, out_roles)   # each partial sum over the batch
     mem = step_memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
                   gathered_whole(prog.ops, prog.nbytes, splits.layers, splits.tp_param,
                                  splits.owner, stacked),
-                  reduced_copies(prog, in_roles, out_roles))
-    repeats, reduce_bytes, reduce_count = data_reductions(prog, in_roles, out_roles, params)
+                  reduced_copies(prog, sums))
+    repeats, reduce_bytes, reduce_count = data_reductions(prog, sums, params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     repeats = np.where(repeats > 0, repeats, fallback)

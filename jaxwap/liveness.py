@@ -214,8 +214,8 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
             resident[r.param] += prog.nbytes[i]
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
                         dtype=np.int64)
-    return StepMemory(live, op_class, resident, np.array([j for j, _ in pairs], dtype=np.int64),
-                   tuple(k for _, k in pairs))
+    return StepMemory(live, op_class, resident,
+                      np.array([j for j, _ in pairs], dtype=np.int64), tuple(k for _, k in pairs))
 
 
 def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
@@ -227,7 +227,7 @@ def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
     Such an operand's life ends where the fused op starts (`last` is moved back), so the
     two are not counted live together: AlexNet-small on one device peaked at 413 MB in
     its 64 MiB fc7's update (old and new moment, gradient and weight) where XLA allocates
-    354 MB. One result per operand buffer; an operand in its own bucket first."""
+    354 MB. One result per operand buffer."""
     size = nbytes.tolist()
     taken: set[int] = set()
     for k, (op, kind) in enumerate(zip(ops, kinds, strict=True)):

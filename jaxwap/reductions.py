@@ -15,8 +15,8 @@ from .primitives import MATMUL, linear_in
 from .state import BATCH, PARAM, LeafRole, ParamInfo
 
 
-def _partial_sums(prog: FlatProgram, in_roles: Sequence[LeafRole],
-                  out_roles: Sequence[LeafRole]) -> list[tuple[int, int]]:
+def partial_sums(prog: FlatProgram, in_roles: Sequence[LeafRole],
+                 out_roles: Sequence[LeafRole]) -> list[tuple[int, int]]:
     """(op, parameter or -1) of every op whose result is a partial sum over the batch
     (`comm.batch_dims`), with the parameter it flows into linearly (`data_reductions`)."""
     batch_in = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
@@ -35,8 +35,8 @@ def _partial_sums(prog: FlatProgram, in_roles: Sequence[LeafRole],
             for k in np.flatnonzero(partial)]
 
 
-def reduced_copies(prog: FlatProgram, in_roles: Sequence[LeafRole],
-                   out_roles: Sequence[LeafRole]) -> list[tuple[int, int, int, float]]:
+def reduced_copies(prog: FlatProgram, sums: Sequence[tuple[int, int]]
+                   ) -> list[tuple[int, int, int, float]]:
     """(first op, last op, parameter, bytes) of the reduced copy of each partial gradient
     sum where XLA's combined all-reduce makes it (the REDUCED class of `liveness`): the
     combiner joins a step's gradient reductions into one all-reduce after the last of them
@@ -44,9 +44,8 @@ def reduced_copies(prog: FlatProgram, in_roles: Sequence[LeafRole],
     partial gradient and its sum are live together (AlexNet-small's data-parallel step on
     2 devices: the 64 MiB fc7 partial gradient and its all-reduced copy side by side,
     XLA's memory 432 MB against 354 on one device). Sums inside a loop (a micro-batch
-    scan) are reduced each iteration: left out."""
-    sums = [(k, j) for k, j in _partial_sums(prog, in_roles, out_roles)
-            if j >= 0 and prog.ops[k].repeat == 1]
+    scan) are reduced each iteration: left out. `sums` is `partial_sums`'s answer."""
+    sums = [(k, j) for k, j in sums if j >= 0 and prog.ops[k].repeat == 1]
     if not sums:
         return []
     at = max(k for k, _ in sums)
@@ -54,9 +53,8 @@ def reduced_copies(prog: FlatProgram, in_roles: Sequence[LeafRole],
             for k, j in sums]
 
 
-def data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
-                     out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
-                     ) -> tuple[np.ndarray, float, float]:
+def data_reductions(prog: FlatProgram, sums: Sequence[tuple[int, int]],
+                    params: Sequence[ParamInfo]) -> tuple[np.ndarray, float, float]:
     """What data parallelism all-reduces per step: per parameter, its partial gradient
     sums in units of its whole gradient; and the bytes and the number of every other
     partial sum.
@@ -69,10 +67,11 @@ def data_reductions(prog: FlatProgram, in_roles: Sequence[LeafRole],
     reaches the scale's gradient only through a reciprocal square root). A gradient is
     priced in its parameter's dtype (XLA:CPU promotes a bf16 all-reduce to f32). A
     parameter with no partial sum found gets 0 (the caller falls back to once a step).
+    `sums` is `partial_sums`'s answer: the ops, each with the parameter it reaches.
     """
     elems = np.zeros(len(params))
     other = count = 0.0
-    for k, j in _partial_sums(prog, in_roles, out_roles):
+    for k, j in sums:
         op = prog.ops[k]
         if j >= 0:
             elems[j] += float(sum(prog.size[o] for o in op.outs)) * op.repeat
@@ -152,4 +151,5 @@ def conv_relayouts(prog: FlatProgram, owner: np.ndarray, batched: np.ndarray,
     return nbytes, moves
 
 
-__all__ = ["conv_relayouts", "data_reductions", "grad_repeat", "reduced_copies", "relayouts"]
+__all__ = ["conv_relayouts", "data_reductions", "grad_repeat", "partial_sums", "reduced_copies",
+           "relayouts"]
