@@ -38,6 +38,39 @@ class CNN(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+class BNNet(nn.Module):
+    """`layers` of conv, batch norm and relu, then a dense head on the mean of the map."""
+
+    channels: int = 16
+    layers: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        for _ in range(self.layers):
+            x = nn.Conv(self.channels, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+            x = nn.relu(x)
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+def make_bn_step(model: nn.Module, tx: optax.GradientTransformation) -> Any:
+    """The Flax batch-norm train step: (params, batch_stats, opt_state, batch) -> (params,
+    batch_stats, opt_state, {"loss"}), the running statistics carried as state."""
+
+    def step(params, stats, opt_state, batch):
+        def loss_fn(p):
+            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["x"],
+                                      mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, new["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, {"loss": loss}
+
+    return step
+
+
 def make_step(model: nn.Module, tx: optax.GradientTransformation,
               regression: bool = False) -> Any:
     """An ordinary single-device train step: (params, opt_state, batch) -> (.., .., metrics).

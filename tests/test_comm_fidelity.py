@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from models import abstract_setup, mixed_mlp_plan
+from models import BNNet, abstract_setup, make_bn_step, mixed_mlp_plan
 
 import jaxwap
 from jaxwap.comm import all_gather, all_reduce, batch_reduce_comm, ring_fit
@@ -378,31 +378,13 @@ def test_zero1_pins_the_gradients_reductions_make_and_leaves_the_matmuls_to_xla(
     it (a bias's, a batch norm's scale and offset: XLA otherwise splits the batch norm's
     statistics with them and gathers them back) and leaves a kernel's, which a
     convolution or matmul makes, to XLA's own choice (`jaxwap.pins`)."""
-    import flax.linen as nn
-
     from jaxwap.compile import zero1_weights
     from jaxwap.pins import gradient_pins
-
-    class BNNet(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.BatchNorm(use_running_average=False)(nn.Conv(16, (3, 3))(x)))
-            return nn.Dense(10)(x.mean(axis=(1, 2)))
 
     model, tx = BNNet(), optax.adam(1e-3)
     variables = jax.eval_shape(model.init, jax.random.key(0), _sds(B, 8, 8, 3))
     params, stats = variables["params"], variables["batch_stats"]
-
-    def step(params, stats, opt_state, batch):
-        def loss_fn(p):
-            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["x"],
-                                      mutable=["batch_stats"])
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-            return loss, new["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state, loss
+    step = make_bn_step(model, tx)
 
     batch = {"x": _sds(B, 8, 8, 3), "y": _sds(B, dtype=jnp.int32)}
     layout, closed = layout_of(step, (params, stats, jax.eval_shape(tx.init, params), batch),

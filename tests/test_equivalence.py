@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import CNN, MLP, copy_tree, setup
+from models import CNN, MLP, BNNet, copy_tree, make_bn_step, setup
 
 import jaxwap
 
@@ -236,33 +236,12 @@ def test_python_scalars_and_keyword_arguments():
 def test_batch_norm_statistics_are_state_not_data(channels):
     """Running statistics the step hands back are carried state: never split as data, even
     when they outnumber the batch leaves or their length equals the batch size."""
-    import flax.linen as nn
-
-    class BNNet(nn.Module):
-        @nn.compact
-        def __call__(self, x, train: bool = True):
-            for _ in range(3):
-                x = nn.Conv(channels, (3, 3))(x)
-                x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
-                x = nn.relu(x)
-            return nn.Dense(10)(x.mean(axis=(1, 2)))
-
-    model, tx = BNNet(), optax.sgd(0.05, momentum=0.9)
+    model, tx = BNNet(channels, layers=3), optax.sgd(0.05, momentum=0.9)
     x = jax.random.normal(jax.random.key(0), (16, 8, 8, 3))
     y = jax.numpy.arange(16) % 10
     variables = model.init(jax.random.key(1), x)
     params, stats = variables["params"], variables["batch_stats"]
-
-    def step(params, stats, opt_state, batch):
-        def loss_fn(p):
-            logits, new = model.apply({"params": p, "batch_stats": stats}, batch["x"],
-                                      mutable=["batch_stats"])
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-            return loss, new["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), stats, opt_state, {"loss": loss}
+    step = make_bn_step(model, tx)
 
     batch = {"x": x, "y": y}
     ref = (copy_tree(params), copy_tree(stats), tx.init(params))
