@@ -1,15 +1,27 @@
-"""One device, many batch sizes: measured step time, throughput, power and energy per
-image next to jaxwap's prediction. This curve decides how many GPUs a job should use.
+"""One device: measured step time, power, energy and memory next to jaxwap's predictions.
 
-    .venv/bin/python benchmarks/gpu_sweep.py                 # on a GPU: AlexNet, VGG-16
-    .venv/bin/python benchmarks/gpu_sweep.py --quick         # CPU check of the code path
+    python benchmarks/gpu_sweep.py                       # on a GPU: AlexNet, VGG-16, GPT-2
+    python benchmarks/gpu_sweep.py --no-power-limits     # a shared GPU: never set its limit
+    .venv/bin/python benchmarks/gpu_sweep.py --quick     # CPU check of the code path
 
-For AlexNet and VGG-16 (224 px on a GPU), per-device batch 16, 32, 64, 128, 256, 512, in
-bf16 and fp32: calibrates the device first (`jaxwap.calibrate`, cached), predicts the
-one-device step with the calibrated profile, then runs it (warm-up, then at least 10 steps
-and a window long enough for NVML's energy counter) and reads NVML energy. Without NVML
-(CPU) the energy column is modeled and labelled so. Writes
-`benchmarks/results/gpu_<device>.json` and `gpu_<device>.png`; prints a table.
+What runs is what `auto_shard` would run on one device: the planner's one-device candidate
+(`make_plan`, analytic), compiled by `verify.compile_candidate` (the function `auto_shard`
+compiles through, the state donated) and run on synthetic data as a training loop runs it,
+each step's new state the next step's.
+
+The device is calibrated first (`jaxwap.calibrate_full`, in a process of its own), and
+every point is predicted three ways: the analytic model with the calibrated profile (what
+`auto_shard` plans with on a calibrated machine), the same with the built-in profile of
+the device's kind (what it plans with before calibration), and the calibrated model fed
+XLA's figures of the compiled program (what verification ranks with). Measured: the median
+of per-step times (each step blocks), power and energy from NVML over a window of at least
+`--window` seconds (modeled, and labelled so, without NVML), the device's peak memory in
+use (its allocator's figure; each model runs in a fresh process and its batches ascend, so
+the peak is the point's own where it rose), and XLA's own memory analysis (compiled).
+
+Each model runs in a child process with a time limit, its rows written as they come, so a
+slow compile or an out-of-memory batch costs that model's remaining points, not the run.
+Writes `benchmarks/results/gpu_<device>.json`, `.md` and `.png` (or under `--out`).
 """
 
 from __future__ import annotations
@@ -17,58 +29,201 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import zoo  # noqa: E402
-
-import jaxwap  # noqa: E402
-from jaxwap.measure import measure_step  # noqa: E402
+RESULTS = ROOT / "benchmarks" / "results"
+#: the power benchmark's workloads (`benchmarks/power.py`), and AlexNet at a larger batch
+POINTS = {"alexnet": (128, 512), "gpt2": (8,), "vgg16": (128,)}
 
 
-def one_device_plan(w: zoo.Workload, cluster: jaxwap.Cluster) -> jaxwap.Plan:
-    return jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster, num_devices=1,
-                       verify=0, cache=False)
+# ---------------------------------------------------------------------------- workers
+def calibrate_worker(args: argparse.Namespace) -> None:
+    """Calibrate the first device (never setting a power limit with --no-power-limits)."""
+    import jax
 
-
-def run_point(name: str, batch: int, image: int, dtype: Any, cluster: jaxwap.Cluster,
-              steps: int) -> dict[str, Any]:
-    w = zoo.WORKLOADS[name](batch_size=batch, image_size=image, dtype=dtype)
-    plan = one_device_plan(w, cluster)
-    pred = plan.predicted
-    device = jax.devices()[0]
-    args = jax.device_put(w.synthetic(0), device)
-    step = jax.jit(w.step)
-    state = list(args)
-    n_state = len(args) - 1  # everything but the batch is carried
-
-    def run() -> None:
-        out = step(*state)
-        jax.block_until_ready(out)
-        state[:n_state] = list(out[:n_state])
+    from jaxwap.calibrate import calibrate_full
 
     t0 = time.perf_counter()
-    run()
-    compile_s = time.perf_counter() - t0
-    m = measure_step(run, [device], steps, pred.avg_power_w)
-    return {
-        "model": name, "batch": batch, "image": image, "dtype": jnp.dtype(dtype).name,
-        "measured": {"step_time_s": m.step_time_s, "images_per_s": batch / m.step_time_s,
-                     "avg_power_w": m.energy_per_step_j / m.step_time_s,
-                     "energy_per_image_j": m.energy_per_step_j / batch,
-                     "energy_source": m.energy_source, "steps": m.steps, "note": m.note},
-        "predicted": {"step_time_s": pred.step_time_s, "images_per_s": pred.samples_per_s,
-                      "avg_power_w": pred.avg_power_w,
-                      "energy_per_image_j": pred.energy_per_sample_j},
-        "first_step_s": compile_s,
-    }
+    cal = calibrate_full(jax.devices()[:1], progress=False, quick=args.quick,
+                         use_cache=False, set_power_limits=not args.no_power_limits)
+    rec = {**cal.to_dict(), "calibration_s": time.perf_counter() - t0}
+    Path(args.calibration).write_text(json.dumps(rec, indent=1) + "\n")
+    s = cal.spec
+    print(f"calibrated {cal.device_kind} in {rec['calibration_s']:.0f} s: "
+          f"{s.peak_flops / 1e12:.1f} Tflop/s main, {(s.peak_flops_f32 or 0) / 1e12:.1f} f32, "
+          f"{s.memory_bandwidth / 1e9:.0f} GB/s, kernel {s.kernel_overhead_s * 1e6:.1f} us, "
+          f"{s.idle_watts:.0f}-{s.max_watts:.0f} W", flush=True)
+    for n in cal.notes:
+        print("  note:", n, flush=True)
+
+
+def model_worker(args: argparse.Namespace) -> None:
+    """Plan, compile and run one model's points, batches ascending; one JSON line each."""
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
+    import jaxwap
+    from jaxwap.calibrate import Calibration
+    from jaxwap.cost import with_compiled
+    from jaxwap.hardware import builtin_for_kind
+    from jaxwap.measure import measure_step
+    from jaxwap.planner import make_plan
+    from jaxwap.solve import solve_mesh
+    from jaxwap.verify import compile_candidate
+
+    device = jax.devices()[0]
+    cal = Calibration.from_dict(json.loads(Path(args.calibration).read_text())) \
+        if args.calibration and Path(args.calibration).exists() else None
+    builtin = jaxwap.Cluster(builtin_for_kind(device.device_kind, device.platform), 1)
+    cluster = jaxwap.Cluster(cal.spec, 1) if cal is not None else builtin
+    rows = Path(args.rows)
+
+    def peak() -> float | None:
+        stats = device.memory_stats() or {}
+        return stats.get("peak_bytes_in_use")
+
+    for batch in sorted(int(b) for b in args.batches.split(",")):
+        for dt in args.dtypes.split(","):
+            kw = {"batch_size": batch, "dtype": jnp.dtype(dt)}
+            w = zoo.small(args.worker, **kw) if args.quick else zoo.WORKLOADS[args.worker](**kw)
+            t0 = time.perf_counter()
+            planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
+                hardware=cluster, num_devices=1, verify=0, cache=False))
+            plan_s = time.perf_counter() - t0
+            r = next(x for x in planned.search.results
+                     if x.d * x.m == 1 and x.variant == "planner")
+            budget = cluster.device.memory_bytes * 0.9
+            on_builtin = solve_mesh(planned.graph, builtin, 1, 1, budget).predicted
+            peak_before = peak()
+            figs, cs = compile_candidate(w.step, planned.layout, r, [device], cluster)
+            fed = with_compiled(r.predicted, figs, cluster, w.batch_size, 1, 1, r.r)
+            data = w.synthetic(0)
+            state = [jax.device_put(x, s) for x, s in
+                     zip(jax.tree_util.tree_leaves(data), cs.in_shardings, strict=True)]
+            n_batch = len(jax.tree_util.tree_leaves(data[-1]))   # the batch comes last
+            del data
+
+            def run(cs: Any = cs, state: list[Any] = state, n_batch: int = n_batch,
+                    treedef: Any = planned.layout.out_treedef) -> None:
+                out = jax.block_until_ready(cs.compiled(*state))
+                new = jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(treedef, out)[:-1])
+                state[: len(state) - n_batch] = new
+
+            t0 = time.perf_counter()
+            run()
+            first_s = time.perf_counter() - t0
+            run()
+            times = []
+            t_end = time.perf_counter() + args.window
+            while len(times) < args.steps or time.perf_counter() < t_end:
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            step_s = statistics.median(times)
+            steps = max(args.steps, int(args.window / step_s) + 1)
+            m = measure_step(run, [device], steps, r.predicted.avg_power_w)
+            peak_after = peak()
+            p = r.predicted
+
+            def pred(x: Any) -> dict[str, float]:
+                return {"step_time_s": x.step_time_s, "avg_power_w": x.avg_power_w,
+                        "energy_per_sample_j": x.energy_per_sample_j,
+                        "memory_bytes": x.peak_memory_bytes,
+                        "compute_s": x.compute_time_s, "utilization": x.utilization}
+
+            row = {"model": args.worker if not args.quick else f"{args.worker}-small",
+                   "batch": w.batch_size, "dtype": jnp.dtype(dt).name,
+                   "layout": sorted({s.name for s in r.strategies}),
+                   "predicted_calibrated": pred(p), "predicted_builtin": pred(on_builtin),
+                   "predicted_with_xla_figures_s": fed.step_time_s,
+                   "compiled": {"memory_bytes": figs.memory_bytes, "flops": figs.flops,
+                                "compile_s": cs.compile_time_s},
+                   "measured": {"step_time_s": step_s, "steps_timed": len(times),
+                                "spread": (max(times) - min(times)) / step_s,
+                                "window_step_time_s": m.step_time_s,
+                                "avg_power_w": m.energy_per_step_j / m.step_time_s,
+                                "energy_per_sample_j": m.energy_per_step_j / w.batch_size,
+                                "energy_source": m.energy_source, "window_steps": m.steps,
+                                "peak_bytes_in_use": peak_after,
+                                "peak_is_this_points": (peak_after is not None and (
+                                    peak_before is None or peak_after > peak_before)),
+                                "first_step_s": first_s, "note": m.note},
+                   "plan_s": plan_s}
+            with rows.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(line(row), flush=True)
+            del state, cs, run
+
+
+# ---------------------------------------------------------------------------- report
+def _pct(pred: float, meas: float) -> str:
+    return f"{100 * (pred / meas - 1):+.0f}%"
+
+
+def line(r: dict[str, Any]) -> str:
+    m, c, b = r["measured"], r["predicted_calibrated"], r["predicted_builtin"]
+    peak = m["peak_bytes_in_use"]
+    return (f"{r['model']:13s} {r['dtype']:8s} {r['batch']:4d}  "
+            f"{m['step_time_s'] * 1e3:8.2f} ms  cal {c['step_time_s'] * 1e3:8.2f} "
+            f"({_pct(c['step_time_s'], m['step_time_s'])})  built-in "
+            f"{b['step_time_s'] * 1e3:8.2f} ({_pct(b['step_time_s'], m['step_time_s'])})  "
+            f"xla-fed {_pct(r['predicted_with_xla_figures_s'], m['step_time_s'])}  "
+            f"{m['avg_power_w']:5.0f} W vs {c['avg_power_w']:5.0f} "
+            f"({_pct(c['avg_power_w'], m['avg_power_w'])}) [{m['energy_source']}]  mem "
+            f"{c['memory_bytes'] / 2**30:.2f} / {r['compiled']['memory_bytes'] / 2**30:.2f} / "
+            + (f"{peak / 2**30:.2f}" if peak else "-") + " GiB")
+
+
+def markdown(rec: dict[str, Any]) -> str:
+    cal = rec.get("calibration") or {}
+    spec = cal.get("spec", {})
+    lines = [f"# One {rec['device']}: measured against predicted", "",
+             f"Command: `{rec['command']}` on {rec['date_utc']}, jax {rec['jax']}. "
+             "**Measured** on the device named; **predicted** by jaxwap's analytic model with "
+             "the profile calibrated there and then (cal) and with the built-in profile of "
+             "the device's kind (built-in); **compiled** is XLA's memory analysis of the "
+             "program run. What runs is the planner's one-device candidate compiled as "
+             "`auto_shard` compiles it. Power is NVML's energy over the window divided by "
+             "its length, unless the source column says modeled.", ""]
+    if spec:
+        lines += [f"Calibrated: {spec.get('peak_flops', 0) / 1e12:.1f} Tflop/s main matmul, "
+                  f"{(spec.get('peak_flops_f32') or 0) / 1e12:.1f} Tflop/s f32, "
+                  f"{spec.get('memory_bandwidth', 0) / 1e9:.0f} GB/s, kernel "
+                  f"{spec.get('kernel_overhead_s', 0) * 1e6:.1f} us, "
+                  f"{spec.get('idle_watts', 0):.0f} W idle, {spec.get('max_watts', 0):.0f} W "
+                  "matmul-bound.", ""]
+        lines += [f"- note: {n}" for n in cal.get("notes", [])] + [""]
+    lines += ["| model | dtype | batch | measured ms | cal ms | built-in ms | XLA-fed | "
+              "measured W | cal W | built-in W | source | mem predicted / compiled / "
+              "peak GiB |", "|" + "---|" * 12]
+    for r in rec["rows"]:
+        m, c, b = r["measured"], r["predicted_calibrated"], r["predicted_builtin"]
+        peak = m["peak_bytes_in_use"]
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['batch']} | {m['step_time_s'] * 1e3:.2f} | "
+            f"{c['step_time_s'] * 1e3:.2f} ({_pct(c['step_time_s'], m['step_time_s'])}) | "
+            f"{b['step_time_s'] * 1e3:.2f} ({_pct(b['step_time_s'], m['step_time_s'])}) | "
+            f"{_pct(r['predicted_with_xla_figures_s'], m['step_time_s'])} | "
+            f"{m['avg_power_w']:.0f} | {c['avg_power_w']:.0f} "
+            f"({_pct(c['avg_power_w'], m['avg_power_w'])}) | {b['avg_power_w']:.0f} "
+            f"({_pct(b['avg_power_w'], m['avg_power_w'])}) | {m['energy_source']} | "
+            f"{c['memory_bytes'] / 2**30:.2f} / {r['compiled']['memory_bytes'] / 2**30:.2f} / "
+            + (f"{peak / 2**30:.2f}{'' if m['peak_is_this_points'] else ' (earlier)'}"
+               if peak else "-") + " |")
+    for f in rec.get("failures", []):
+        lines.append(f"\nNot measured: {f}")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -78,73 +233,127 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for (model, dtype) in sorted({(r["model"], r["dtype"]) for r in rows}):
-        rs = [r for r in rows if r["model"] == model and r["dtype"] == dtype]
-        b = [r["batch"] for r in rs]
-        for ax, key, scale in ((axes[0], "images_per_s", 1), (axes[1], "energy_per_image_j", 1e3)):
-            line, = ax.plot(b, [r["measured"][key] * scale for r in rs], "o-",
-                            label=f"{model} {dtype} measured")
-            ax.plot(b, [r["predicted"][key] * scale for r in rs], "x--",
-                    color=line.get_color(), label=f"{model} {dtype} predicted")
-    axes[0].set_ylabel("images/s")
-    axes[1].set_ylabel("mJ per image")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch per device")
+    labels = [f"{r['model']}\n{r['dtype'][:4]} b{r['batch']}" for r in rows]
+    x = range(len(rows))
+    for ax, key, unit in ((axes[0], "step_time_s", 1e3), (axes[1], "avg_power_w", 1)):
+        ax.plot(x, [r["measured"][key] * unit for r in rows], "o", label="measured")
+        ax.plot(x, [r["predicted_calibrated"][key] * unit for r in rows], "x",
+                label="predicted (calibrated)")
+        ax.plot(x, [r["predicted_builtin"][key] * unit for r in rows], "+",
+                label="predicted (built-in)")
+        ax.set_xticks(list(x), labels, fontsize=6)
         ax.legend(fontsize=7)
+    axes[0].set_ylabel("ms per step")
+    axes[0].set_yscale("log")
+    axes[1].set_ylabel("W")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="alexnet,vgg16")
-    p.add_argument("--batches", default="16,32,64,128,256,512")
-    p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--quick", action="store_true",
-                   help="CPU check: AlexNet, 32 px, batches 8 and 16, fp32, 2 steps")
-    args = p.parse_args()
-    if args.quick:
-        args.models, args.batches, args.dtypes = "alexnet", "8,16", "float32"
-        args.image_size, args.steps = 32, 2
-    cal = jaxwap.calibrate(progress=True, quick=args.quick)
-    cluster = jaxwap.Cluster(cal, 1)
-    device = jax.devices()[0]
-    rows = []
-    print(f"{'model':8s} {'dtype':9s} {'batch':>5s} {'ms meas':>8s} {'ms pred':>8s} "
-          f"{'img/s meas':>10s} {'W meas':>7s} {'mJ/img meas':>11s} {'mJ/img pred':>11s} energy")
+# ---------------------------------------------------------------------------- orchestrator
+def child(argv: list[str], timeout: float, log: Any) -> str | None:
+    """Run this script as a child; None, or why it failed."""
+    cmd = [sys.executable, __file__, *argv]
+    try:
+        p = subprocess.run(cmd, timeout=timeout, stdout=log, stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(argv[:2])}: over its {timeout:.0f} s limit"
+    return None if p.returncode == 0 else f"{' '.join(argv[:2])}: exit status {p.returncode}"
+
+
+def main(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "gpu_sweep_work"
+    work.mkdir(exist_ok=True)
+    cal_path, rows_path = work / "calibration.json", work / "rows.jsonl"
+    rows_path.unlink(missing_ok=True)
+    common = ["--dtypes", args.dtypes, "--steps", str(args.steps), "--window",
+              str(args.window), "--calibration", str(cal_path), "--rows", str(rows_path)]
+    common += ["--quick"] if args.quick else []
+    failures = []
+    if not args.skip_calibration:
+        why = child(["--calibrate-only", *common]
+                    + (["--no-power-limits"] if args.no_power_limits else []),
+                    args.calibration_timeout, sys.stdout)
+        if why:
+            failures.append(f"calibration ({why}): predicted with the built-in profile only")
+            cal_path.unlink(missing_ok=True)
+    t_start = time.perf_counter()
     for name in args.models.split(","):
-        for dt in args.dtypes.split(","):
-            for b in (int(x) for x in args.batches.split(",")):
-                try:
-                    r = run_point(name, b, args.image_size, jnp.dtype(dt), cluster, args.steps)
-                except Exception as e:  # noqa: BLE001 - out of memory at big batches: recorded
-                    print(f"{name:8s} {dt:9s} {b:5d} failed: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:80]}")
-                    continue
-                rows.append(r)
-                m, pr = r["measured"], r["predicted"]
-                print(f"{name:8s} {dt:9s} {b:5d} {m['step_time_s'] * 1e3:8.2f} "
-                      f"{pr['step_time_s'] * 1e3:8.2f} {m['images_per_s']:10.0f} "
-                      f"{m['avg_power_w']:7.0f} {m['energy_per_image_j'] * 1e3:11.3f} "
-                      f"{pr['energy_per_image_j'] * 1e3:11.3f} {m['energy_source']}", flush=True)
+        batches = args.batches or ",".join(str(b) for b in POINTS[name])
+        left = args.total_timeout - (time.perf_counter() - t_start)
+        if left < 20:
+            failures.append(f"{name}: not started, the run's {args.total_timeout:.0f} s spent")
+            continue
+        why = child(["--worker", name, "--batches", batches, *common],
+                    min(args.model_timeout, left), sys.stdout)
+        if why:
+            failures.append(why)
+    rows = [json.loads(x) for x in rows_path.read_text().splitlines()] \
+        if rows_path.exists() else []
+    cal = json.loads(cal_path.read_text()) if cal_path.exists() else None
+    import jax  # only now: the children had the device to themselves
+
+    device = jax.devices()[0]
     kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower())
-    out = ROOT / "benchmarks" / "results" / f"gpu_{kind}{'_quick' if args.quick else ''}"
-    record = {"command": "python benchmarks/gpu_sweep.py " + " ".join(sys.argv[1:]),
-              "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "device": device.device_kind, "platform": device.platform,
-              "jax": jax.__version__, "calibrated_profile": cal.to_dict(),
-              "basis": "measured = run on the device named (energy from NVML unless "
-                       "energy_source says modeled); predicted = jaxwap's model with the "
-                       "calibrated profile",
-              "rows": rows}
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    stem = out / f"gpu_{kind}{'_quick' if args.quick else ''}"
+    rec = {"command": "python benchmarks/gpu_sweep.py " + " ".join(sys.argv[1:]),
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "device": device.device_kind, "platform": device.platform,
+           "host": platform.node(), "jax": jax.__version__, "calibration": cal,
+           "basis": "measured = run on the device named (energy from NVML unless "
+                    "energy_source says modeled); predicted_calibrated / predicted_builtin "
+                    "= jaxwap's analytic model with the calibrated / built-in profile; "
+                    "compiled = XLA's memory analysis of the program run",
+           "rows": rows, "failures": failures}
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rec))
     if rows:
-        plot(rows, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json').relative_to(ROOT)}")
+        plot(rows, stem.with_suffix(".png"))
+    print(markdown(rec))
+    print(f"wrote {stem}.json, .md" + (", .png" if rows else ""))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="alexnet,gpt2,vgg16")
+    p.add_argument("--batches", default=None,
+                   help="comma-separated batch sizes (default: each model's POINTS)")
+    p.add_argument("--dtypes", default="bfloat16")
+    p.add_argument("--steps", type=int, default=20, help="timed steps, at least")
+    p.add_argument("--window", type=float, default=2.0,
+                   help="seconds of steps timed, and of NVML's energy window, at least")
+    p.add_argument("--no-power-limits", action="store_true",
+                   help="calibrate without setting the GPU's power limit")
+    p.add_argument("--skip-calibration", action="store_true",
+                   help="predict with the built-in profile only")
+    p.add_argument("--calibration-timeout", type=float, default=240)
+    p.add_argument("--model-timeout", type=float, default=180)
+    p.add_argument("--total-timeout", type=float, default=420,
+                   help="seconds for all the models together")
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--quick", action="store_true",
+                   help="CPU check: the CI-sized models, batches 8 and 16, float32")
+    # internal: one child's job
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--calibrate-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--calibration", help=argparse.SUPPRESS)
+    p.add_argument("--rows", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick and not (args.worker or args.calibrate_only):
+        args.models = "alexnet,gpt2"
+        args.batches, args.dtypes = args.batches or "8,16", "float32"
+        args.steps, args.window = 2, 0.3
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    a = parse()
+    if a.calibrate_only:
+        calibrate_worker(a)
+    elif a.worker:
+        model_worker(a)
+    else:
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        main(a)

@@ -144,18 +144,23 @@ def _save(cal: Calibration, path: Path) -> None:
 
 def calibrate(devices: Sequence[Any] | None = None, *, progress: bool = True,
               quick: bool = False, directory: Path | None = None,
-              use_cache: bool = True) -> DeviceSpec:
+              use_cache: bool = True, set_power_limits: bool = True) -> DeviceSpec:
     """Measure the profile of the devices present (all of one kind) and cache it.
 
-    `quick` uses smaller sizes (seconds on a CPU). Returns the calibrated `DeviceSpec`;
+    `quick` uses smaller sizes (seconds on a CPU). `set_power_limits=False` leaves the
+    GPUs' power limits alone (a shared machine, or one whose owner forbids it): the
+    power-limit curve is then the built-in profile's, and the record's notes say so; with
+    True (the default) the curve is measured by setting several limits through NVML,
+    each restored before calibration returns. Returns the calibrated `DeviceSpec`;
     `load_calibration(device)` gives the full record with the raw measurements."""
     return calibrate_full(devices, progress=progress, quick=quick, directory=directory,
-                          use_cache=use_cache).spec
+                          use_cache=use_cache, set_power_limits=set_power_limits).spec
 
 
 def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = True,
                    quick: bool = False, directory: Path | None = None,
-                   use_cache: bool = True, notes: Sequence[str] = ()) -> Calibration:
+                   use_cache: bool = True, notes: Sequence[str] = (),
+                   set_power_limits: bool = True) -> Calibration:
     """`calibrate`, returning the whole record (raw measurements, what it was measured on).
 
     `devices` defaults to every device of the run, `jax.devices()`: under jax.distributed
@@ -328,7 +333,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         collective_overhead_s=link["overhead_s"] if linked else base.collective_overhead_s,
         link_buffer_latency_s=fig["link_buffer_latency_s"] if linked
         else base.link_buffer_latency_s,
-        power=measured_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_))
+        power=measured_power_profile(base, dev, watts, fig["memory_watts"], compute, notes_,
+                                     set_limits=set_power_limits))
     topology = {"processes": procs, "devices": len(devs), "devices_per_process": len(local),
                 "written_by_process": me}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,
@@ -370,6 +376,9 @@ def add_command(subparsers: Any) -> argparse.ArgumentParser:
                               "cache it; planning for the devices present then uses it.")
     c.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
     c.add_argument("--fresh", action="store_true", help="ignore a cached calibration")
+    c.add_argument("--no-power-limits", action="store_true",
+                   help="never set a GPU's power limit (the power-limit curve is then the "
+                        "built-in profile's)")
     c.add_argument("--coordinator", metavar="HOST:PORT", help="a cluster: process 0's address")
     c.add_argument("--num-processes", type=int, metavar="N", help="processes in the cluster")
     c.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
@@ -420,7 +429,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             notes.append(f"fell back to one process: jax.distributed did not start "
                          f"({where}): {reason}")
     try:
-        cal = calibrate_full(quick=args.quick, use_cache=not args.fresh, notes=notes)
+        cal = calibrate_full(quick=args.quick, use_cache=not args.fresh, notes=notes,
+                             set_power_limits=not args.no_power_limits)
     except Exception:
         if not started:
             raise

@@ -364,27 +364,32 @@ def measure_clock_curve(
 
 
 def measured_power_profile(base: DeviceSpec, dev: Any, watts: list[float] | None,
-                           memory_w: float, compute: Callable[[], Any], notes: list[str]
+                           memory_w: float, compute: Callable[[], Any], notes: list[str],
+                           *, set_limits: bool = True, nvml: Any = None
                            ) -> PowerProfile | None:
     """The device's power profile: the phases' power as measured (the communication
     phase keeps the built-in profile's share of the dynamic range: no probe isolates it),
     the limits NVML says it accepts, and the clock each limit leaves a compute-bound
     kernel, measured by setting them. Without NVML: the built-in profile; without the
-    right to set limits: the built-in curve, and the notes say why."""
+    right to set limits, or with `set_limits=False` (the caller forbids touching them):
+    the built-in curve, and the notes say why."""
     prior = base.power_profile()
     if watts is None:
         return base.power
     idle, hot = watts
     comm = borrowed(prior, base.idle_watts, idle, max(hot, idle + 1e-9))[1]
-    limits = limit_range_w(dev)
+    limits = limit_range_w(dev, nvml=nvml)
     curve = prior.clock_curve
     if limits is None:
         notes.append("power limits not read (NVML gives no range): the device is planned "
                      "uncapped")
+    elif not set_limits:
+        notes.append("power-limit curve not measured (set_power_limits=False: the limits "
+                     "were left alone): kept the built-in profile's")
     else:
         lo, hi, default = limits
         tried = [float(w) for w in np.linspace(lo, default, 6)[:-1]]
-        got = measure_clock_curve(dev, tried, compute)
+        got = measure_clock_curve(dev, tried, compute, nvml=nvml)
         if isinstance(got, str):
             notes.append(f"power-limit curve not measured ({got}): kept the built-in "
                          f"profile's")

@@ -339,3 +339,47 @@ def test_measure_clock_curve_rejects_limits_outside_range() -> None:
     with pytest.raises(ValueError, match=r"\[50.0\] W are outside gpu:0's allowed range 100-400"):
         measure_clock_curve(GPUS[0], [50.0], lambda: None, nvml=fake)
     assert fake.sets == []
+
+
+def test_calibration_profile_leaves_limits_alone_when_told() -> None:
+    """`calibrate(set_power_limits=False)`'s path: the limits are read, never set, and the
+    curve is the built-in profile's, with a note saying why."""
+    from jaxwap.hardware import device_spec
+    from jaxwap.power_limit import measured_power_profile
+
+    base = device_spec("h100-sxm")
+    fake = FakeNVML(1)
+    notes: list[str] = []
+    prof = measured_power_profile(base, GPUS[0], [70.0, 650.0], 400.0, lambda: None, notes,
+                                  set_limits=False, nvml=fake)
+    assert fake.sets == [] and fake.limits == {0: DEFAULT_MW}
+    assert prof is not None and prof.clock_curve == base.power_profile().clock_curve
+    assert prof.limit_range_w == (100.0, 400.0) and prof.default_limit_w == 300.0
+    assert prof.matmul_watts == 650.0 and prof.memory_watts == 400.0
+    assert any("set_power_limits=False" in n for n in notes)
+
+
+def test_calibration_profile_measures_the_curve_by_setting_limits() -> None:
+    """The default path: five limits below the default are set in turn, the measured
+    curve replaces the built-in one, and the limit found is restored."""
+    from jaxwap.hardware import device_spec
+    from jaxwap.power_limit import measured_power_profile
+
+    base = device_spec("h100-sxm")
+    fake = FakeNVML(1, start_mw=350_000)
+    clock = FakeClock()
+    _, run = _kernel_on(fake, clock)
+    notes: list[str] = []
+    import jaxwap.power_limit as pl
+
+    real_timer = pl.measure_clock_curve.__kwdefaults__["timer"]
+    pl.measure_clock_curve.__kwdefaults__["timer"] = clock
+    try:
+        prof = measured_power_profile(base, GPUS[0], [70.0, 650.0], 400.0, run, notes,
+                                      nvml=fake)
+    finally:
+        pl.measure_clock_curve.__kwdefaults__["timer"] = real_timer
+    assert prof is not None and prof.clock_curve != base.power_profile().clock_curve
+    assert {mw for _, mw in fake.sets} >= {100_000, 140_000, 180_000, 220_000, 260_000}
+    assert fake.limits == {0: 350_000}
+    assert notes == []

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# A lent GPU's session, in one call: what the GPU figures in benchmarks/results come from.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_session.sh        # on the GPU machine, repo root
+#
+# 1. env.txt: the card as found (nvidia-smi; power, clocks: read, never set) and the
+#    packages of the python that runs jaxwap there (PY, default python3, run from the
+#    source tree through PYTHONPATH: nothing is installed).
+# 2. A smoke test that fails fast (a minute, not the lease): `auto_shard` plans, compiles
+#    and runs an MLP's Adam step on the GPU and matches `jax.jit` of the same step.
+# 3. benchmarks/gpu_sweep.py: calibration without touching the power limit, then
+#    AlexNet, VGG-16 and GPT-2 small on one device, measured against predicted.
+# Everything lands under $OUT: env.txt, smoke.txt, gpu_sweep.log and the sweep's files.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi
+  nvidia-smi -q -d POWER,CLOCK,PERFORMANCE,TEMPERATURE
+  $PY -c "import sys, jax, jaxlib, flax, optax, numpy, pynvml, matplotlib; \
+print(sys.version); print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, \
+'flax', flax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__); \
+print(jax.devices())"
+} >"$OUT/env.txt" 2>&1
+tail -3 "$OUT/env.txt"
+
+timeout "${SMOKE_TIMEOUT:-120}" $PY - >"$OUT/smoke.txt" 2>&1 <<'EOF'
+import time
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import jaxwap
+
+t0 = time.perf_counter()
+rng = np.random.default_rng(0)
+params = {f"w{i}": jnp.asarray(rng.standard_normal((512, 512), np.float32) / 23)
+          for i in range(4)}
+tx = optax.adam(1e-3)
+batch = {"x": jnp.asarray(rng.standard_normal((256, 512), np.float32))}
+
+def step(params, opt_state, batch):
+    def loss(p):
+        h = batch["x"]
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"w{i}"])
+        return jnp.mean(h ** 2)
+    l, g = jax.value_and_grad(loss)(params)
+    u, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, u), opt_state, l
+
+opt = tx.init(params)
+want = jax.jit(step)(params, opt, batch)
+sharded = jaxwap.auto_shard(step, params, donate=False, cache=False)
+got = sharded(params, opt, batch)
+err = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+          zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True))
+print(sharded.plan.explain())
+print(f"smoke: auto_shard on {jax.devices()[0].device_kind} matches jax.jit within {err:.2e}"
+      f" ({time.perf_counter() - t0:.1f} s)")
+assert err < 1e-3, err
+EOF
+rc=$?
+tail -2 "$OUT/smoke.txt"
+if [ $rc -ne 0 ]; then echo "smoke test failed ($rc): see smoke.txt"; tail -40 "$OUT/smoke.txt"; exit $rc; fi
+
+$PY benchmarks/gpu_sweep.py --no-power-limits --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_sweep.log"
