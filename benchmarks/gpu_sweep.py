@@ -40,8 +40,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-#: the power benchmark's workloads (`benchmarks/power.py`), and AlexNet at a larger batch
-POINTS = {"alexnet": (128, 512), "gpt2": (8,), "vgg16": (128,)}
+#: the power benchmark's workloads (`benchmarks/power.py`), AlexNet at a larger batch, and
+#: ResNet-50 (batch norm, 1x1 convolutions)
+POINTS = {"alexnet": (128, 512), "gpt2": (8,), "vgg16": (128,), "resnet50": (128,)}
 
 
 # ---------------------------------------------------------------------------- workers
@@ -77,6 +78,7 @@ def model_worker(args: argparse.Namespace) -> None:
     from jaxwap.calibrate import Calibration
     from jaxwap.cost import with_compiled
     from jaxwap.hardware import builtin_for_kind
+    from jaxwap.hlo import library_calls
     from jaxwap.measure import measure_step
     from jaxwap.planner import make_plan
     from jaxwap.solve import solve_mesh
@@ -148,7 +150,8 @@ def model_worker(args: argparse.Namespace) -> None:
                    "predicted_calibrated": pred(p), "predicted_builtin": pred(on_builtin),
                    "predicted_with_xla_figures_s": fed.step_time_s,
                    "compiled": {"memory_bytes": figs.memory_bytes, "flops": figs.flops,
-                                "compile_s": cs.compile_time_s},
+                                "compile_s": cs.compile_time_s,
+                                "library_calls": library_calls(cs.compiled.as_text())},
                    "measured": {"step_time_s": step_s, "steps_timed": len(times),
                                 "spread": (max(times) - min(times)) / step_s,
                                 "window_step_time_s": m.step_time_s,
@@ -317,7 +320,7 @@ def main(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="alexnet,gpt2,vgg16")
+    p.add_argument("--models", default="alexnet,gpt2,vgg16,resnet50")
     p.add_argument("--batches", default=None,
                    help="comma-separated batch sizes (default: each model's POINTS)")
     p.add_argument("--dtypes", default="bfloat16")

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import probes
+from . import accel_probes, probes
 from .comm import ring_fit
 from .device import efficiency_table
 from .dirs import default_cache_dir
@@ -205,13 +205,15 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     bar = Progress(steps, progress, "jaxwap calibrate")
     notes_: list[str] = list(notes)
     base = builtin_for_kind(dev.device_kind, dev.platform)
+    if not on_cpu:   # from its idle clock (`accel_probes`)
+        accel_probes.warm_up(dev)
     f32 = probes.matmul_curve(dev, jnp.float32, sizes, bar)
     bf16 = probes.matmul_curve(dev, jnp.bfloat16, sizes, bar)
     # the device's fast matmul (bf16 on a GPU; f32 on a CPU, whose bf16 is emulated)
     main = bf16 if bf16["peak_flops"] > 1.2 * f32["peak_flops"] else f32
-    dense = probes.matmul_training(dev, jnp.bfloat16 if main is bf16 else jnp.float32,
-                                   dense_sizes, bar)
-    bandwidth = probes.bandwidth(dev, bw_bytes)
+    fast = jnp.bfloat16 if main is bf16 else jnp.float32
+    dense = probes.matmul_training(dev, fast, dense_sizes, bar)
+    bandwidth = (probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
     relayout = probes.layout_change(dev, [256, 2048] if quick else [64, 256, 1024, 2048])
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
@@ -220,13 +222,16 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     # measured against it (convolutions)
     curve = dataclasses.replace(base, matmul_efficiency=efficiency_table(
         dense, main["peak_flops"], overhead))
-    p32 = f32["peak_flops"]
+    # convolutions against matmuls of their dtype: f32 on a CPU; on an accelerator the
+    # fast one, at its scale (the CPU's small shapes time a GPU's launches alone)
+    p32 = f32["peak_flops"] if on_cpu else main["peak_flops"]
 
-    def matmul_s(w: float) -> float:   # an f32 matmul of w flops, its launch excluded
+    def matmul_s(w: float) -> float:   # a matmul of w flops, its launch excluded
         return w / (p32 * float(curve.matmul_eff(w, p32)))
 
     conv_eff, small_conv, small_by_width = probes.conv_rates(
-        dev, lambda w: matmul_s(w) + overhead, quick)
+        dev, lambda w: matmul_s(w) + overhead, quick,
+        *(() if on_cpu else (probes.ACCEL_CONV_SHAPES, fast)))
     tiny_s, tiny_flops = probes.tiny_conv(dev)
     per_tanh = probes.transcendental(dev)
     reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
@@ -241,21 +246,9 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if link is None:
         notes_.append("one device: link bandwidth and latency are the built-in profile's")
     power = None
-    big = jax.device_put(jnp.ones((sizes[-1],) * 2, jnp.bfloat16 if not on_cpu
-                                  else jnp.float32), dev)
-    square = jax.jit(lambda x: x @ x)
-
-    def compute() -> Any:
-        return jax.block_until_ready(square(big))
-
-    stream = jax.jit(lambda v: v * 1.0001 + 1.0)
-
-    @functools.cache
-    def vec() -> Any:   # made only when NVML is there to measure its load
-        return jax.device_put(jnp.ones((bw_bytes // 4,), jnp.float32), dev)
-
+    compute, memory = accel_probes.power_loads(dev, sizes[-1], bw_bytes)
     try:
-        power = probes.power(local, compute, lambda: jax.block_until_ready(stream(vec())))
+        power = accel_probes.power(local, compute, memory)
     except Exception as e:  # noqa: BLE001 - power is optional; the profile says so
         notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
@@ -310,7 +303,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     small_conv = fig["small_input_conv_flops"]
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
-    slow_convs = small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
+    slow_convs = on_cpu and small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
     rates, fresh_cost, layout_cost, dense, reduce_cost = (_table(fig, prefix) for prefix in (
         "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@",
         "reduce_s_per_byte@"))

@@ -381,12 +381,16 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
 def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
                   batch_size: int, d: int = 1, m: int = 1, r: int = 1) -> Prediction:
     """The same cost model fed XLA's figures: memory is XLA's; compute time scales with
-    XLA's flops over the model's, plus the layout changes XLA inserted and the scratch
-    memory it allocates (`DeviceSpec.layout_change_s`, `fresh_memory_s`); communication
+    XLA's flops over the model's (where XLA counts them all: not past library calls),
+    plus the layout changes XLA inserted and the scratch memory it allocates
+    (`DeviceSpec.layout_change_s`, `fresh_memory_s`); communication
     is priced from the collectives XLA actually inserted (data-axis ones overlap backward
     compute, the rest block); the exposure rule and host transfers are the model's own."""
     counted = pred.flops_as_xla_counts
-    scale = figs.flops / counted if counted > 0 and figs.flops > 0 else 1.0
+    # XLA counts no flops for a library call's work (XLA:GPU's cuBLAS and cuDNN): there
+    # the model's flops stand
+    scale = figs.flops / counted if counted > 0 and figs.flops > 0 \
+        and not figs.library_calls else 1.0
     overlappable = blocking = 0.0
     for c in figs.collectives:
         t = collective_cost(c, cluster, d, m, r)[0]

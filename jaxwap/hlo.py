@@ -28,10 +28,24 @@ _INSTR = re.compile(
     r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
     r"(?P<start>-start)?\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
+# calls into a vendor library (cuBLAS matmuls, cuDNN convolutions): XLA's cost analysis
+# gives them no flops
+_LIBRARY_CALL = re.compile(r'custom_call_target="(__cu(?:blas|dnn)[^"]*)"')
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 
 # --------------------------------------------------------------------------- HLO parsing
+def library_calls(text: str) -> dict[str, int]:
+    """{target: count} of the program's calls into a vendor library (XLA:GPU's cuBLAS
+    matmuls and cuDNN convolutions). `Compiled.cost_analysis()` counts no flops for them:
+    on an H200 it gave AlexNet's step 2.5e10 flops of the 7.8e11 its convolutions and
+    matmuls do, GPT-2's 2.5e12 of 7.0e12 (`benchmarks/gpu_sweep.py`, 2026-11-26)."""
+    out: dict[str, int] = {}
+    for target in _LIBRARY_CALL.findall(text):
+        out[target] = out.get(target, 0) + 1
+    return out
+
+
 def _shape_bytes(shape: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(shape):
@@ -267,8 +281,8 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
         bytes_accessed=float(cost.get("bytes accessed", 0.0)), comm_bytes=comm,
         collectives=colls, compile_time_s=compile_time_s, host_bytes=host,
         host_unverified_bytes=unverified,
-        layout_changes=layout_changes(text))
+        layout_changes=layout_changes(text), library_calls=sum(library_calls(text).values()))
 
 
-__all__ = ["axes_of", "compiled_figures", "layout_changes", "parse_collectives",
+__all__ = ["axes_of", "compiled_figures", "layout_changes", "library_calls", "parse_collectives",
            "replica_groups"]

@@ -6,9 +6,9 @@ convolutions with their gradients (their share of the matmul rate) and over maps
 than their window (a backend's generic loop), all-reduces from 4 KiB up (link bandwidth
 and latency), chains of small all-reduces and all-gathers inside a program (what each
 collective costs there), a combined all-reduce of many small buffers (latency per
-buffer), and NVML
-power. `calibrate.py` runs them and keeps the profile; each probe is a plain function of
-devices to figures. The collective probes must be called by every process (SPMD).
+buffer). `accel_probes.py` holds those that mean something on an accelerator alone
+(NVML power among them). `calibrate.py` runs them and keeps the profile; each probe is a
+plain function of devices to figures. The collective probes must be called by every process (SPMD).
 """
 
 from __future__ import annotations
@@ -73,6 +73,18 @@ def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
     return max((float(np.median(tr)) - float(np.median(t1))) / reps, 1e-9)
 
 
+def operand(device: Any, shape: tuple[int, ...], dtype: Any, fan_in: float = 1.0) -> Any:
+    """A probe's operand whose products keep their scale: on a CPU the constant 1/fan_in
+    (its speed does not depend on the data; the CPU figures in benchmarks/results were
+    measured so), on an accelerator N(0, 1/fan_in): a GPU's matmul runs faster and draws
+    less power on predictable data (13% faster on zeros on an H200 here), so its rate and
+    power are measured on data like a training step's."""
+    if device.platform == "cpu":
+        return jax.device_put(jnp.full(shape, 1.0 / fan_in, dtype), device)
+    with jax.default_device(device):
+        return jax.random.normal(jax.random.key(0), shape, dtype) * (fan_in ** -0.5)
+
+
 def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
     """`make(k)` for `in_program`: a function of (v, *rest) that applies `v = link(v,
     *rest)` k times, each link depending on the one before."""
@@ -88,14 +100,14 @@ def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
 def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
                   progress: Progress) -> dict[str, Any]:
     """Seconds per n x n x n matmul inside a program (`in_program`: a chain of them, the
-    weight all 1/n so the values stay 1): slope = 1 / peak, intercept = w_half / peak +
-    launch. Each size is repeated until it holds about eight times the largest size's work
-    (at twice, the largest size's two-matmul difference of two timings swung the peak
-    between 0.5x and 2x the machine's on this 2-core VM)."""
+    weight an `operand` of fan-in n, so the values keep their scale): slope = 1 / peak,
+    intercept = w_half / peak + launch. Each size is repeated until it holds about eight
+    times the largest size's work (at twice, the largest size's two-matmul difference of
+    two timings swung the peak between 0.5x and 2x the machine's on this 2-core VM)."""
     works, times = [], []
     target = 16.0 * float(sizes[-1]) ** 3
     for n in sizes:
-        w = jax.device_put(jnp.full((n, n), 1.0 / n, dtype), device)
+        w = operand(device, (n, n), dtype, n)
         work = 2.0 * n ** 3
         reps = int(min(64, max(2, target // work)))
         works.append(work)
@@ -120,14 +132,13 @@ def matmul_training(device: Any, dtype: Any, sizes: Sequence[int],
     """(flops, seconds) per matmul of dense layers in a training step (`_dense_layers`,
     timed `in_program`): for each n of `sizes`, 4n tokens through n/4 -> n -> n/4
     features, so each matmul is 2n^3 flops, as the square of that size, in the shapes
-    and transposes of a real step (a weight gradient contracts the tokens). Weights 1/k
-    and 1/n keep the values 1. Launches are included."""
+    and transposes of a real step (a weight gradient contracts the tokens). Operands of fan-in
+    k and n (`operand`) keep the values' scale. Launches are included."""
     out = []
     for n in sizes:
         t, k = 4 * n, max(n // 4, 8)
-        x = jax.device_put(jnp.ones((t, k), dtype), device)
-        a = jax.device_put(jnp.full((k, n), 1.0 / k, dtype), device)
-        b = jax.device_put(jnp.full((n, k), 1.0 / n, dtype), device)
+        x, a, b = (operand(device, (t, k), dtype), operand(device, (k, n), dtype, k),
+                   operand(device, (n, k), dtype, n))
         work = 2.0 * t * k * n
         reps = int(min(16, max(2, 4.0 * float(sizes[-1]) ** 3 // (6 * work))))
         out.append((work, in_program(_dense_layers, (x, a, b), reps) / 6))
@@ -206,6 +217,10 @@ def _conv(x: Any, w: Any) -> Any:
 # (batch, spatial, in channels, out channels) of 3x3 convolutions timed with their two
 # gradients: the layers of a small CNN, maps larger than the window
 CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
+# the same at an accelerator's scale, where the small ones time the launch alone: VGG's
+# and ResNet's middle layers at a training batch (0.2-0.7 Tflop each with the gradients)
+ACCEL_CONV_SHAPES = ((64, 56, 128, 128), (64, 56, 256, 256), (64, 28, 512, 512),
+                     (64, 14, 512, 512))
 # 3x3 convolutions over a 2x2 map (the window larger than the input) at the usual CNN
 # widths. On XLA:CPU's generic loop the rate (per tap that lands on the input) is about
 # flat from 64 to 384 channels, and 512 -> 512 runs 3x slower than its neighbours (seen
@@ -225,17 +240,18 @@ def _conv_flops(fn: Callable[..., Any], *args: Any) -> float:
                if op.prim == "conv_general_dilated")
 
 
-def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool
-               ) -> tuple[float, float, dict[int, float]]:
+def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool,
+               shapes: Sequence[tuple[int, int, int, int]] = CONV_SHAPES,
+               dtype: Any = jnp.float32) -> tuple[float, float, dict[int, float]]:
     """(conv_efficiency, small_input_conv_flops, {input features: flop/s}): convolutions
-    (forward and both gradients, f32) against what the f32 matmul curve gives the same
-    work (`matmul_s`: seconds of one f32 matmul of w flops, its launch included), and the
-    flop/s of a convolution whose window is larger than its input, the median and per
-    width. Work is counted as the cost model counts it (`_conv_flops`)."""
+    of `shapes` (forward and both gradients, in `dtype`) against what the matmul curve
+    gives the same work (`matmul_s`: seconds of one matmul of w flops in that dtype, its
+    launch included), and the f32 flop/s of a convolution whose window is larger than its
+    input, the median and per width. Work is counted as the cost model counts it
+    (`_conv_flops`)."""
     as_matmul = measured = 0.0
-    for b, h, c, k in CONV_SHAPES[:2] if quick else CONV_SHAPES:
-        x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
-        w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
+    for b, h, c, k in shapes[:2] if quick else shapes:
+        x, w = operand(device, (b, h, h, c), dtype), operand(device, (3, 3, c, k), dtype, 9 * c)
         f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
         measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
         as_matmul += 3 * matmul_s(_conv_flops(f, x, w) / 3)
@@ -404,28 +420,8 @@ def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
             "bandwidth_Bps": bw, "latency_s": intercept / (2 * (n - 1))}
 
 
-def power(devices: Sequence[Any], compute: Callable[[], Any],
-          memory: Callable[[], Any] | None = None
-          ) -> tuple[float, float, float | None, str] | None:
-    """(idle W, compute-bound W, memory-bound W or None, source) per device from NVML,
-    each the average over a window of at least a second of that load, or None without
-    NVML: the power model's phases, measured."""
-    from .energy import EnergyMeter, measure_energy
-
-    with EnergyMeter(devices) as meter:
-        time.sleep(0.5)
-    idle = meter.reading
-    if idle is None or idle.source == "modeled":
-        return None
-    n = len(devices)
-    loaded, _ = measure_energy(compute, devices, min_window_s=1.0)
-    streamed = measure_energy(memory, devices, min_window_s=1.0)[0] if memory else None
-    return (idle.avg_power_w / n, loaded.avg_power_w / n,
-            streamed.avg_power_w / n if streamed else None, loaded.source)
-
-
-__all__ = ["CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth", "buffer_latency",
-           "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory", "fresh_memory_sizes",
-           "in_place", "in_program", "kernel_overhead", "layout_change", "link_sizes",
-           "matmul_curve", "matmul_training", "power", "reduction", "time_it", "tiny_conv",
-           "transcendental"]
+__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth",
+           "buffer_latency", "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory",
+           "fresh_memory_sizes", "in_place", "in_program", "kernel_overhead", "layout_change",
+           "link_sizes", "matmul_curve", "matmul_training", "operand", "reduction", "time_it",
+           "tiny_conv", "transcendental"]

@@ -196,6 +196,9 @@ class CompiledFigures:
     # ((array bytes, times per step), ...) XLA's layout assignment moves into another
     # layout (`hlo.layout_changes`)
     layout_changes: tuple[tuple[float, int], ...] = ()
+    # calls into a vendor library (cuBLAS, cuDNN): where there are any, `flops` misses
+    # their work (`hlo.library_calls`)
+    library_calls: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

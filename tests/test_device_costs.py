@@ -327,3 +327,33 @@ def test_convolution_kernels_are_moved_as_xla_cpu_moves_them(d):
     # and the analytic prediction carries them at the device's layout-change cost
     assert plan.predicted.layout_change_time_s >= sum(
         n * SPEC.layout_change_s(b) for b, n in want.items())
+
+
+def test_library_calls_keep_the_models_flops_in_the_compiled_prediction():
+    """XLA:GPU's cost analysis counts no flops for cuBLAS and cuDNN calls; a compiled
+    program that makes them is priced on the model's flops, one that makes none on XLA's."""
+    from jaxwap.hlo import library_calls
+
+    gpu_text = ('%c = (bf16[128,55,55,64]{3,2,1,0}, u8[0]{0}) custom-call(%a, %b), '
+                'custom_call_target="__cudnn$convForward", backend_config={}\n'
+                '%d = bf16[128,4096]{1,0} custom-call(%x, %y), '
+                'custom_call_target="__cublas$lt$matmul"\n'
+                '%e = bf16[128,4096]{1,0} custom-call(%x, %y), '
+                'custom_call_target="__cudnn$convBackwardFilter"\n'
+                '%f = f32[4]{0} custom-call(%z), custom_call_target="SomethingElse"\n')
+    assert library_calls(gpu_text) == {"__cudnn$convForward": 1, "__cublas$lt$matmul": 1,
+                                       "__cudnn$convBackwardFilter": 1}
+    step, params, opt, batch = abstract_setup([64, 64, 10], 32, 64)
+    cluster = Cluster(SPEC, 1)
+    planned = make_plan(step, (params, opt, batch), {}, params=None,
+                        options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+    r = next(r for r in planned.search.results if r.d == r.m == 1)
+    figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], cluster)
+    assert figs.library_calls == 0    # XLA:CPU calls no vendor library
+    tenth = dataclasses.replace(figs, flops=r.predicted.flops_as_xla_counts / 10)
+    exact = dataclasses.replace(figs, flops=r.predicted.flops_as_xla_counts)
+    scaled = with_compiled(r.predicted, tenth, cluster, 32)
+    kept = with_compiled(r.predicted, dataclasses.replace(tenth, library_calls=3), cluster, 32)
+    assert scaled.compute_time_s < 0.5 * kept.compute_time_s
+    assert kept.step_time_s == pytest.approx(
+        with_compiled(r.predicted, exact, cluster, 32).step_time_s, rel=1e-12)

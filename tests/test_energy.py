@@ -267,3 +267,17 @@ def test_measure_energy_blocks_on_jax_output_and_caps_repeats() -> None:
     )
     assert n == 3
     assert reading.source == "modeled" and len(reading.joules) == 1
+
+
+def test_accelerator_probes_run_on_any_device_and_power_needs_nvml():
+    """The accelerator probes (`jaxwap.accel_probes`) are plain functions of a device:
+    on a CPU the bandwidth is a positive rate, the loads run and return their arrays, and
+    without NVML the power probe says so (None) rather than inventing watts."""
+    from jaxwap import accel_probes
+
+    dev = jax.devices()[0]
+    bw = accel_probes.stream_bandwidth(dev, 2**22)
+    assert math.isfinite(bw) and bw > 1e8
+    compute, memory = accel_probes.power_loads(dev, 64, 2**16, chain=2)
+    assert compute().shape == (64, 64) and memory().shape == (2**14,)
+    assert accel_probes.power([dev], compute, memory, window_s=0.01) is None
