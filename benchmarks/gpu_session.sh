@@ -10,7 +10,8 @@
 #    and runs an MLP's Adam step on the GPU and matches `jax.jit` of the same step.
 # 3. benchmarks/gpu_sweep.py: calibration without touching the power limit, then
 #    AlexNet, VGG-16 and GPT-2 small on one device, measured against predicted.
-# Everything lands under $OUT: env.txt, smoke.txt, gpu_sweep.log and the sweep's files.
+# Everything lands under $OUT: env.txt (with the smoke test's output), gpu_sweep.log and the
+# sweep's files.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PY:-python3}
@@ -27,7 +28,7 @@ print(jax.devices())"
 } >"$OUT/env.txt" 2>&1
 tail -3 "$OUT/env.txt"
 
-timeout "${SMOKE_TIMEOUT:-120}" $PY - >"$OUT/smoke.txt" 2>&1 <<'EOF'
+timeout "${SMOKE_TIMEOUT:-120}" $PY - >>"$OUT/env.txt" 2>&1 <<'EOF'
 import time
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ print(f"smoke: auto_shard on {jax.devices()[0].device_kind} matches jax.jit with
 assert err < 1e-3, err
 EOF
 rc=$?
-tail -2 "$OUT/smoke.txt"
-if [ $rc -ne 0 ]; then echo "smoke test failed ($rc): see smoke.txt"; tail -40 "$OUT/smoke.txt"; exit $rc; fi
+tail -2 "$OUT/env.txt"
+if [ $rc -ne 0 ]; then echo "smoke test failed ($rc): see env.txt"; tail -40 "$OUT/env.txt"; exit $rc; fi
 
 $PY benchmarks/gpu_sweep.py --no-power-limits --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_sweep.log"

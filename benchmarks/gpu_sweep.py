@@ -136,6 +136,9 @@ def model_worker(args: argparse.Namespace) -> None:
             steps = max(args.steps, int(args.window / step_s) + 1)
             m = measure_step(run, [device], steps, r.predicted.avg_power_w)
             peak_after = peak()
+            if args.trace:   # the first point's kernels, for reading where its time goes
+                trace(run, Path(args.rows).parent / f"trace_{args.worker}_{batch}.xplane.pb")
+                args.trace = False
             p = r.predicted
 
             def pred(x: Any) -> dict[str, float]:
@@ -167,6 +170,23 @@ def model_worker(args: argparse.Namespace) -> None:
                 f.write(json.dumps(row) + "\n")
             print(line(row), flush=True)
             del state, cs, run
+
+
+def trace(run: Any, dest: Path, steps: int = 3) -> None:
+    """Save `steps` steps' profiler trace (XLA's per-kernel events) as one xplane file."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(steps):
+                run()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if files:
+            shutil.copy(files[0], dest)
 
 
 # ---------------------------------------------------------------------------- report
@@ -283,13 +303,14 @@ def main(args: argparse.Namespace) -> None:
             failures.append(f"calibration ({why}): predicted with the built-in profile only")
             cal_path.unlink(missing_ok=True)
     t_start = time.perf_counter()
-    for name in args.models.split(","):
+    for i, name in enumerate(args.models.split(",")):
         batches = args.batches or ",".join(str(b) for b in POINTS[name])
         left = args.total_timeout - (time.perf_counter() - t_start)
         if left < 20:
             failures.append(f"{name}: not started, the run's {args.total_timeout:.0f} s spent")
             continue
-        why = child(["--worker", name, "--batches", batches, *common],
+        why = child(["--worker", name, "--batches", batches, *common]
+                    + (["--trace"] if args.trace and i == 0 else []),
                     min(args.model_timeout, left), sys.stdout)
         if why:
             failures.append(why)
@@ -336,6 +357,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--total-timeout", type=float, default=420,
                    help="seconds for all the models together")
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--trace", action="store_true",
+                   help="save a profiler trace of the first model's first point")
     p.add_argument("--quick", action="store_true",
                    help="CPU check: the CI-sized models, batches 8 and 16, float32")
     # internal: one child's job
