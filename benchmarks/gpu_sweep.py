@@ -117,10 +117,13 @@ def model_worker(args: argparse.Namespace) -> None:
             del data
 
             def run(cs: Any = cs, state: list[Any] = state, n_batch: int = n_batch,
-                    treedef: Any = planned.layout.out_treedef) -> None:
-                out = jax.block_until_ready(cs.compiled(*state))
+                    treedef: Any = planned.layout.out_treedef, block: bool = True) -> Any:
+                out = cs.compiled(*state)
+                if block:
+                    jax.block_until_ready(out)
                 new = jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(treedef, out)[:-1])
                 state[: len(state) - n_batch] = new
+                return out
 
             t0 = time.perf_counter()
             run()
@@ -134,9 +137,16 @@ def model_worker(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
             step_s = statistics.median(times)
             steps = max(args.steps, int(args.window / step_s) + 1)
+            # the same steps queued without a wait between them (a loop that reads no
+            # metric each step): the host's dispatch then hides behind the device's work
+            t0 = time.perf_counter()
+            for _ in range(steps - 1):
+                run(block=False)
+            jax.block_until_ready(run())
+            queued_s = (time.perf_counter() - t0) / steps
             m = measure_step(run, [device], steps, r.predicted.avg_power_w)
             peak_after = peak()
-            if args.trace:   # the first point's kernels, for reading where its time goes
+            if args.trace:   # the model's first point's kernels: where its time goes
                 trace(run, Path(args.rows).parent / f"trace_{args.worker}_{batch}.xplane.pb")
                 args.trace = False
             p = r.predicted
@@ -156,6 +166,7 @@ def model_worker(args: argparse.Namespace) -> None:
                                 "compile_s": cs.compile_time_s,
                                 "library_calls": library_calls(cs.compiled.as_text())},
                    "measured": {"step_time_s": step_s, "steps_timed": len(times),
+                                "queued_step_time_s": queued_s,
                                 "spread": (max(times) - min(times)) / step_s,
                                 "window_step_time_s": m.step_time_s,
                                 "avg_power_w": m.energy_per_step_j / m.step_time_s,
@@ -198,7 +209,8 @@ def line(r: dict[str, Any]) -> str:
     m, c, b = r["measured"], r["predicted_calibrated"], r["predicted_builtin"]
     peak = m["peak_bytes_in_use"]
     return (f"{r['model']:13s} {r['dtype']:8s} {r['batch']:4d}  "
-            f"{m['step_time_s'] * 1e3:8.2f} ms  cal {c['step_time_s'] * 1e3:8.2f} "
+            f"{m['step_time_s'] * 1e3:8.2f} ms (queued {m['queued_step_time_s'] * 1e3:.2f})  "
+            f"cal {c['step_time_s'] * 1e3:8.2f} "
             f"({_pct(c['step_time_s'], m['step_time_s'])})  built-in "
             f"{b['step_time_s'] * 1e3:8.2f} ({_pct(b['step_time_s'], m['step_time_s'])})  "
             f"xla-fed {_pct(r['predicted_with_xla_figures_s'], m['step_time_s'])}  "
@@ -227,14 +239,15 @@ def markdown(rec: dict[str, Any]) -> str:
                   f"{spec.get('idle_watts', 0):.0f} W idle, {spec.get('max_watts', 0):.0f} W "
                   "matmul-bound.", ""]
         lines += [f"- note: {n}" for n in cal.get("notes", [])] + [""]
-    lines += ["| model | dtype | batch | measured ms | cal ms | built-in ms | XLA-fed | "
-              "measured W | cal W | built-in W | source | mem predicted / compiled / "
-              "peak GiB |", "|" + "---|" * 12]
+    lines += ["| model | dtype | batch | measured ms | queued ms | cal ms | built-in ms | "
+              "XLA-fed | measured W | cal W | built-in W | source | mem predicted / compiled / "
+              "peak GiB |", "|" + "---|" * 13]
     for r in rec["rows"]:
         m, c, b = r["measured"], r["predicted_calibrated"], r["predicted_builtin"]
         peak = m["peak_bytes_in_use"]
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {m['step_time_s'] * 1e3:.2f} | "
+            f"{m.get('queued_step_time_s', float('nan')) * 1e3:.2f} | "
             f"{c['step_time_s'] * 1e3:.2f} ({_pct(c['step_time_s'], m['step_time_s'])}) | "
             f"{b['step_time_s'] * 1e3:.2f} ({_pct(b['step_time_s'], m['step_time_s'])}) | "
             f"{_pct(r['predicted_with_xla_figures_s'], m['step_time_s'])} | "
@@ -303,14 +316,14 @@ def main(args: argparse.Namespace) -> None:
             failures.append(f"calibration ({why}): predicted with the built-in profile only")
             cal_path.unlink(missing_ok=True)
     t_start = time.perf_counter()
-    for i, name in enumerate(args.models.split(",")):
+    for name in args.models.split(","):
         batches = args.batches or ",".join(str(b) for b in POINTS[name])
         left = args.total_timeout - (time.perf_counter() - t_start)
         if left < 20:
             failures.append(f"{name}: not started, the run's {args.total_timeout:.0f} s spent")
             continue
         why = child(["--worker", name, "--batches", batches, *common]
-                    + (["--trace"] if args.trace and i == 0 else []),
+                    + (["--trace", name] if name in (args.trace or "").split(",") else []),
                     min(args.model_timeout, left), sys.stdout)
         if why:
             failures.append(why)
@@ -357,8 +370,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--total-timeout", type=float, default=420,
                    help="seconds for all the models together")
     p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--trace", action="store_true",
-                   help="save a profiler trace of the first model's first point")
+    p.add_argument("--trace", metavar="MODELS",
+                   help="comma-separated models whose first point's profiler trace is saved")
     p.add_argument("--quick", action="store_true",
                    help="CPU check: the CI-sized models, batches 8 and 16, float32")
     # internal: one child's job

@@ -13,9 +13,8 @@ process measures its own device, the links are timed by all-reduces over all the
 devices (gloo between CPU processes), and the processes agree on the median of their
 figures so that every process plans with the same profile.
 
-Every figure is measured on the device named; what could not be measured (power without
-NVML, links with one device) keeps the built-in profile's value and says so in the notes.
-"""
+Every figure is measured on the device named; what could not be (power without NVML,
+links with one device) keeps the built-in profile's value, and the notes say so."""
 
 from __future__ import annotations
 
@@ -193,14 +192,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         if hit and cached is not None:
             return dataclasses.replace(cached, notes=cached.notes + tuple(notes))
     on_cpu = dev.platform == "cpu"
-    sizes = [64, 128, 256, 512] if (quick or on_cpu) else [1024, 2048, 4096, 8192]
-    if quick and not on_cpu:
-        sizes = [512, 1024, 2048]
-    bw_bytes = probes.cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
-    # the dense-layer curve also between the sizes: a factor 8 in work between points is
-    # too coarse where the efficiency climbs fastest
-    dense_sizes = sizes if quick else sorted({*sizes, *(
-        16 * round((a * b) ** 0.5 / 16) for a, b in zip(sizes, sizes[1:], strict=False))})
+    sizes, dense_sizes, bw_bytes = probes.sizes_for(on_cpu, quick)
     steps = 2 * len(sizes) + len(dense_sizes) + 6
     bar = Progress(steps, progress, "jaxwap calibrate")
     notes_: list[str] = list(notes)
@@ -232,6 +224,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     conv_eff, small_conv, small_by_width = probes.conv_rates(
         dev, lambda w: matmul_s(w) + overhead, quick,
         *(() if on_cpu else (probes.ACCEL_CONV_SHAPES, fast)))
+    narrow = float("nan") if on_cpu else accel_probes.narrow_conv_efficiency(
+        dev, fast, lambda w: matmul_s(w) + overhead)
     tiny_s, tiny_flops = probes.tiny_conv(dev)
     per_tanh = probes.transcendental(dev)
     reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
@@ -264,6 +258,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
+           "narrow_conv_efficiency": narrow,
            "conv_overhead_s": conv_overhead,
            # a term only where it is slower than the memory it moves (a CPU's polynomials)
            "transcendental_s": per_tanh if per_tanh > 1.5 * 8 / bandwidth else 0.0,
@@ -314,6 +309,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
+        narrow_conv_efficiency=None if math.isnan(fig["narrow_conv_efficiency"])
+        else fig["narrow_conv_efficiency"],
         transcendental_s=fig["transcendental_s"],
         layout_change_cost=layout_cost,
         small_input_conv_flops=small_conv if slow_convs else None,
@@ -338,6 +335,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                        "bandwidth_Bps": fig["memory_bandwidth"],
                        "kernel_overhead_s": fig["kernel_overhead_s"],
                        "conv_efficiency": fig["conv_efficiency"],
+                       "narrow_conv_efficiency": fig["narrow_conv_efficiency"],
                        "conv_overhead_s": fig["conv_overhead_s"],
                        "transcendental_s": fig["transcendental_s"],
                        "layout_change_cost": layout_cost,

@@ -65,7 +65,9 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
-    rate = np.where(graph.conv > 0, rate * dev.conv_efficiency, rate)
+    conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
+                        dev.conv_efficiency)
+    rate = np.where(graph.conv > 0, rate * conv_eff, rate)
     if dev.small_input_conv_flops is not None:
         # the backend's generic convolution loop: no library, no efficiency curve, a rate
         # that depends on the width

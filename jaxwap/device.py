@@ -99,6 +99,11 @@ class DeviceSpec:
         keeping optimizer state in host memory costs per step.
       conv_efficiency: the share of the matmul rate convolutions reach (library
         convolutions such as cuDNN's come close to 1; XLA:CPU's do not): calibrated.
+      narrow_conv_efficiency: the share of the matmul rate a convolution over fewer than 8
+        input channels reaches (`opcost.conv_kind` 3: a CNN's first layer), where it is far
+        below `conv_efficiency` (cuDNN on an H200 here: AlexNet's 11x11 first layer at
+        about 17 Tflop/s forward, 44 its kernel gradient); None: as any convolution.
+        Calibrated on accelerators.
       small_input_conv_flops: flop/s of a convolution whose window is larger than its
         input (a 3x3 kernel over a 2x2 map), which XLA:CPU computes with a generic loop
         far below its library's rate; None: the backend has no such path.
@@ -164,6 +169,7 @@ class DeviceSpec:
     host_bandwidth: float = 25 * GB
     collective_overhead_s: float = 0.0
     conv_efficiency: float = 1.0
+    narrow_conv_efficiency: float | None = None
     small_input_conv_flops: float | None = None
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
     conv_overhead_s: float = 0.0
@@ -190,6 +196,7 @@ class DeviceSpec:
                                    ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
                                    ("host_bandwidth", 0.0, True),
                                    ("conv_efficiency", 0.0, True),
+                                   ("narrow_conv_efficiency", 0.0, True),
                                    ("small_input_conv_flops", 0.0, True),
                                    ("link_buffer_latency_s", 0.0, False),
                                    ("collective_overhead_s", 0.0, False),

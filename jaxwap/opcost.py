@@ -127,10 +127,18 @@ def unbatched_bytes(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray
     return fixed
 
 
+#: fewer input channels than this make a convolution narrow (`conv_kind` 3): the width of
+#: a tensor-core kernel's channel vector (8 bf16 values, 16 bytes)
+NARROW_CHANNELS = 8
+
+
 def conv_kind(eqn: Any) -> int:
     """0: not a convolution; 1: a convolution; 2: one whose (dilated) window is larger
     than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
-    3x3 convolution over a 1x1 or 2x2 map."""
+    3x3 convolution over a 1x1 or 2x2 map; 3: a narrow one, over fewer than
+    NARROW_CHANNELS input channels (a CNN's first layer over RGB: its forward pass has them
+    as its lhs features, its kernel gradient as its lhs batch), which cuDNN runs at a few
+    percent of its rate (`DeviceSpec.narrow_conv_efficiency`)."""
     if eqn.primitive.name != "conv_general_dilated":
         return 0
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
@@ -141,7 +149,7 @@ def conv_kind(eqn: Any) -> int:
     for a, b, dl, dr in zip(lhs_sp, rhs_sp, lhs_dil, rhs_dil, strict=True):
         if (rhs[b] - 1) * dr + 1 > (lhs[a] - 1) * dl + 1:
             return 2
-    return 1
+    return 3 if min(lhs[dn.lhs_spec[0]], lhs[dn.lhs_spec[1]]) < NARROW_CHANNELS else 1
 
 
 def conv_width(eqn: Any) -> int:
@@ -153,5 +161,5 @@ def conv_width(eqn: Any) -> int:
     return int(lhs[eqn.params["dimension_numbers"].lhs_spec[1]])
 
 
-__all__ = ["REDUCTIONS", "TRANSCENDENTAL", "OpCosts", "conv_kind", "conv_width", "eqn_key",
-           "op_costs", "unbatched_bytes"]
+__all__ = ["NARROW_CHANNELS", "REDUCTIONS", "TRANSCENDENTAL", "OpCosts", "conv_kind",
+           "conv_width", "eqn_key", "op_costs", "unbatched_bytes"]

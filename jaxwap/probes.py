@@ -190,6 +190,23 @@ def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     return out
 
 
+def sizes_for(on_cpu: bool, quick: bool) -> tuple[list[int], list[int], int]:
+    """(matmul sizes, dense-layer sizes, bandwidth bytes) of a calibration. The dense-layer
+    curve also runs between the matmul sizes (a factor 8 in work between points is too
+    coarse where the efficiency climbs fastest), rounded to 16 on a CPU and to 256 on an
+    accelerator, whose tensor-core kernels run misaligned sizes far below their rate (on
+    an H200 here 1456 and 2896 at 0.25 and 0.37 of the peak, 2048 and 4096 at 0.89 and
+    1.0), where models' sizes are aligned (768, 3072, 4096)."""
+    sizes = [64, 128, 256, 512] if (quick or on_cpu) else [1024, 2048, 4096, 8192]
+    if quick and not on_cpu:
+        sizes = [512, 1024, 2048]
+    bw_bytes = cpu_bandwidth_bytes() if on_cpu else (16 if quick else 512) * 2**20
+    step = 16 if on_cpu else 256
+    dense = sizes if quick else sorted({*sizes, *(
+        step * round((a * b) ** 0.5 / step) for a, b in zip(sizes, sizes[1:], strict=False))})
+    return sizes, dense, bw_bytes
+
+
 def fresh_memory_sizes(on_cpu: bool, quick: bool) -> list[int]:
     """Sizes for `fresh_memory`: on a CPU both sides of glibc's largest mmap threshold
     (32 MiB: smaller blocks come back from the heap, larger ones are mapped anew)."""
@@ -423,5 +440,5 @@ def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
 __all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth",
            "buffer_latency", "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory",
            "fresh_memory_sizes", "in_place", "in_program", "kernel_overhead", "layout_change",
-           "link_sizes", "matmul_curve", "matmul_training", "operand", "reduction", "time_it",
-           "tiny_conv", "transcendental"]
+           "link_sizes", "matmul_curve", "matmul_training", "operand", "reduction", "sizes_for",
+           "time_it", "tiny_conv", "transcendental"]
