@@ -43,10 +43,11 @@ class OpCosts:
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
     """Flops, memory traffic and kernel launches of every op, for the whole step.
 
-    Free ops cost nothing. A fused elementwise chain writes each result once and reads
-    its inputs from registers; a new fusion (a kernel) starts where no input comes from
-    another fusible op. An op without a roofline rule is priced one flop per output element
-    and its operands' and results' bytes, and named in `unmodeled`.
+    Free ops cost nothing. A fusion of elementwise ops, and of the reductions they feed,
+    moves what XLA's fusions move (`_fused_traffic`); a new fusion (a kernel) starts where
+    no input comes from another fusible op. An op without a roofline rule is priced one
+    flop per output element and its operands' and results' bytes, and named in
+    `unmodeled`.
 
     A rule's figures depend only on the equation's primitive, operand and result avals and
     params, so each distinct equation is priced once (the blocks of a deep model repeat).
@@ -91,8 +92,52 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                 lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
     reductions = np.array([op.prim in REDUCTIONS for op in prog.ops], dtype=bool)
+    traffic = _fused_traffic(prog, kinds, traffic, reductions)
     return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
                    reductions)
+
+
+def _fused_traffic(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,
+                   reductions: np.ndarray) -> np.ndarray:
+    """The bytes each elementwise op and reduction moves as a member of a fusion: it reads
+    the inputs no fusible op made (from memory; a value an elementwise op or a free op of
+    such made is in registers) and writes the results something outside a fusion reads
+    (a matmul, any other heavy op, the step's outputs; through free ops), and a
+    reduction always writes its result. XLA fuses elementwise producers into the
+    reduction that reads them; writing every elementwise result and reading it back
+    (this model's rule before) counted GPT-2's softmax and cross-entropy at 114 GB a step
+    on an H200 where its kernels other than matmuls ran 13 ms (`gpu_sweep.py --trace`,
+    2026-11-26): 57 GB by this rule."""
+    nb, n = prog.nbytes.tolist(), len(prog.vars)
+    fused = [kind == ELEMENTWISE or bool(red) for kind, red in zip(kinds, reductions,
+                                                                    strict=True)]
+    written = [False] * n   # read from memory by something outside a fusion
+    for o in prog.out_ids:
+        written[o] = True
+    for op, kind, f in zip(reversed(prog.ops), reversed(kinds), reversed(fused), strict=True):
+        if kind == FREE:
+            if any(written[o] for o in op.outs):
+                for i in op.ins:
+                    written[i] = True
+        elif not f:
+            for i in op.ins:
+                written[i] = True
+    in_registers = [False] * n
+    out = traffic.copy()
+    for k, (op, kind, f) in enumerate(zip(prog.ops, kinds, fused, strict=True)):
+        if kind == FREE:
+            made = bool(op.ins) and all(in_registers[i] for i in op.ins)
+            for o in op.outs:
+                in_registers[o] = made
+            continue
+        if not f:
+            continue
+        reads = sum(nb[i] for i in set(op.ins) if not in_registers[i])
+        writes = sum(nb[o] for o in op.outs if written[o] or reductions[k])
+        out[k] = (reads + writes) * op.repeat
+        for o in op.outs:
+            in_registers[o] = not reductions[k]
+    return out
 
 
 def eqn_key(eqn: Any) -> Any:
