@@ -46,6 +46,37 @@ POINTS = {"alexnet": (128, 512), "gpt2": (8,), "vgg16": (128,), "resnet50": (128
 
 
 # ---------------------------------------------------------------------------- workers
+def workload(name: str, batch: int, dtype: str, quick: bool) -> Any:
+    import jax.numpy as jnp
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
+    kw = {"batch_size": batch, "dtype": jnp.dtype(dtype)}
+    return zoo.small(name, **kw) if quick else zoo.WORKLOADS[name](**kw)
+
+
+def predict_point(w: Any, cluster: Any, builtin: Any) -> tuple[Any, Any, Any]:
+    """(planned, the one-device candidate, its prediction with the built-in profile): the
+    planner's analytic one-device choice, as `auto_shard` plans it."""
+    import jaxwap
+    from jaxwap.planner import make_plan
+    from jaxwap.solve import solve_mesh
+
+    planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
+        hardware=cluster, num_devices=1, verify=0, cache=False))
+    r = next(x for x in planned.search.results if x.d * x.m == 1 and x.variant == "planner")
+    budget = cluster.device.memory_bytes * 0.9
+    return planned, r, solve_mesh(planned.graph, builtin, 1, 1, budget).predicted
+
+
+def figures(x: Any) -> dict[str, float]:
+    """A prediction's figures as the record keeps them."""
+    return {"step_time_s": x.step_time_s, "avg_power_w": x.avg_power_w,
+            "energy_per_sample_j": x.energy_per_sample_j, "memory_bytes": x.peak_memory_bytes,
+            "compute_s": x.compute_time_s, "utilization": x.utilization}
+
+
 def calibrate_worker(args: argparse.Namespace) -> None:
     """Calibrate the first device (never setting a power limit with --no-power-limits)."""
     import jax
@@ -71,17 +102,12 @@ def model_worker(args: argparse.Namespace) -> None:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import zoo
-
     import jaxwap
     from jaxwap.calibrate import Calibration
     from jaxwap.cost import with_compiled
     from jaxwap.hardware import builtin_for_kind
     from jaxwap.hlo import library_calls
     from jaxwap.measure import measure_step
-    from jaxwap.planner import make_plan
-    from jaxwap.solve import solve_mesh
     from jaxwap.verify import compile_candidate
 
     device = jax.devices()[0]
@@ -97,16 +123,10 @@ def model_worker(args: argparse.Namespace) -> None:
 
     for batch in sorted(int(b) for b in args.batches.split(",")):
         for dt in args.dtypes.split(","):
-            kw = {"batch_size": batch, "dtype": jnp.dtype(dt)}
-            w = zoo.small(args.worker, **kw) if args.quick else zoo.WORKLOADS[args.worker](**kw)
+            w = workload(args.worker, batch, dt, args.quick)
             t0 = time.perf_counter()
-            planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
-                hardware=cluster, num_devices=1, verify=0, cache=False))
+            planned, r, on_builtin = predict_point(w, cluster, builtin)
             plan_s = time.perf_counter() - t0
-            r = next(x for x in planned.search.results
-                     if x.d * x.m == 1 and x.variant == "planner")
-            budget = cluster.device.memory_bytes * 0.9
-            on_builtin = solve_mesh(planned.graph, builtin, 1, 1, budget).predicted
             peak_before = peak()
             figs, cs = compile_candidate(w.step, planned.layout, r, [device], cluster)
             fed = with_compiled(r.predicted, figs, cluster, w.batch_size, 1, 1, r.r)
@@ -151,16 +171,10 @@ def model_worker(args: argparse.Namespace) -> None:
                 args.trace = False
             p = r.predicted
 
-            def pred(x: Any) -> dict[str, float]:
-                return {"step_time_s": x.step_time_s, "avg_power_w": x.avg_power_w,
-                        "energy_per_sample_j": x.energy_per_sample_j,
-                        "memory_bytes": x.peak_memory_bytes,
-                        "compute_s": x.compute_time_s, "utilization": x.utilization}
-
             row = {"model": args.worker if not args.quick else f"{args.worker}-small",
                    "batch": w.batch_size, "dtype": jnp.dtype(dt).name,
                    "layout": sorted({s.name for s in r.strategies}),
-                   "predicted_calibrated": pred(p), "predicted_builtin": pred(on_builtin),
+                   "predicted_calibrated": figures(p), "predicted_builtin": figures(on_builtin),
                    "predicted_with_xla_figures_s": fed.step_time_s,
                    "compiled": {"memory_bytes": figs.memory_bytes, "flops": figs.flops,
                                 "compile_s": cs.compile_time_s,
@@ -205,6 +219,12 @@ def _pct(pred: float, meas: float) -> str:
     return f"{100 * (pred / meas - 1):+.0f}%"
 
 
+def _both(pred: float, m: dict[str, Any]) -> str:
+    """Error against the step waited for, and against the queued step where recorded."""
+    q = m.get("queued_step_time_s")
+    return _pct(pred, m["step_time_s"]) + (f" / {_pct(pred, q)} q" if q else "")
+
+
 def line(r: dict[str, Any]) -> str:
     m, c, b = r["measured"], r["predicted_calibrated"], r["predicted_builtin"]
     peak = m["peak_bytes_in_use"]
@@ -230,7 +250,14 @@ def markdown(rec: dict[str, Any]) -> str:
              "the device's kind (built-in); **compiled** is XLA's memory analysis of the "
              "program run. What runs is the planner's one-device candidate compiled as "
              "`auto_shard` compiles it. Power is NVML's energy over the window divided by "
-             "its length, unless the source column says modeled.", ""]
+             "its length, unless the source column says modeled. Queued: the same steps "
+             "dispatched without waiting for each (the host's dispatch hidden behind the "
+             "device's work); measured: each step waited for, as a loop that reads its loss "
+             "every step runs.", ""]
+    if rec.get("repredicted"):
+        lines += [f"Predictions re-made on {rec['repredicted']['date_utc']} "
+                  f"(`{rec['repredicted']['command']}`): "
+                  f"{rec['repredicted']['note']}.", ""]
     if spec:
         lines += [f"Calibrated: {spec.get('peak_flops', 0) / 1e12:.1f} Tflop/s main matmul, "
                   f"{(spec.get('peak_flops_f32') or 0) / 1e12:.1f} Tflop/s f32, "
@@ -248,8 +275,8 @@ def markdown(rec: dict[str, Any]) -> str:
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['batch']} | {m['step_time_s'] * 1e3:.2f} | "
             f"{m.get('queued_step_time_s', float('nan')) * 1e3:.2f} | "
-            f"{c['step_time_s'] * 1e3:.2f} ({_pct(c['step_time_s'], m['step_time_s'])}) | "
-            f"{b['step_time_s'] * 1e3:.2f} ({_pct(b['step_time_s'], m['step_time_s'])}) | "
+            f"{c['step_time_s'] * 1e3:.2f} ({_both(c['step_time_s'], m)}) | "
+            f"{b['step_time_s'] * 1e3:.2f} ({_both(b['step_time_s'], m)}) | "
             f"{_pct(r['predicted_with_xla_figures_s'], m['step_time_s'])} | "
             f"{m['avg_power_w']:.0f} | {c['avg_power_w']:.0f} "
             f"({_pct(c['avg_power_w'], m['avg_power_w'])}) | {b['avg_power_w']:.0f} "
@@ -284,6 +311,43 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     axes[1].set_ylabel("W")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def repredict(args: argparse.Namespace) -> None:
+    """A recorded run's rows predicted again by the model as it is now (no device needed:
+    planning takes abstract shapes), with the profile calibrated in that run and the
+    built-in one. The measured figures stay as recorded; the predictions made at the run
+    are kept beside the new ones (`predicted_at_run`), and the XLA-fed column, which needs
+    the device's compiled program, is the run's."""
+    import jaxwap
+    from jaxwap.calibrate import Calibration
+    from jaxwap.hardware import builtin_for_kind
+
+    src = Path(args.repredict)
+    rec = json.loads(src.read_text())
+    builtin = jaxwap.Cluster(builtin_for_kind(rec["device"], rec["platform"]), 1)
+    cluster = jaxwap.Cluster(Calibration.from_dict(rec["calibration"]).spec, 1) \
+        if rec.get("calibration") else builtin
+    for row in rec["rows"]:
+        name = row["model"].removesuffix("-small")
+        w = workload(name, row["batch"], row["dtype"], row["model"].endswith("-small"))
+        _, r, on_builtin = predict_point(w, cluster, builtin)
+        row.setdefault("predicted_at_run", {"calibrated": row["predicted_calibrated"],
+                                            "builtin": row["predicted_builtin"]})
+        row["predicted_calibrated"], row["predicted_builtin"] = \
+            figures(r.predicted), figures(on_builtin)
+        print(line(row), flush=True)
+    rec["repredicted"] = {
+        "command": "python benchmarks/gpu_sweep.py " + " ".join(sys.argv[1:]),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "note": "predicted columns re-made by the model at this commit from the recorded "
+                "calibration; measured and compiled columns and the XLA-fed column are "
+                "the run's"}
+    stem = Path(args.out) / src.stem
+    stem.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(rec))
+    plot(rec["rows"], stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md, .png")
 
 
 # ---------------------------------------------------------------------------- orchestrator
@@ -374,6 +438,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated models whose first point's profiler trace is saved")
     p.add_argument("--quick", action="store_true",
                    help="CPU check: the CI-sized models, batches 8 and 16, float32")
+    p.add_argument("--repredict", metavar="JSON",
+                   help="predict a recorded run's rows again with the model as it is now "
+                        "(no device needed); writes under --out")
     # internal: one child's job
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--calibrate-only", action="store_true", help=argparse.SUPPRESS)
@@ -389,7 +456,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     a = parse()
-    if a.calibrate_only:
+    if a.repredict:
+        repredict(a)
+    elif a.calibrate_only:
         calibrate_worker(a)
     elif a.worker:
         model_worker(a)

@@ -304,9 +304,14 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
                    host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM),
+        # datasheet peaks; the convolutions' shares of the matmul rate as `jaxwap calibrate`
+        # measured them on one H200 here (benchmarks/results/gpu_nvidia-h200.json): 0.57
+        # for 3x3 layers at a training batch, 0.029 over 3 input channels (first layers);
+        # idle: nvidia-smi's power samples there before any work, 116 W on average
         DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=79,
+                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=116,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
+                   conv_efficiency=0.57, narrow_conv_efficiency=0.029,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
                    host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
