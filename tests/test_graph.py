@@ -191,3 +191,57 @@ def test_a_column_split_xla_would_not_keep_is_not_offered(name, leaking, megatro
         elif any(f"/{k}/" in p for k in megatron):
             assert j not in graph.tp_leaks, p
             assert kinds == {"none", "col", "row"}, (p, kinds)
+
+
+def test_fused_elementwise_and_reduction_move_what_xla_fusions_move():
+    """A chain of elementwise ops reduced at its end is one fusion: it reads its input
+    and writes the reduced result, not every intermediate (the rule before counted each
+    elementwise result written once more). A result a matmul reads is written once."""
+    from jaxwap.flatten import flatten
+    from jaxwap.graph import op_kinds
+    from jaxwap.opcost import op_costs
+
+    x = jnp.ones((256, 1024), jnp.float32)
+
+    def traffic(f, *args):
+        prog = flatten(jax.make_jaxpr(f)(*args))
+        kinds, _ = op_kinds(prog)
+        return float(op_costs(prog, kinds, roofline_rules()).bytes.sum())
+
+    n = x.size * 4
+    # x read once, the row sums written (and the two scalar constants read)
+    assert traffic(lambda v: jnp.sum(jnp.exp(v * 2.0 - 1.0), axis=-1), x) == \
+        pytest.approx(n + 256 * 4, abs=16)
+    w = jnp.ones((1024, 64), jnp.float32)
+    chained = traffic(lambda v, w: jnp.tanh(v * 2.0 + 1.0) @ w, x, w)
+    matmul = traffic(lambda v, w: v @ w, x, w)
+    # the chain reads x and writes its result
+    assert chained - matmul == pytest.approx(2 * n, abs=16)
+
+
+def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
+    """A convolution over 3 input channels (forward, and its kernel gradient, whose lhs
+    batch the channels become) is kind 3 and takes `narrow_conv_efficiency`; the next
+    layer's are plain convolutions; without the figure (a CPU) narrow ones price as any."""
+    from jaxwap.cost import op_times
+    from jaxwap.device import DeviceSpec
+    from jaxwap.hardware import Cluster
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def loss(p, x):
+        return jnp.sum(conv(jax.nn.relu(conv(x, p["w1"])), p["w2"]) ** 2)
+
+    graph = _analyze(_sgd(loss), {"w1": _f32(3, 3, 3, 16), "w2": _f32(3, 3, 16, 16)},
+                     _f32(32, 16, 16, 3), batch_size=32)
+    kinds = sorted(int(k) for k in graph.conv if k)
+    assert kinds == [1, 1, 1, 3, 3]   # first layer: forward, kernel gradient; second: three
+    plain = DeviceSpec("g", peak_flops=1e14, memory_bandwidth=1e12, memory_bytes=1e10,
+                       idle_watts=50, max_watts=500, conv_efficiency=0.5)
+    narrow = dataclasses.replace(plain, narrow_conv_efficiency=0.05)
+    t0, t1 = (op_times(graph, Cluster(s, 1), 1.0) for s in (plain, narrow))
+    first = graph.conv == 3
+    assert (t1[~first] == t0[~first]).all()
+    assert (t1[first] > 5 * t0[first]).all()
