@@ -52,7 +52,10 @@ CACHE_FORMAT = 1
 # 4: the memory model counts the optimizer's update in place and the combined gradient
 # reduction's copy, and the time model the convolution kernels' layout changes: plans
 # made before hold other predictions (and, under memory pressure, other layouts).
-KEY_FORMAT = 4
+# 5: fused elementwise ops and reductions move only what crosses a fusion's edge,
+# narrow convolutions have a rate of their own, and compiled figures count library calls
+# (XLA:GPU): plans made before were ranked on other times.
+KEY_FORMAT = 5
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.
