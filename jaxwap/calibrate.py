@@ -216,10 +216,10 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         dense, main["peak_flops"], overhead))
     # convolutions against matmuls of their dtype: f32 on a CPU; on an accelerator the
     # fast one, at its scale (the CPU's small shapes time a GPU's launches alone)
-    p32 = f32["peak_flops"] if on_cpu else main["peak_flops"]
+    peak = f32["peak_flops"] if on_cpu else main["peak_flops"]
 
     def matmul_s(w: float) -> float:   # a matmul of w flops, its launch excluded
-        return w / (p32 * float(curve.matmul_eff(w, p32)))
+        return w / (peak * float(curve.matmul_eff(w, peak)))
 
     conv_eff, small_conv, small_by_width = probes.conv_rates(
         dev, lambda w: matmul_s(w) + overhead, quick,

@@ -80,8 +80,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
         flops[k] = cost[0] * op.repeat
         if op.prim in TRANSCENDENTAL:
             trans[k] = float(sum(size[o] for o in op.outs)) * op.repeat
-        if kind == ELEMENTWISE:
-            traffic[k] = out_bytes * op.repeat
+        if kind == ELEMENTWISE:   # its traffic is its fusion's share (`_fused_traffic`)
             kernels[k] = 0.0 if any(fusible[i] for i in op.ins) else float(op.repeat)
             for o in op.outs:
                 fusible[o] = True

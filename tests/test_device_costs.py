@@ -141,13 +141,20 @@ def test_layout_changes_are_read_from_the_compiled_program():
     assert layout_changes(bitcast) == ()
 
 
-def test_compiled_prediction_charges_each_layout_change_at_its_size():
+def _compiled_mlp() -> tuple:
+    """(cluster, one-device candidate, XLA's figures of it) for a small MLP's Adam step
+    on SPEC: what the compiled prediction is made from."""
     step, params, opt, batch = abstract_setup([64, 64, 10], 32, 64)
     cluster = Cluster(SPEC, 1)
     planned = make_plan(step, (params, opt, batch), {}, params=None,
                         options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
     r = next(r for r in planned.search.results if r.d == r.m == 1)
     figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], cluster)
+    return cluster, r, figs
+
+
+def test_compiled_prediction_charges_each_layout_change_at_its_size():
+    cluster, r, figs = _compiled_mlp()
     changes = ((2**14, 1), (2**24, 2))
     base = with_compiled(r.predicted, dataclasses.replace(figs, layout_changes=()), cluster, 32)
     more = with_compiled(r.predicted, dataclasses.replace(figs, layout_changes=changes),
@@ -343,12 +350,7 @@ def test_library_calls_keep_the_models_flops_in_the_compiled_prediction():
                 '%f = f32[4]{0} custom-call(%z), custom_call_target="SomethingElse"\n')
     assert library_calls(gpu_text) == {"__cudnn$convForward": 1, "__cublas$lt$matmul": 1,
                                        "__cudnn$convBackwardFilter": 1}
-    step, params, opt, batch = abstract_setup([64, 64, 10], 32, 64)
-    cluster = Cluster(SPEC, 1)
-    planned = make_plan(step, (params, opt, batch), {}, params=None,
-                        options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
-    r = next(r for r in planned.search.results if r.d == r.m == 1)
-    figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], cluster)
+    cluster, r, figs = _compiled_mlp()
     assert figs.library_calls == 0    # XLA:CPU calls no vendor library
     tenth = dataclasses.replace(figs, flops=r.predicted.flops_as_xla_counts / 10)
     exact = dataclasses.replace(figs, flops=r.predicted.flops_as_xla_counts)

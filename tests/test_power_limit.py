@@ -359,26 +359,23 @@ def test_calibration_profile_leaves_limits_alone_when_told() -> None:
     assert any("set_power_limits=False" in n for n in notes)
 
 
-def test_calibration_profile_measures_the_curve_by_setting_limits() -> None:
+def test_calibration_profile_measures_the_curve_by_setting_limits(monkeypatch) -> None:
     """The default path: five limits below the default are set in turn, the measured
     curve replaces the built-in one, and the limit found is restored."""
+    import functools
+
+    import jaxwap.power_limit as pl
     from jaxwap.hardware import device_spec
-    from jaxwap.power_limit import measured_power_profile
 
     base = device_spec("h100-sxm")
     fake = FakeNVML(1, start_mw=350_000)
     clock = FakeClock()
     _, run = _kernel_on(fake, clock)
     notes: list[str] = []
-    import jaxwap.power_limit as pl
-
-    real_timer = pl.measure_clock_curve.__kwdefaults__["timer"]
-    pl.measure_clock_curve.__kwdefaults__["timer"] = clock
-    try:
-        prof = measured_power_profile(base, GPUS[0], [70.0, 650.0], 400.0, run, notes,
-                                      nvml=fake)
-    finally:
-        pl.measure_clock_curve.__kwdefaults__["timer"] = real_timer
+    monkeypatch.setattr(pl, "measure_clock_curve",
+                        functools.partial(pl.measure_clock_curve, timer=clock))
+    prof = pl.measured_power_profile(base, GPUS[0], [70.0, 650.0], 400.0, run, notes,
+                                     nvml=fake)
     assert prof is not None and prof.clock_curve != base.power_profile().clock_curve
     assert {mw for _, mw in fake.sets} >= {100_000, 140_000, 180_000, 220_000, 260_000}
     assert fake.limits == {0: 350_000}
