@@ -418,7 +418,9 @@ def main(args: argparse.Namespace) -> None:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="alexnet,gpt2,vgg16,resnet50")
+    p.add_argument("--models", default=None,
+                   help="comma-separated (default: alexnet,gpt2,vgg16,resnet50; with "
+                        "--quick alexnet,gpt2)")
     p.add_argument("--batches", default=None,
                    help="comma-separated batch sizes (default: each model's POINTS)")
     p.add_argument("--dtypes", default="bfloat16")
@@ -448,9 +450,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick and not (args.worker or args.calibrate_only):
-        args.models = "alexnet,gpt2"
+        args.models = args.models or "alexnet,gpt2"
         args.batches, args.dtypes = args.batches or "8,16", "float32"
         args.steps, args.window = 2, 0.3
+    args.models = args.models or "alexnet,gpt2,vgg16,resnet50"
     return args
 
 

@@ -1,0 +1,51 @@
+"""The GPU benchmark's code path, run on this CPU (`benchmarks/gpu_sweep.py --quick`).
+
+A lent GPU comes rarely and for minutes, and the benchmark then runs blind: this runs the
+same orchestration here (a calibration child, a model child, the trace, the record) so a
+change that breaks it fails in CI, not on the GPU. The figures are this CPU's, not checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_sweep.py"
+
+
+def _run(*args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)   # one CPU device, as the script sees a GPU machine's one
+    subprocess.run([sys.executable, str(SCRIPT), *args], check=True, env=env, cwd=ROOT,
+                   timeout=600, capture_output=True)
+
+
+def test_gpu_sweep_records_measured_and_predicted_rows_and_repredicts_them(tmp_path):
+    _run("--quick", "--models", "alexnet", "--batches", "8", "--trace", "alexnet",
+         "--out", str(tmp_path))
+    record = json.loads((tmp_path / "gpu_cpu_quick.json").read_text())
+    assert record["failures"] == [] and record["calibration"] is not None
+    (row,) = record["rows"]
+    assert row["model"] == "alexnet-small" and row["batch"] == 8
+    m = row["measured"]
+    assert m["step_time_s"] > 0 and m["queued_step_time_s"] > 0
+    assert m["energy_source"] == "modeled"          # no NVML on a CPU, and it says so
+    for key in ("predicted_calibrated", "predicted_builtin"):
+        assert row[key]["step_time_s"] > 0 and row[key]["memory_bytes"] > 0
+    assert row["compiled"]["memory_bytes"] > 0 and row["compiled"]["library_calls"] == {}
+    assert (tmp_path / "gpu_sweep_work" / "trace_alexnet_8.xplane.pb").stat().st_size > 0
+    assert (tmp_path / "gpu_cpu_quick.md").read_text().count("| alexnet-small |") == 1
+
+    # predictions re-made from the recorded calibration, with no device run: the same
+    # model, the same figures; the run's kept beside them
+    again = tmp_path / "again"
+    again.mkdir()
+    _run("--repredict", str(tmp_path / "gpu_cpu_quick.json"), "--out", str(again))
+    (redone,) = json.loads((again / "gpu_cpu_quick.json").read_text())["rows"]
+    assert redone["predicted_calibrated"] == row["predicted_calibrated"]
+    assert redone["predicted_at_run"]["calibrated"] == row["predicted_calibrated"]
+    assert redone["measured"] == row["measured"]
