@@ -304,9 +304,9 @@ H100_SXM = PowerProfile(matmul_watts=700.0, memory_watts=300.0, comm_watts=145.0
 #   project (benchmarks/results/gpu_nvidia-h200.json, 2026-11-26; limits left alone):
 #   chained bf16 matmuls on random data draw 690 W at the 700 W default limit, elementwise
 #   passes streaming HBM 535 W, idle after work 121 W (nvidia-smi: 116 W on average over
-#   2.4 s before any work, 80-130 W);
-#   training steps there drew 531-698 W. The waiting power keeps the H100's share of the
-#   dynamic range (no probe isolates it); `nvidia-smi -q` there: limits 200-700 W.
+#   2.4 s before any work, 80-130 W); training steps there drew 531-698 W. The waiting
+#   power keeps the H100's share of the dynamic range (no probe isolates it);
+#   `nvidia-smi -q` there: limits 200-700 W.
 H200_SXM = PowerProfile(matmul_watts=690.0, memory_watts=535.0,
                         comm_watts=round(borrowed(H100_SXM, H100_IDLE_W, 116.0, 690.0)[1]),
                         limit_range_w=(200.0, 700.0), default_limit_w=700.0,
