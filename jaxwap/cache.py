@@ -55,7 +55,9 @@ CACHE_FORMAT = 1
 # 5: fused elementwise ops and reductions move only what crosses a fusion's edge,
 # narrow convolutions have a rate of their own, and compiled figures count library calls
 # (XLA:GPU): plans made before were ranked on other times.
-KEY_FORMAT = 5
+# 6: a reduction is priced at what it reduces wherever its input was made, and XLA:CPU's
+# copies of a kernel-gradient convolution's operands are priced: other times again.
+KEY_FORMAT = 6
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import accel_probes, probes
 from .comm import ring_fit
-from .device import efficiency_table
+from .device import BACKEND_FLAGS, efficiency_table
 from .dirs import default_cache_dir
 from .hardware import DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
@@ -76,7 +76,9 @@ class Calibration:
     def from_dict(cls, d: dict[str, Any]) -> Calibration:
         if d.get("format") != CALIBRATION_FORMAT:
             raise ValueError("stale calibration format")
-        return cls(DeviceSpec.from_dict(d["spec"]), d["device_kind"], d["platform"],
+        spec, base = dict(d["spec"]), builtin_for_kind(d["device_kind"], d["platform"])
+        spec.update({f: getattr(base, f) for f in BACKEND_FLAGS if f not in spec})
+        return cls(DeviceSpec.from_dict(spec), d["device_kind"], d["platform"],
                    d["num_devices"], d["jax_version"], d["driver"], d["measurements"],
                    tuple(d["notes"]), int(d.get("num_processes", 1)))
 

@@ -76,13 +76,14 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         for k in np.flatnonzero(slow).tolist():
             rate[k] = dev.small_conv_rate(int(graph.conv_width[k])) * speed
         eff = np.where(slow, 1.0, eff)
-    # transcendental elements are compute as well: at least their calibrated time each
-    trans_t = graph.transcendentals / split * (dev.transcendental_s / speed)
+    trans_t = graph.transcendentals / split * (dev.transcendental_s / speed)  # compute too
     flop_t = np.maximum(f / (rate * np.maximum(eff, 1e-9)), trans_t)
     byte_t = b / (dev.memory_bandwidth * speed)
     if dev.reduction_cost:
-        # a reduction takes at least its measured time at its size, per kernel
-        per = np.where(graph.reduction, b / np.maximum(graph.kernels, 1.0), 0.0)
+        # a reduction takes at least its measured time at its size, per kernel: what it
+        # reduces, or, fused with its producers (`fuses_reductions`), what the fusion reads
+        per = np.where(graph.reduced > 0, b if dev.fuses_reductions
+                       else graph.reduced / split, 0.0) / np.maximum(graph.kernels, 1.0)
         byte_t = np.maximum(byte_t, graph.kernels * dev.reduction_s(per) / speed)
     busy = np.maximum(flop_t, byte_t)
     bound = flop_t > byte_t
@@ -91,6 +92,10 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
         bound &= ~graph.host_transfer
     launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
+    if dev.relayouts_conv_grads and graph.conv_grad_bytes.any():   # two copies first
+        moved = graph.conv_grad_bytes / split
+        busy = busy + (dev.layout_change_s(moved) + moved / dev.memory_bandwidth) / speed
+        launch = launch + np.where(moved > 0, 2.0 * dev.kernel_overhead_s, 0.0)
     return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
             np.where(bound, np.maximum(f / rate, trans_t), 0.0))
 

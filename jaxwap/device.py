@@ -59,6 +59,12 @@ def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
     return got if n.ndim else float(got)
 
 
+# DeviceSpec fields that say what the backend does, not what was measured: a calibration
+# takes them from the backend's built-in profile (records made before one existed too)
+BACKEND_FLAGS = ("combines_collectives", "overlaps_collectives", "relayouts_conv_grads",
+                 "fuses_reductions")
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator as the cost model sees it.
@@ -147,6 +153,14 @@ class DeviceSpec:
       overlaps_collectives: whether the backend runs gradient collectives concurrently
         with the backward pass (XLA:GPU's asynchronous collectives); XLA:CPU runs its
         collectives in line, so none of their time hides.
+      relayouts_conv_grads: whether the backend copies a kernel-gradient convolution's
+        activations and output gradient into another layout before it
+        (`reductions.conv_grad_relayouts`), each copy priced as a layout change
+        (`layout_change_s`). XLA:CPU does; cuDNN reads them as they are.
+      fuses_reductions: whether the backend computes a reduction inside the fusion of the
+        elementwise ops that make its input (XLA:GPU), so that it costs what that fusion
+        reads. XLA:CPU runs reductions as library kernels of their own (YNNPACK), each
+        walking all it reduces: `reduction_cost` is then priced at that input's bytes.
       network_bandwidth: default per-direction bandwidth from one device to another node
         (its share of the node's network adapters), bytes/s: a `Cluster` of several nodes
         takes it unless given `inter_node_bandwidth`.
@@ -181,6 +195,8 @@ class DeviceSpec:
     link_buffer_latency_s: float = 0.0
     combines_collectives: bool = True
     overlaps_collectives: bool = True
+    relayouts_conv_grads: bool = False
+    fuses_reductions: bool = True
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
     power: PowerProfile | None = None
@@ -344,6 +360,7 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
                    link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
                    overlaps_collectives=False, combines_collectives=False,
+                   relayouts_conv_grads=True, fuses_reductions=False,
                    network_bandwidth=1.25 * GB, network_latency_s=50e-6),
     )
 }
@@ -376,4 +393,4 @@ def builtin_device_names() -> tuple[str, ...]:
     return tuple(sorted(_BUILTIN))
 
 
-__all__ = ["GB", "GiB", "DeviceSpec", "builtin_device_names", "device_spec"]
+__all__ = ["BACKEND_FLAGS", "GB", "GiB", "DeviceSpec", "builtin_device_names", "device_spec"]

@@ -52,6 +52,7 @@ from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
 from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import (
+    conv_grad_relayouts,
     conv_relayouts,
     data_reductions,
     grad_repeat,
@@ -172,9 +173,14 @@ class Graph:
     # [ops] the transcendental elements each op evaluates (`opcost.TRANSCENDENTAL`: exp,
     # tanh, ...), priced by `DeviceSpec.transcendental_s`; left out, none
     transcendentals: np.ndarray | None = field(default=None)
-    # [ops] whether each op is a reduction (`opcost.REDUCTIONS`), priced by
-    # `DeviceSpec.reduction_cost` where it has one; left out, none
-    reduction: np.ndarray | None = field(default=None)
+    # [ops] the bytes each reduction (`opcost.REDUCTIONS`) reads, whatever fusion made
+    # them, 0 for other ops: priced by `DeviceSpec.reduction_cost` where it has one;
+    # left out, none
+    reduced: np.ndarray | None = field(default=None)
+    # [ops] the batched operands a kernel-gradient convolution reads, which a backend
+    # copies into another layout first (`reductions.conv_grad_relayouts`,
+    # `DeviceSpec.relayouts_conv_grads`); left out, none
+    conv_grad_bytes: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -187,8 +193,9 @@ class Graph:
             object.__setattr__(self, "conv_width", np.zeros(len(self.flops), np.int64))
         if self.transcendentals is None:
             object.__setattr__(self, "transcendentals", np.zeros(len(self.flops)))
-        if self.reduction is None:
-            object.__setattr__(self, "reduction", np.zeros(len(self.flops), bool))
+        for name in ("reduced", "conv_grad_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.flops)))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
@@ -277,7 +284,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
-        transcendentals=costs.transcendentals, reduction=costs.reductions,
+        transcendentals=costs.transcendentals, reduced=costs.reduced,
+        conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,

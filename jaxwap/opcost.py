@@ -37,7 +37,7 @@ class OpCosts:
     low_precision: np.ndarray
     unmodeled: tuple[str, ...]
     transcendentals: np.ndarray
-    reductions: np.ndarray
+    reduced: np.ndarray
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -91,9 +91,13 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                 lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
     reductions = np.array([op.prim in REDUCTIONS for op in prog.ops], dtype=bool)
+    # what a reduction reads, wherever its input was made: a fusion that ends in a
+    # reduction still walks every element it reduces (`DeviceSpec.reduction_cost`)
+    reduced = np.array([float(sum(nbytes[i] for i in op.ins)) * op.repeat if red else 0.0
+                        for op, red in zip(prog.ops, reductions, strict=True)])
     traffic = _fused_traffic(prog, kinds, traffic, reductions)
     return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
-                   reductions)
+                   reduced)
 
 
 def _fused_traffic(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,

@@ -243,11 +243,11 @@ def test_reductions_take_at_least_their_measured_time_at_their_size():
     g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.mean(x * p["s"], axis=0) ** 2)),
                      {"s": f32((256,), jnp.float32)}, f32((64, 256), jnp.float32),
                      batch_size=64)
-    red = np.flatnonzero(g.reduction)
+    red = np.flatnonzero(g.reduced)
     assert len(red) >= 2            # the mean over the batch, the sum, the gradient's
     slow = dataclasses.replace(SPEC, reduction_cost=((2**10, 1e-8), (2**20, 1e-8)))
     base, more = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, slow))
-    per = g.bytes[red] / g.kernels[red]
+    per = g.bytes[red] / g.kernels[red]     # a fusing backend's: what each fusion reads
     np.testing.assert_allclose(
         more[red], g.kernels[red] * (per * 1e-8 + SPEC.kernel_overhead_s), rtol=1e-9)
     others = np.setdiff1d(np.arange(len(base)), red)
@@ -359,3 +359,49 @@ def test_library_calls_keep_the_models_flops_in_the_compiled_prediction():
     assert scaled.compute_time_s < 0.5 * kept.compute_time_s
     assert kept.step_time_s == pytest.approx(
         with_compiled(r.predicted, exact, cluster, 32).step_time_s, rel=1e-12)
+
+
+def test_a_reduction_of_a_fused_value_is_priced_at_what_it_reduces_on_xla_cpu():
+    """x * s is fused into the mean that reads it (no traffic of its own), but XLA:CPU's
+    reduction kernel still walks all 64 x 256 elements: its reduction cost is of those
+    bytes where the backend runs reductions apart (`DeviceSpec.fuses_reductions`)."""
+    f32 = jax.ShapeDtypeStruct
+    g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.mean(x * p["s"], axis=0) ** 2)),
+                     {"s": f32((256,), jnp.float32)}, f32((64, 256), jnp.float32),
+                     batch_size=64)
+    mean = next(k for k in np.flatnonzero(g.reduced) if g.reduced[k] == 64 * 256 * 4)
+    assert g.bytes[mean] < 64 * 256 * 4        # its input never went through memory
+    slow = dataclasses.replace(SPEC, reduction_cost=((2**10, 1e-8), (2**20, 1e-8)),
+                               fuses_reductions=False)
+    t = op_times(g, Cluster(slow, 1), 1.0)[mean]
+    np.testing.assert_allclose(t, 64 * 256 * 4 * 1e-8 + slow.kernel_overhead_s, rtol=1e-9)
+    # where the backend fuses it with its producer, it costs what the fusion reads
+    fused = dataclasses.replace(slow, fuses_reductions=True)
+    t = op_times(g, Cluster(fused, 1), 1.0)[mean]
+    np.testing.assert_allclose(t, g.bytes[mean] * 1e-8 + slow.kernel_overhead_s, rtol=1e-9)
+
+
+def test_kernel_gradient_convolutions_pay_the_operand_copies_xla_cpu_compiles():
+    """XLA:CPU copies a kernel-gradient convolution's activations and output gradient into
+    another layout (checked here in the compiled program, independent of the model); the
+    model prices those bytes as layout changes where the backend does
+    (`DeviceSpec.relayouts_conv_grads`), and nothing else moves."""
+    f32 = jax.ShapeDtypeStruct
+    x, w = f32((16, 8, 8, 32), jnp.float32), {"w": f32((3, 3, 32, 64), jnp.float32)}
+    step = _sgd(lambda p, x: jnp.sum(jnp.tanh(_conv(x, p["w"])) ** 2))
+    hlo = jax.jit(step).lower(w, x).compile().as_text()
+    copies = {m for m in ("f32[32,8,8,16]", "f32[8,8,16,64]") if m in hlo
+              and any(m in line and "transpose" in line for line in hlo.splitlines())}
+    assert copies == {"f32[32,8,8,16]", "f32[8,8,16,64]"}, hlo
+    g = analyze_step(step, w, x, batch_size=16)
+    grad = np.flatnonzero(g.conv_grad_bytes)
+    # one kernel gradient; it reads the activations and the output's gradient
+    assert g.conv_grad_bytes[grad].tolist() == [(16 * 8 * 8 * 32 + 16 * 8 * 8 * 64) * 4]
+    on = dataclasses.replace(SPEC, relayouts_conv_grads=True)
+    base, more = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, on))
+    moved = g.conv_grad_bytes[grad[0]]
+    np.testing.assert_allclose(more[grad] - base[grad],
+                               on.layout_change_s(moved) + moved / on.memory_bandwidth
+                               + 2 * on.kernel_overhead_s, rtol=1e-9)
+    others = np.setdiff1d(np.arange(len(base)), grad)
+    np.testing.assert_array_equal(more[others], base[others])
