@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import accel_probes, probes
+from . import accel_probes, cpu_probes, probes
 from .comm import ring_fit
 from .device import BACKEND_FLAGS, efficiency_table
 from .dirs import default_cache_dir
@@ -99,6 +100,11 @@ def _driver_version() -> str:
         return "none"
 
 
+def _known(v: float, below: float = math.inf) -> float | None:
+    """A figure, or None where it was not measured (NaN) or is not below `below`."""
+    return None if math.isnan(v) or v >= below else v
+
+
 def _table(fig: dict[str, float], prefix: str) -> tuple[tuple[float, float], ...]:
     """The (size, value) pairs a figure table was flattened to (`prefix` + size keys),
     the entries no process measured (NaN) left out."""
@@ -138,8 +144,6 @@ def _save(cal: Calibration, path: Path) -> None:
         tmp.write_text(json.dumps(cal.to_dict(), indent=1))
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache must not lose the measurement
-        import warnings
-
         warnings.warn(f"could not save the calibration to {path}: {e}", stacklevel=3)
 
 
@@ -229,6 +233,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     narrow = float("nan") if on_cpu else accel_probes.narrow_conv_efficiency(
         dev, fast, lambda w: matmul_s(w) + overhead)
     tiny_s, tiny_flops = probes.tiny_conv(dev)
+    transposed = cpu_probes.transposed_matmul_efficiency(dev) if on_cpu else float("nan")
     per_tanh = probes.transcendental(dev)
     reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
                               overhead)
@@ -260,7 +265,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
-           "narrow_conv_efficiency": narrow,
+           "narrow_conv_efficiency": narrow, "transposed_matmul_efficiency": transposed,
            "conv_overhead_s": conv_overhead,
            # a term only where it is slower than the memory it moves (a CPU's polynomials)
            "transcendental_s": per_tanh if per_tanh > 1.5 * 8 / bandwidth else 0.0,
@@ -289,8 +294,6 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     if watts is None:
         notes_.append("power not measured (no NVML for these devices): idle and max watts "
                       "are the built-in profile's")
-    peak16 = fig["peak_flops"]
-    half = fig["efficiency_half_flops"]
     linked = link is not None
     if linked:   # inside a program: overhead + 2(n-1) or n-1 steps x latency
         ar, ag = fig["all_reduce_s"], fig["all_gather_s"]
@@ -306,13 +309,15 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         "reduce_s_per_byte@"))
     mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
     spec = dataclasses.replace(
-        base, name=f"calibrated {dev.device_kind}", peak_flops=peak16,
+        base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
-        kernel_overhead_s=fig["kernel_overhead_s"], efficiency_half_flops=half,
+        kernel_overhead_s=fig["kernel_overhead_s"],
+        efficiency_half_flops=fig["efficiency_half_flops"],
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
-        narrow_conv_efficiency=None if math.isnan(fig["narrow_conv_efficiency"])
-        else fig["narrow_conv_efficiency"],
+        narrow_conv_efficiency=_known(fig["narrow_conv_efficiency"]),
+        # no slower path where the two rates are alike
+        transposed_matmul_efficiency=_known(fig["transposed_matmul_efficiency"], 0.9),
         transcendental_s=fig["transcendental_s"],
         layout_change_cost=layout_cost,
         small_input_conv_flops=small_conv if slow_convs else None,
@@ -333,16 +338,12 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                       _driver_version(),
                       {"matmul_f32": f32, "matmul_bf16": bf16,
                        "dense_layer_matmul_flops_s": dense, "matmul_efficiency": mm_eff,
-                       "reduction_cost": reduce_cost,
-                       "bandwidth_Bps": fig["memory_bandwidth"],
-                       "kernel_overhead_s": fig["kernel_overhead_s"],
-                       "conv_efficiency": fig["conv_efficiency"],
-                       "narrow_conv_efficiency": fig["narrow_conv_efficiency"],
-                       "conv_overhead_s": fig["conv_overhead_s"],
-                       "transcendental_s": fig["transcendental_s"],
-                       "layout_change_cost": layout_cost,
-                       "small_input_conv_flops": fig["small_input_conv_flops"],
-                       "small_input_conv_rates": rates,
+                       "reduction_cost": reduce_cost, "bandwidth_Bps": fig["memory_bandwidth"],
+                       **{k: fig[k] for k in (
+                           "kernel_overhead_s", "conv_efficiency", "narrow_conv_efficiency",
+                           "transposed_matmul_efficiency", "conv_overhead_s",
+                           "transcendental_s", "small_input_conv_flops")},
+                       "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
                        "fresh_memory_cost": fresh_cost, "link": link,
                        "link_buffer_latency_s": fig["link_buffer_latency_s"],
                        "power_w": watts, "topology": topology, "per_process": per_process},

@@ -68,6 +68,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
                         dev.conv_efficiency)
     rate = np.where(graph.conv > 0, rate * conv_eff, rate)
+    rate = np.where(graph.transposed, rate * (dev.transposed_matmul_efficiency or 1.0), rate)
     if dev.small_input_conv_flops is not None:
         # the backend's generic convolution loop: no library, no efficiency curve, a rate
         # that depends on the width

@@ -110,6 +110,11 @@ class DeviceSpec:
         below `conv_efficiency` (cuDNN on an H200 here: AlexNet's 11x11 first layer at
         about 17 Tflop/s forward, 44 its kernel gradient); None: as any convolution.
         Calibrated on accelerators.
+      transposed_matmul_efficiency: the share of its matmul rate a matmul contracting
+        both operands over a dim that is not their last reaches (`opcost.transposed_matmul`:
+        a dense layer's kernel gradient), where the backend runs those on a slower path
+        (XLA:CPU's generic dot, not its matmul library); None: as any matmul. Calibrated
+        on a CPU.
       small_input_conv_flops: flop/s of a convolution whose window is larger than its
         input (a 3x3 kernel over a 2x2 map), which XLA:CPU computes with a generic loop
         far below its library's rate; None: the backend has no such path.
@@ -184,6 +189,7 @@ class DeviceSpec:
     collective_overhead_s: float = 0.0
     conv_efficiency: float = 1.0
     narrow_conv_efficiency: float | None = None
+    transposed_matmul_efficiency: float | None = None
     small_input_conv_flops: float | None = None
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
     conv_overhead_s: float = 0.0
@@ -213,6 +219,7 @@ class DeviceSpec:
                                    ("host_bandwidth", 0.0, True),
                                    ("conv_efficiency", 0.0, True),
                                    ("narrow_conv_efficiency", 0.0, True),
+                                   ("transposed_matmul_efficiency", 0.0, True),
                                    ("small_input_conv_flops", 0.0, True),
                                    ("link_buffer_latency_s", 0.0, False),
                                    ("collective_overhead_s", 0.0, False),

@@ -49,7 +49,7 @@ from .liveness import (
     step_memory,
 )
 from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
-from .opcost import conv_kind, conv_width, op_costs, unbatched_bytes
+from .opcost import conv_kind, conv_width, op_costs, transposed_matmul, unbatched_bytes
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import (
     conv_grad_relayouts,
@@ -181,6 +181,9 @@ class Graph:
     # copies into another layout first (`reductions.conv_grad_relayouts`,
     # `DeviceSpec.relayouts_conv_grads`); left out, none
     conv_grad_bytes: np.ndarray | None = field(default=None)
+    # [ops] matmuls that contract both operands over a dim that is not their last
+    # (`opcost.transposed_matmul`); left out, none
+    transposed: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -196,6 +199,8 @@ class Graph:
         for name in ("reduced", "conv_grad_bytes"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.flops)))
+        if self.transposed is None:
+            object.__setattr__(self, "transposed", np.zeros(len(self.flops), bool))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
@@ -286,6 +291,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduced=costs.reduced,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
+        transposed=np.array([transposed_matmul(op.eqn) for op in prog.ops], dtype=bool),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,

@@ -200,6 +200,20 @@ def conv_kind(eqn: Any) -> int:
     return 3 if min(lhs[dn.lhs_spec[0]], lhs[dn.lhs_spec[1]]) < NARROW_CHANNELS else 1
 
 
+def transposed_matmul(eqn: Any) -> bool:
+    """Whether a dot_general contracts both operands over a dim that is not their last
+    (a dense layer's kernel gradient, x^T dy; attention's scores transposed against the
+    values), which no swap of the operands makes a plain matmul: XLA:CPU runs it on its
+    generic dot rather than its matmul library (`DeviceSpec.transposed_matmul_efficiency`;
+    2026-11-26, XLA:CPU of jax 0.10.2, 1024x256 by 1024x64 over the 1024: 38-58 Gflop/s
+    on 2 cores where the same work as x @ w ran 110-165)."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    ls, rs = (len(v.aval.shape) for v in eqn.invars[:2])
+    return bool(lc) and ls - 1 not in lc and rs - 1 not in rc
+
+
 def conv_width(eqn: Any) -> int:
     """The input feature count of a convolution (its lhs feature dim), 0 for another op:
     a generic convolution loop's rate depends on it (how its rows sit in cache)."""

@@ -405,3 +405,28 @@ def test_kernel_gradient_convolutions_pay_the_operand_copies_xla_cpu_compiles():
                                + 2 * on.kernel_overhead_s, rtol=1e-9)
     others = np.setdiff1d(np.arange(len(base)), grad)
     np.testing.assert_array_equal(more[others], base[others])
+
+
+def test_a_dense_kernel_gradient_is_a_transposed_matmul_priced_at_its_own_share():
+    """x^T dy contracts both operands over their rows (`opcost.transposed_matmul`: XLA:CPU
+    runs it on its generic dot, checked in the compiled program); the forward x @ w and
+    the input gradient dy w^T do not. Only the kernel gradient's time moves with
+    `DeviceSpec.transposed_matmul_efficiency`."""
+    f32 = jax.ShapeDtypeStruct
+    step = _sgd(lambda p, x: jnp.sum(jnp.tanh(jnp.tanh(x @ p["a"]) @ p["b"]) ** 2))
+    w, x = {"a": f32((256, 128), jnp.float32), "b": f32((128, 64), jnp.float32)}, \
+        f32((512, 256), jnp.float32)
+    hlo = jax.jit(step).lower(w, x).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert " dot(" in entry or "dot_general" in entry      # the generic dot is there
+    g = analyze_step(step, w, x, batch_size=512)
+    mm = np.flatnonzero(g.is_matmul)
+    t = np.flatnonzero(g.transposed)
+    # a's and b's kernel gradients; the two forward matmuls and b's input gradient are not
+    assert len(mm) == 5 and len(t) == 2 and set(t) <= set(mm)
+    assert sorted(g.flops[t].tolist()) == [2 * 512 * 128 * 64, 2 * 512 * 256 * 128]
+    half = dataclasses.replace(SPEC, transposed_matmul_efficiency=0.5)
+    base, slow = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, half))
+    others = np.setdiff1d(np.arange(len(base)), t)
+    np.testing.assert_array_equal(slow[others], base[others])
+    assert (slow[t] > base[t]).all()

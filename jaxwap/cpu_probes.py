@@ -1,0 +1,45 @@
+"""Probes of what XLA:CPU does apart from other backends, for `jaxwap.calibrate` on a CPU
+(`accel_probes` holds the accelerators' own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .probes import _repeated, in_program
+
+# (rows contracted, K, N): a dense layer's kernel gradient at CI and mid sizes
+TRANSPOSED_SHAPES = ((1024, 256, 64), (4096, 256, 64))
+
+
+def _weight_gradient(w: Any, x: Any, d: Any) -> Any:
+    return w * 0.5 + x.T @ (d + w[:1] * 1e-3)          # x^T dy: contracts the rows
+
+
+def _forward(w: Any, x: Any, d: Any) -> Any:
+    return w * 0.5 + (x @ w + d)[: w.shape[0]] * 1e-3   # the same work as x @ w
+
+
+def transposed_matmul_efficiency(device: Any,
+                                 shapes: tuple[tuple[int, int, int], ...] = TRANSPOSED_SHAPES
+                                 ) -> float:
+    """The share of its matmul rate a matmul contracting both operands over their first
+    dim (x^T dy, `opcost.transposed_matmul`) reaches against the same work as x @ w: the
+    median over `shapes` of the two times' ratio, each timed in a dependent chain inside a
+    program (`probes.in_program`), capped at 1. XLA:CPU runs the first on its generic dot,
+    the second in its matmul library."""
+    ratios = []
+    for m, k, n in shapes:
+        w, x, d = (jax.device_put(jnp.full(s, 0.01, jnp.float32), device)
+                   for s in ((k, n), (m, k), (m, n)))
+        # each link's product feeds the next (its input moved by the last weight's row)
+        grad = in_program(_repeated(_weight_gradient), (w, x, d), 8)
+        fwd = in_program(_repeated(_forward), (w, x, d), 8)
+        ratios.append(fwd / grad)
+    return float(min(np.median(ratios), 1.0))
+
+
+__all__ = ["TRANSPOSED_SHAPES", "transposed_matmul_efficiency"]
