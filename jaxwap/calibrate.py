@@ -316,7 +316,6 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
         narrow_conv_efficiency=_known(fig["narrow_conv_efficiency"]),
-        # no slower path where the two rates are alike
         transposed_matmul_efficiency=_known(fig["transposed_matmul_efficiency"], 0.9),
         transcendental_s=fig["transcendental_s"],
         layout_change_cost=layout_cost,

@@ -67,8 +67,8 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
                         dev.conv_efficiency)
-    rate = np.where(graph.conv > 0, rate * conv_eff, rate)
-    rate = np.where(graph.transposed, rate * (dev.transposed_matmul_efficiency or 1.0), rate)
+    rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
+        graph.transposed, dev.transposed_matmul_efficiency or 1.0, 1.0)
     if dev.small_input_conv_flops is not None:
         # the backend's generic convolution loop: no library, no efficiency curve, a rate
         # that depends on the width
@@ -88,8 +88,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         byte_t = np.maximum(byte_t, graph.kernels * dev.reduction_s(per) / speed)
     busy = np.maximum(flop_t, byte_t)
     bound = flop_t > byte_t
-    if graph.host_transfer.any():
-        # residuals a remat policy offloads cross the host link, not device memory
+    if graph.host_transfer.any():   # remat residuals offloaded cross the host link
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
         bound &= ~graph.host_transfer
     launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
