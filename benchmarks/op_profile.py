@@ -15,12 +15,14 @@ one CPU device (one process, XLA on both cores):
   whichever thread of its pool ran it); their durations are summed per step by the same
   kinds. The step's wall time is timed apart, without the profiler.
 
-Kinds: matmuls and convolutions together (XLA's `dot`, its convolutions, and the YNNPACK
-fusions that carry either: their names do not say which), fused elementwise work and
-reductions (`fusion`),
-layout changes XLA inserts that the jaxpr does not have (`copy`, `reverse`, `transpose`;
-the model has no term for them), and the rest. jaxpr ops and XLA operations are not one to
-one (XLA fuses and rewrites), so the comparison is by kind, not by op.
+Kinds, by each operation's name and what its fused computation in the compiled program
+holds: matmuls and convolutions (XLA's `dot`, its convolutions, and the YNNPACK fusions that
+carry either), reductions (YNNPACK's reduction fusions, XLA's reduce and reduce-window
+fusions), other fused elementwise work (`fusion`, XLA's `wrapped_*` ops: broadcasts, iotas,
+scatters), layout changes XLA inserts that the jaxpr does not have (`copy`, `reverse`,
+`transpose`; the model prices a convolution kernel's and a kernel gradient's operands' with
+their convolutions), and the rest. jaxpr ops and XLA operations are not one to one (XLA fuses
+and rewrites), so the comparison is by kind, not by op.
 
 Writes `benchmarks/results/op_profile_cpu.json` and `op_profile_cpu.md`.
 """
@@ -57,39 +59,76 @@ from jaxwap.hardware import detect_cluster  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
 
 MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")
-KINDS = ("matmul and convolution", "fused elementwise/reduce",
+KINDS = ("matmul and convolution", "reduction", "fused elementwise",
          "layout (copy, reverse, transpose)", "other")
 # XLA:CPU's bookkeeping events: not operations of the step
 _BOOKKEEPING = ("ThunkExecutor", "SlinkyThreadPool", "ThreadpoolListener", "end: ")
 
 
-def xla_kind(name: str) -> str:
-    """The kind of an XLA:CPU operation, by the name its thunk event carries."""
+def fused_bodies(hlo: str) -> dict[str, str]:
+    """Each fusion instruction's name -> the text of the computation it calls (and of the
+    computations that one calls), from the compiled program's HLO text: what an XLA:CPU
+    thunk event of that name ran."""
+    comps: dict[str, list[str]] = {}
+    cur = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            cur = comps.setdefault(head.group(1), [])
+        elif cur is not None:
+            cur.append(line)
+
+    def body(name: str, depth: int = 0) -> str:
+        text = "\n".join(comps.get(name, []))
+        if depth < 3:
+            text += "".join(body(c, depth + 1)
+                            for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", text))
+        return text
+
+    return {m.group(1): body(m.group(2)) for m in re.finditer(
+        r"^\s*(?:ROOT )?%([\w.\-]+) = .*?calls=%([\w.\-]+)", hlo, re.M)}
+
+
+def xla_kind(name: str, bodies: dict[str, str]) -> str:
+    """The kind of an XLA:CPU operation, by the name its thunk event carries and what its
+    fused computation holds: YNNPACK's fusions carry matmuls, convolutions or reductions
+    (their names do not say which), XLA's own loop fusions elementwise work, reductions
+    or layout changes (a fusion holding a transpose or reverse counts as one)."""
     base = re.sub(r"\.\d+$", "", name)
-    if base == "dot" or base.startswith(("ynn_fusion", "conv")):
-        return "matmul and convolution"   # YNNPACK's fusions carry matmuls and convolutions
-    if base == "fusion" or base.endswith("_fusion"):
-        return "fused elementwise/reduce"
-    if base in ("copy", "wrapped_reverse", "wrapped_transpose", "transpose", "reverse"):
+    body = bodies.get(name, "")
+    if base == "dot" or base.startswith("conv") or "convolution" in base \
+            or re.search(r" (dot|convolution)\(", body):
+        return "matmul and convolution"
+    if base in ("copy", "wrapped_reverse", "wrapped_transpose", "transpose", "reverse") \
+            or re.search(r" (transpose|reverse)\(", body):
         return "layout (copy, reverse, transpose)"
+    if re.search(r" (reduce|reduce-window)\(", body) or "reduce" in base:
+        return "reduction"
+    if base == "fusion" or base.endswith("_fusion") or base.startswith("wrapped_"):
+        return "fused elementwise"
     return "other"
 
 
 def predicted_by_kind(graph: Any, times: np.ndarray) -> dict[str, float]:
-    """The model's per-op seconds summed by the same kinds (kernel launches included)."""
+    """The model's per-op seconds summed by the same kinds (kernel launches included;
+    a kernel gradient's operand copies, `reductions.conv_grad_relayouts`, with its
+    convolution)."""
     out = dict.fromkeys(KINDS, 0.0)
     for k, t in enumerate(times):
         if graph.conv[k] or graph.is_matmul[k]:
             kind = "matmul and convolution"
+        elif graph.reduced[k]:
+            kind = "reduction"
         elif graph.flops[k] or graph.bytes[k] or graph.kernels[k]:
-            kind = "fused elementwise/reduce"
+            kind = "fused elementwise"
         else:
             kind = "other"
         out[kind] += float(t)
     return out
 
 
-def profile_step(run: Any, steps: int) -> tuple[dict[str, float], float]:
+def profile_step(run: Any, steps: int, bodies: dict[str, str]
+                 ) -> tuple[dict[str, float], float]:
     """Seconds per step of each kind of XLA operation, from a profiler trace of `steps`
     runs (XLA:CPU's thunk events, summed over every thread that ran them), and how many
     operations a step runs."""
@@ -113,7 +152,7 @@ def profile_step(run: Any, steps: int) -> tuple[dict[str, float], float]:
                 continue
             for e in line.events:
                 if not e.name.startswith(_BOOKKEEPING):
-                    out[xla_kind(e.name)] += e.duration_ns * 1e-9 / steps
+                    out[xla_kind(e.name, bodies)] += e.duration_ns * 1e-9 / steps
                     count += 1
     return out, count / steps
 
@@ -124,7 +163,8 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
                         options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
     times = op_times(planned.graph, cluster, 1.0)
     data = w.synthetic(0)
-    f = jax.jit(w.step, donate_argnums=tuple(range(len(data) - 1)))
+    f = jax.jit(w.step, donate_argnums=tuple(range(len(data) - 1))).lower(*data).compile()
+    bodies = fused_bodies(f.as_text())
     state = [jax.device_put(x) for x in data]
 
     def run() -> None:
@@ -138,7 +178,7 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         run()
         walls.append(time.perf_counter() - t0)
-    by_kind, ops = profile_step(run, 3)
+    by_kind, ops = profile_step(run, 3, bodies)
     return {"model": w.name, "predicted_s": predicted_by_kind(planned.graph, times),
             "measured_s": by_kind, "operations_per_step": ops,
             "predicted_kernels": float(planned.graph.kernels.sum()),
