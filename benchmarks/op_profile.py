@@ -7,9 +7,10 @@ The step-time table of `measured.py` says how far the prediction is from the mea
 this says which part of the model is off. For each CI-sized model of `benchmarks/zoo.py` on
 one CPU device (one process, XLA on both cores):
 
-- predicted: jaxwap's per-op times (`cost.op_times`, the compute part of the step time
-  `auto_shard` plans with), with the profile `jaxwap.calibrate` measures here (cached, or
-  measured again with ``--fresh``), summed by kind of op;
+- predicted: the one-device candidate's step time as the planner predicts it, with the
+  profile `jaxwap.calibrate` measures here (cached, or measured again with ``--fresh``):
+  its per-op times (`cost.op_times`) summed by kind of op, and the two terms the model
+  keeps apart from the ops (layout changes, fresh scratch memory);
 - measured: the step compiled by `jax.jit` (state donated, as `auto_shard` compiles it) and
   run under `jax.profiler.trace`. XLA:CPU records every operation it runs (each thunk, on
   whichever thread of its pool ran it); their durations are summed per step by the same
@@ -162,6 +163,9 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
     planned = make_plan(w.step, w.args, {}, params=w.params,
                         options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
     times = op_times(planned.graph, cluster, 1.0)
+    # the one-device candidate's whole prediction: its ops, and the terms of the step the
+    # model keeps apart from them (layout changes XLA inserts, fresh scratch memory)
+    one = next(r for r in planned.search.results if (r.d, r.m) == (1, 1)).predicted
     data = w.synthetic(0)
     f = jax.jit(w.step, donate_argnums=tuple(range(len(data) - 1))).lower(*data).compile()
     bodies = fused_bodies(f.as_text())
@@ -179,10 +183,14 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
         run()
         walls.append(time.perf_counter() - t0)
     by_kind, ops = profile_step(run, 3, bodies)
-    return {"model": w.name, "predicted_s": predicted_by_kind(planned.graph, times),
+    predicted = predicted_by_kind(planned.graph, times)
+    predicted["layout (copy, reverse, transpose)"] += one.layout_change_time_s
+    predicted["fresh memory (inside the ops that write it)"] = one.fresh_memory_time_s
+    return {"model": w.name, "predicted_s": predicted,
             "measured_s": by_kind, "operations_per_step": ops,
             "predicted_kernels": float(planned.graph.kernels.sum()),
-            "predicted_step_s": float(times.sum()), "measured_step_s": float(np.median(walls))}
+            "predicted_step_s": float(one.step_time_s),
+            "measured_step_s": float(np.median(walls))}
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -199,7 +207,11 @@ def markdown(record: dict[str, Any]) -> str:
              f"{(cal['small_input_conv_flops'] or 0) / 1e9:.2f} Gflop/s). Command: "
              f"`{record['command']}`.", "",
              "The op times are summed over both threads of XLA's pool, so their sum may "
-             "exceed the wall time where independent operations overlap.", ""]
+             "exceed the wall time where independent operations overlap. The predicted "
+             "step is the one-device candidate's (what the planner ranks): its ops by "
+             "kind, the layout changes XLA inserts (with the layout kind), and the fresh "
+             "scratch memory the step maps (which XLA's profile counts inside the ops "
+             "that write it).", ""]
     for row in record["rows"]:
         p, m = row["predicted_s"], row["measured_s"]
         lines += [f"**{row['model']}**: step predicted {row['predicted_step_s'] * 1e3:.2f} ms, "
@@ -209,8 +221,10 @@ def markdown(record: dict[str, Any]) -> str:
                   f"{row['predicted_kernels']:.0f} kernels) sum to "
                   f"{sum(m.values()) * 1e3:.2f} ms", "",
                   "| kind | predicted ms | measured ms (XLA profile) |", "|---|---|---|"]
-        lines += [f"| {k} | {p[k] * 1e3:.2f} | {m[k] * 1e3:.2f} |" for k in KINDS
-                  if p[k] or m[k]]
+        lines += [f"| {k} | {p.get(k, 0.0) * 1e3:.2f} | "
+                  f"{m[k] * 1e3:.2f} |" if k in m else f"| {k} | {p[k] * 1e3:.2f} | - |"
+                  for k in (*KINDS, *(k for k in p if k not in KINDS))
+                  if p.get(k) or m.get(k)]
         lines.append("")
     return "\n".join(lines)
 
@@ -232,8 +246,8 @@ def main() -> None:
               f"measured {row['measured_step_s'] * 1e3:8.2f} ms, "
               f"{row['operations_per_step']:.0f} operations summing to "
               f"{sum(row['measured_s'].values()) * 1e3:.2f} ms", flush=True)
-        for k in KINDS:
-            p, m = row["predicted_s"][k], row["measured_s"][k]
+        for k in row["predicted_s"]:
+            p, m = row["predicted_s"][k], row["measured_s"].get(k, float("nan"))
             print(f"    {k:36s} {p * 1e3:9.2f} {m * 1e3:9.2f}")
     record = {"command": "python benchmarks/op_profile.py " + " ".join(sys.argv[1:]),
               "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),

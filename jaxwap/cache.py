@@ -55,8 +55,9 @@ CACHE_FORMAT = 1
 # 5: fused elementwise ops and reductions move only what crosses a fusion's edge,
 # narrow convolutions have a rate of their own, and compiled figures count library calls
 # (XLA:GPU): plans made before were ranked on other times.
-# 6: a reduction is priced at what it reduces wherever its input was made, and XLA:CPU's
-# copies of a kernel-gradient convolution's operands are priced: other times again.
+# 6: on XLA:CPU a reduction is priced at what it reduces wherever its input was made, a
+# kernel-gradient convolution's operand copies are priced, and so is the slower path of
+# matmuls contracting both operands' leading dims: other times again.
 KEY_FORMAT = 6
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
