@@ -118,8 +118,8 @@ def predicted_by_kind(graph: Any, times: np.ndarray) -> dict[str, float]:
     for k, t in enumerate(times):
         if graph.conv[k] or graph.is_matmul[k]:
             kind = "matmul and convolution"
-        elif graph.reduced[k]:
-            kind = "reduction"
+        elif graph.reduced[k] or graph.window_taps[k] or graph.window_grad_elems[k]:
+            kind = "reduction"    # XLA:CPU pools, and their gradients, with reduce-windows
         elif graph.flops[k] or graph.bytes[k] or graph.kernels[k]:
             kind = "fused elementwise"
         else:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -234,6 +235,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         dev, fast, lambda w: matmul_s(w) + overhead)
     tiny_s, tiny_flops = probes.tiny_conv(dev)
     transposed = cpu_probes.transposed_matmul_efficiency(dev) if on_cpu else float("nan")
+    pool_tap, pool_grad = cpu_probes.pooling(dev) if on_cpu else (0.0, 0.0)
     per_tanh = probes.transcendental(dev)
     reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
                               overhead)
@@ -266,6 +268,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
            "narrow_conv_efficiency": narrow, "transposed_matmul_efficiency": transposed,
+           "window_tap_s": pool_tap, "window_grad_s": pool_grad,
            "conv_overhead_s": conv_overhead,
            # a term only where it is slower than the memory it moves (a CPU's polynomials)
            "transcendental_s": per_tanh if per_tanh > 1.5 * 8 / bandwidth else 0.0,
@@ -317,7 +320,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
         narrow_conv_efficiency=_known(fig["narrow_conv_efficiency"]),
         transposed_matmul_efficiency=_known(fig["transposed_matmul_efficiency"], 0.9),
-        transcendental_s=fig["transcendental_s"],
+        transcendental_s=fig["transcendental_s"], window_tap_s=fig["window_tap_s"],
+        window_grad_s=fig["window_grad_s"],
         layout_change_cost=layout_cost,
         small_input_conv_flops=small_conv if slow_convs else None,
         small_input_conv_rates=rates if slow_convs else (),
@@ -341,7 +345,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                        **{k: fig[k] for k in (
                            "kernel_overhead_s", "conv_efficiency", "narrow_conv_efficiency",
                            "transposed_matmul_efficiency", "conv_overhead_s",
-                           "transcendental_s", "small_input_conv_flops")},
+                           "transcendental_s", "small_input_conv_flops", "window_tap_s",
+                           "window_grad_s")},
                        "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
                        "fresh_memory_cost": fresh_cost, "link": link,
                        "link_buffer_latency_s": fig["link_buffer_latency_s"],
@@ -382,12 +387,9 @@ def add_command(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`jaxwap calibrate [--quick] [--fresh] [--coordinator HOST:PORT --num-processes N
-    --process-id I [--timeout S]]`: measure, cache and print the profile.
-
-    `argv` starts with the command's name, "calibrate", as on the command line. The whole
-    command line, with its other commands, is `jaxwap.cli.main`; this entry point stays
-    for callers that run calibration alone (a cluster's worker processes)."""
+    """`jaxwap calibrate [options]` (`add_command`): measure, cache and print the profile.
+    `argv` starts with "calibrate", as on the command line; the whole command line is
+    `jaxwap.cli.main`, this entry point is for calibration alone (a cluster's workers)."""
     p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
     add_command(p.add_subparsers(dest="command", required=True))
     args = p.parse_args(argv)
@@ -429,8 +431,6 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
             raise
         # a peer died mid-way: at exit jax would wait for it (the shutdown barrier) until
         # the heartbeat timeout and then abort; say why and leave now instead
-        import traceback
-
         traceback.print_exc()
         print("jaxwap calibrate: the cluster failed after it started (did a process die?); "
               "leaving now rather than waiting for it", file=sys.stderr, flush=True)

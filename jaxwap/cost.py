@@ -57,8 +57,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     op moves whole whatever its batch share (`Graph.fixed_bytes`: the weights it reads,
     the gradients it writes) is divided by the other split[k] / data[k] ways alone (the
     model axis). An op is compute-bound where its flops, not its bytes, set its roofline
-    time; its work is that time at the full rate (no efficiency loss): what the power
-    model and a power limit act on."""
+    time; its work, that time at the full rate, is what the power model acts on."""
     dev = cluster.device
     f = graph.flops / split
     b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
@@ -77,7 +76,8 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         for k in np.flatnonzero(slow).tolist():
             rate[k] = dev.small_conv_rate(int(graph.conv_width[k])) * speed
         eff = np.where(slow, 1.0, eff)
-    trans_t = graph.transcendentals / split * (dev.transcendental_s / speed)  # compute too
+    trans_t = (graph.transcendentals * dev.transcendental_s + graph.window_taps  # compute
+               * dev.window_tap_s + graph.window_grad_elems * dev.window_grad_s) / split / speed
     flop_t = np.maximum(f / (rate * np.maximum(eff, 1e-9)), trans_t)
     byte_t = b / (dev.memory_bandwidth * speed)
     if dev.reduction_cost:

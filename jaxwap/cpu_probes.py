@@ -42,4 +42,26 @@ def transposed_matmul_efficiency(device: Any,
     return float(min(np.median(ratios), 1.0))
 
 
-__all__ = ["TRANSPOSED_SHAPES", "transposed_matmul_efficiency"]
+def _pool(v: Any, stride: int = 1) -> Any:   # a 3x3 max pool; at stride 1 it chains
+    return jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                                 (1, stride, stride, 1), "SAME")
+
+
+def _pool_grad(v: Any) -> Any:   # a CNN's pool, at stride 2; its gradient has v's shape
+    return v + jax.grad(lambda u: jnp.sum(_pool(u, 2) * 1e-3))(v)
+
+
+def pooling(device: Any, shape: tuple[int, ...] = (8, 32, 32, 32)) -> tuple[float, float]:
+    """(seconds per window tap of a 3x3 max pool, seconds per element of its gradient's
+    result at stride 2, as CNNs pool): each timed in a chain inside a program
+    (`probes.in_program`) on an f32 map of `shape` (1 MiB); the gradient's link also pools
+    forward, which is taken out."""
+    x = jax.device_put(jnp.linspace(0.0, 1.0, int(np.prod(shape)), dtype=jnp.float32)
+                       .reshape(shape), device)
+    per_tap = in_program(_repeated(_pool), (x,), 4) / (float(np.prod(shape)) * 9)
+    taps = float(np.prod(jax.eval_shape(lambda u: _pool(u, 2), x).shape)) * 9
+    grad = in_program(_repeated(_pool_grad), (x,), 4) - per_tap * taps
+    return per_tap, max(grad, 0.0) / float(np.prod(shape))
+
+
+__all__ = ["TRANSPOSED_SHAPES", "pooling", "transposed_matmul_efficiency"]

@@ -132,6 +132,16 @@ class DeviceSpec:
         as polynomials, several times slower than its memory (about 1 ns per element on
         this project's 2-core VM); a GPU's special-function units keep them memory-bound,
         so the built-ins have 0 (no term). Calibrated, from tanh.
+      window_tap_s: seconds per window tap of a pooling op (a max pool,
+        `opcost.window_taps`); it takes at least its taps times this. Calibrated on a CPU;
+        0 elsewhere (no term).
+      window_grad_s: seconds per element of a pooling gradient's result (select-and-
+        scatter, the un-pooled map): XLA:CPU computes it as a reduce-window over the values
+        and four index arrays of that map, then a scatter into it, a cost that follows the
+        map's size more than the window's (2x2 and 3x3 windows at stride 2: 3.2-10 and
+        4.3-10 ns per element here). ResNet-50-small's one max pool's gradient took 0.7 ms
+        of a 5.6 ms step on one core, priced at nothing before. Calibrated on a CPU; 0
+        elsewhere (no term).
       layout_change_cost: ((array bytes, seconds per byte), ...) that moving an array
         into another layout adds (a physical transpose XLA's layout assignment inserts,
         `hlo.layout_changes`): XLA:CPU's loop fusions read one side across rows, about as
@@ -194,6 +204,8 @@ class DeviceSpec:
     small_input_conv_rates: tuple[tuple[int, float], ...] = ()
     conv_overhead_s: float = 0.0
     transcendental_s: float = 0.0
+    window_tap_s: float = 0.0
+    window_grad_s: float = 0.0
     layout_change_cost: tuple[tuple[float, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     reduction_cost: tuple[tuple[float, float], ...] = ()
@@ -225,6 +237,8 @@ class DeviceSpec:
                                    ("collective_overhead_s", 0.0, False),
                                    ("conv_overhead_s", 0.0, False),
                                    ("transcendental_s", 0.0, False),
+                                   ("window_tap_s", 0.0, False),
+                                   ("window_grad_s", 0.0, False),
                                    ("network_bandwidth", 0.0, True),
                                    ("network_latency_s", 0.0, False)):
             v = getattr(self, field)

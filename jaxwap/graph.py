@@ -184,6 +184,11 @@ class Graph:
     # [ops] matmuls that contract both operands over a dim that is not their last
     # (`opcost.transposed_matmul`); left out, none
     transposed: np.ndarray | None = field(default=None)
+    # [ops] the window taps each pooling op visits (`opcost.window_taps`), and the
+    # elements of each pooling gradient's result (`DeviceSpec.window_tap_s`,
+    # `window_grad_s`); left out, none
+    window_taps: np.ndarray | None = field(default=None)
+    window_grad_elems: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -196,7 +201,7 @@ class Graph:
             object.__setattr__(self, "conv_width", np.zeros(len(self.flops), np.int64))
         if self.transcendentals is None:
             object.__setattr__(self, "transcendentals", np.zeros(len(self.flops)))
-        for name in ("reduced", "conv_grad_bytes"):
+        for name in ("reduced", "conv_grad_bytes", "window_taps", "window_grad_elems"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.flops)))
         if self.transposed is None:
@@ -290,6 +295,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduced=costs.reduced,
+        window_taps=costs.window_taps, window_grad_elems=costs.window_grad_elems,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
         transposed=np.array([transposed_matmul(op.eqn) for op in prog.ops], dtype=bool),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,

@@ -28,6 +28,24 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
                         "reduce_and", "reduce_or", "argmax", "argmin"})
 
 
+# pooling windows, which jax's roofline prices at nothing: each output (of a gradient,
+# each source element) visits every tap of its window (`window_taps`)
+WINDOW_OPS = frozenset({"reduce_window_max", "reduce_window_min", "reduce_window_sum",
+                        "reduce_window"})
+WINDOW_GRAD_OPS = frozenset({"select_and_scatter_add", "select_and_scatter",
+                             "select_and_gather_add"})
+
+
+def window_taps(eqn: Any) -> float:
+    """The window taps a pooling op visits: its output's elements (a select-and-scatter:
+    its source's, the pooled gradient) times its window's size; 0 for another op."""
+    if eqn.primitive.name not in WINDOW_OPS | WINDOW_GRAD_OPS:
+        return 0.0
+    each = eqn.invars[0] if eqn.primitive.name.startswith("select_and_scatter") \
+        else eqn.outvars[0]
+    return float(np.prod(each.aval.shape) * np.prod(eqn.params["window_dimensions"]))
+
+
 @dataclass(frozen=True)
 class OpCosts:
     flops: np.ndarray
@@ -38,6 +56,8 @@ class OpCosts:
     unmodeled: tuple[str, ...]
     transcendentals: np.ndarray
     reduced: np.ndarray
+    window_taps: np.ndarray        # pooling's forward ops (`window_taps`)
+    window_grad_elems: np.ndarray  # its gradients' results' elements
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -56,6 +76,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
     # (python lists: fast to index one by one; the sums add the same float64 values)
     size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
     flops, traffic, kernels, trans = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    pool, pool_grad = np.zeros(n), np.zeros(n)
     lowp = np.zeros(n, bool)
     fusible = [False] * len(V)  # made by an elementwise or free op
     priced: dict[Any, tuple[float, float] | None] = {}
@@ -73,6 +94,13 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             if cost is priced:
                 cost = priced[key] = rules.cost(op.eqn)
         out_bytes = float(sum(nbytes[o] for o in op.outs))
+        taps = window_taps(op.eqn)
+        if taps:   # a compare or add per tap; its operands read, its result written
+            if op.prim in WINDOW_OPS:
+                pool[k] = taps * op.repeat
+            else:
+                pool_grad[k] = float(sum(size[o] for o in op.outs)) * op.repeat
+            cost = (taps, float(sum(nbytes[i] for i in op.ins)) + out_bytes)
         if cost is None:
             unmodeled.add(op.prim)
             cost = (float(sum(size[o] for o in op.outs)),
@@ -97,7 +125,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                         for op, red in zip(prog.ops, reductions, strict=True)])
     traffic = _fused_traffic(prog, kinds, traffic, reductions)
     return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
-                   reduced)
+                   reduced, pool, pool_grad)
 
 
 def _fused_traffic(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,

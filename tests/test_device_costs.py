@@ -430,3 +430,34 @@ def test_a_dense_kernel_gradient_is_a_transposed_matmul_priced_at_its_own_share(
     others = np.setdiff1d(np.arange(len(base)), t)
     np.testing.assert_array_equal(slow[others], base[others])
     assert (slow[t] > base[t]).all()
+
+
+def test_max_pooling_and_its_gradient_are_priced_per_tap_and_per_element():
+    """jax's roofline prices reduce_window_max and select_and_scatter_add at nothing; each
+    is priced at its window taps and its operands' bytes, and at least the calibrated
+    `window_tap_s` per tap (the pool) or `window_grad_s` per element of its result (the
+    gradient, the un-pooled map). XLA:CPU's gradient is the slow expansion the figure
+    stands for (a reduce-window over index arrays, then a scatter: checked in the compiled
+    program)."""
+    f32 = jax.ShapeDtypeStruct
+
+    def pool(v):
+        return jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                                     "SAME")
+
+    step = _sgd(lambda p, x: jnp.sum(pool(_conv(x, p["w"])) ** 2))
+    w, x = {"w": f32((3, 3, 8, 16), jnp.float32)}, f32((4, 16, 16, 8), jnp.float32)
+    hlo = jax.jit(step).lower(w, x).compile().as_text()
+    assert "reduce-window" in hlo and "scatter" in hlo
+    g = analyze_step(step, w, x, batch_size=4)
+    fwd, grad = np.flatnonzero(g.window_taps), np.flatnonzero(g.window_grad_elems)
+    taps, elems = 4 * 8 * 8 * 16 * 9, 4 * 16 * 16 * 16   # pooled map x 3x3; the map
+    assert g.window_taps[fwd].tolist() == [taps]
+    assert g.window_grad_elems[grad].tolist() == [elems]
+    assert g.bytes[fwd[0]] > 0 and g.bytes[grad[0]] > 0 and g.flops[grad[0]] == taps
+    slow = dataclasses.replace(SPEC, window_tap_s=1e-7, window_grad_s=1e-6)
+    base, more = (op_times(g, Cluster(s, 1), 1.0) for s in (SPEC, slow))
+    np.testing.assert_allclose(more[fwd], taps * 1e-7 + SPEC.kernel_overhead_s, rtol=1e-9)
+    np.testing.assert_allclose(more[grad], elems * 1e-6 + SPEC.kernel_overhead_s, rtol=1e-9)
+    others = np.setdiff1d(np.arange(len(base)), np.concatenate([fwd, grad]))
+    np.testing.assert_array_equal(more[others], base[others])
