@@ -9,7 +9,7 @@ one CPU device (one process, XLA on both cores):
 
 - predicted: the one-device candidate's step time as the planner predicts it, with the
   profile `jaxwap.calibrate` measures here (cached, or measured again with ``--fresh``):
-  its per-op times (`cost.op_times`) summed by kind of op, and the two terms the model
+  its per-op times (`optime.op_times`) summed by kind of op, and the two terms the model
   keeps apart from the ops (layout changes, fresh scratch memory);
 - measured: the step compiled by `jax.jit` (state donated, as `auto_shard` compiles it) and
   run under `jax.profiler.trace`. XLA:CPU records every operation it runs (each thunk, on
@@ -55,8 +55,8 @@ import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
 from jaxwap.calibrate import calibrate_full  # noqa: E402
-from jaxwap.cost import op_times  # noqa: E402
 from jaxwap.hardware import detect_cluster  # noqa: E402
+from jaxwap.optime import op_times  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
 
 MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")

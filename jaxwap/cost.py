@@ -44,68 +44,11 @@ from .graph import GRAD, OPT, Graph, Layer
 from .hardware import Cluster
 from .layout_memory import peak_memory
 from .model_split import TP_KINDS
+from .optime import op_parts
 from .records import DATA, MODEL, CompiledFigures, Prediction, Strategy
 
 
 # --------------------------------------------------------------------------- compute
-def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
-             speed: float = 1.0, data: np.ndarray | float = 1.0
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-op (seconds, compute-bound seconds, compute-bound work) when op k's work is
-    divided by split[k] on devices running `speed` times their profile (see
-    Cluster.shared_compute), `data` of those ways by splitting the batch: what a batched
-    op moves whole whatever its batch share (`Graph.fixed_bytes`: the weights it reads,
-    the gradients it writes) is divided by the other split[k] / data[k] ways alone (the
-    model axis). An op is compute-bound where its flops, not its bytes, set its roofline
-    time; its work, that time at the full rate, is what the power model acts on."""
-    dev = cluster.device
-    f = graph.flops / split
-    b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
-    rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
-    per_kernel = f / graph.repeat  # one scan iteration
-    eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
-    conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
-                        dev.conv_efficiency)
-    rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
-        graph.transposed, dev.transposed_matmul_efficiency or 1.0, 1.0)
-    if dev.small_input_conv_flops is not None:
-        # the backend's generic convolution loop: no library, no efficiency curve, a rate
-        # that depends on the width
-        slow = graph.conv == 2
-        rate = rate.astype(float)
-        for k in np.flatnonzero(slow).tolist():
-            rate[k] = dev.small_conv_rate(int(graph.conv_width[k])) * speed
-        eff = np.where(slow, 1.0, eff)
-    trans_t = (graph.transcendentals * dev.transcendental_s + graph.window_taps  # compute
-               * dev.window_tap_s + graph.window_grad_elems * dev.window_grad_s) / split / speed
-    flop_t = np.maximum(f / (rate * np.maximum(eff, 1e-9)), trans_t)
-    byte_t = b / (dev.memory_bandwidth * speed)
-    if dev.reduction_cost:
-        # a reduction takes at least its measured time at its size, per kernel: what it
-        # reduces, or, fused with its producers (`fuses_reductions`), what the fusion reads
-        per = np.where(graph.reduced > 0, b if dev.fuses_reductions
-                       else graph.reduced / split, 0.0) / np.maximum(graph.kernels, 1.0)
-        byte_t = np.maximum(byte_t, graph.kernels * dev.reduction_s(per) / speed)
-    busy = np.maximum(flop_t, byte_t)
-    bound = flop_t > byte_t
-    if graph.host_transfer.any():   # remat residuals offloaded cross the host link
-        busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
-        bound &= ~graph.host_transfer
-    launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
-    if dev.relayouts_conv_grads and graph.conv_grad_bytes.any():   # two copies first
-        moved = graph.conv_grad_bytes / split
-        busy = busy + (dev.layout_change_s(moved) + moved / dev.memory_bandwidth) / speed
-        launch = launch + np.where(moved > 0, 2.0 * dev.kernel_overhead_s, 0.0)
-    return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
-            np.where(bound, np.maximum(f / rate, trans_t), 0.0))
-
-
-def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
-             speed: float = 1.0, data: np.ndarray | float = 1.0) -> np.ndarray:
-    """Per-op seconds (`op_parts`'s first)."""
-    return op_parts(graph, cluster, split, speed, data)[0]
-
-
 def op_model_split(graph: Graph, strategies: Sequence[Strategy], m: int) -> np.ndarray:
     """[ops]: m where the chosen layouts split the op over the model axis (a
     tensor-parallel weight's matmuls, and the ops between a column- and a row-parallel
@@ -295,15 +238,17 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             t = graph.relayout_reads[j] * dev.layout_change_s(
                 graph.relayout_bytes[j] / splits[i, 2]) / speed
             vals[i, [0, 1, 6]] += t
-    comm_of: dict[tuple[float, bool, bool, float, float, bool, float],
-                  tuple[float, float]] = {}
-    g_comm, gathered, moved_c = [], [], []
-    host: list[tuple[float, ...]] = []
     # where XLA would move activations rather than gather weights, were every layer FSDP
     # (the search's estimate; `grad_comms` prices each layout as its layers make it)
     fsdp_dim = {j: st.spec.index(DATA) for j, strats in enumerate(strategies)
                 for st in strats if st.name == "fsdp" and DATA in st.spec}
     moves = fsdp_moves(graph.layers, fsdp_dim)
+    if dev.small_input_conv_rates and (graph.conv == 2).any():
+        _feature_split_convs(graph, cluster, pairs, splits[:, 0], vals, d, m, moves, speed)
+    comm_of: dict[tuple[float, bool, bool, float, float, bool, float],
+                  tuple[float, float]] = {}
+    g_comm, gathered, moved_c = [], [], []
+    host: list[tuple[float, ...]] = []
     riders = tuple((L.bias, L.param) for L in graph.layers
                    if L.bias >= 0 and L.param in moves and r == 1)
 
@@ -352,6 +297,27 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
                      table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
                      table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c))
+
+
+def _feature_split_convs(graph: Graph, cluster: Cluster, pairs: Sequence[tuple[int, Strategy]],
+                         split: np.ndarray, vals: np.ndarray, d: int, m: int,
+                         moves: set[int], speed: float) -> None:
+    """A generic-loop convolution's rate follows the kernel a device holds
+    (`DeviceSpec.small_conv_rate`): where a layout splits its kernel's features rather
+    than the batch (tensor parallelism, over the model axis; an FSDP layer whose
+    activations XLA moves, `comm.fsdp_moves`, over the data axis, the batch then whole),
+    its time in `vals` (per (parameter, strategy) pair: seconds, busy, bound, batched)
+    is priced again with the output features split. VGG-16-small on 2 processes: its
+    2x2-map convolutions ran 0.29 of their one-device time in the FSDP program."""
+    dev = cluster.device
+    slow = np.flatnonzero((graph.conv == 2) & (graph.tp_param >= 0))
+    for i, (j, st) in enumerate(pairs):
+        ways = m if st.tp != "none" else (d if st.name == "fsdp" and j in moves else 1)
+        for k in (slow[graph.tp_param[slow] == j] if ways > 1 else ()):
+            width, out = int(graph.conv_width[k]), float(graph.conv_out_width[k])
+            work = graph.flops[k] / split[i] / speed
+            vals[i, [0, 1, 3, 5]] += work / dev.small_conv_rate(width, out / ways) \
+                - work / dev.small_conv_rate(width, out)
 
 
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
@@ -446,5 +412,5 @@ def _combined_latency(strats: Sequence[Strategy], d: int, m: int, cluster: Clust
     return kinds * all_reduce_latency(d, cluster, cluster.devices_in_node(d, m))
 
 
-__all__ = ["MeshCosts", "grad_comms", "mesh_costs", "op_model_split", "op_parts", "predict",
-           "rides", "with_compiled"]
+__all__ = ["MeshCosts", "grad_comms", "mesh_costs", "op_model_split", "predict", "rides",
+           "with_compiled"]

@@ -49,7 +49,14 @@ from .liveness import (
     step_memory,
 )
 from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
-from .opcost import conv_kind, conv_width, op_costs, transposed_matmul, unbatched_bytes
+from .opcost import (
+    conv_kind,
+    conv_out_width,
+    conv_width,
+    op_costs,
+    transposed_matmul,
+    unbatched_bytes,
+)
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import (
     conv_grad_relayouts,
@@ -170,6 +177,8 @@ class Graph:
     # [ops] the input feature count of each convolution (`opcost.conv_width`), 0 for other
     # ops: what a backend's generic-loop rate depends on; left out, all 0
     conv_width: np.ndarray | None = field(default=None)
+    # [ops] a convolution's output feature count (`opcost.conv_out_width`); left out, 0
+    conv_out_width: np.ndarray | None = field(default=None)
     # [ops] the transcendental elements each op evaluates (`opcost.TRANSCENDENTAL`: exp,
     # tanh, ...), priced by `DeviceSpec.transcendental_s`; left out, none
     transcendentals: np.ndarray | None = field(default=None)
@@ -197,8 +206,9 @@ class Graph:
             object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
         if self.fixed_bytes is None:
             object.__setattr__(self, "fixed_bytes", np.zeros(len(self.flops)))
-        if self.conv_width is None:
-            object.__setattr__(self, "conv_width", np.zeros(len(self.flops), np.int64))
+        for name in ("conv_width", "conv_out_width"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros(len(self.flops), np.int64))
         if self.transcendentals is None:
             object.__setattr__(self, "transcendentals", np.zeros(len(self.flops)))
         for name in ("reduced", "conv_grad_bytes", "window_taps", "window_grad_elems"):
@@ -294,6 +304,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,
         conv=np.array([conv_kind(op.eqn) for op in prog.ops], dtype=np.int8),
         conv_width=np.array([conv_width(op.eqn) for op in prog.ops], dtype=np.int64),
+        conv_out_width=np.array([conv_out_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduced=costs.reduced,
         window_taps=costs.window_taps, window_grad_elems=costs.window_grad_elems,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),

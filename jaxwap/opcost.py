@@ -251,5 +251,14 @@ def conv_width(eqn: Any) -> int:
     return int(lhs[eqn.params["dimension_numbers"].lhs_spec[1]])
 
 
+def conv_out_width(eqn: Any) -> int:
+    """The output feature count of a convolution (its kernel's output feature dim), 0 for
+    another op: with `conv_width`, the kernel's two feature counts."""
+    if eqn.primitive.name != "conv_general_dilated":
+        return 0
+    rhs = eqn.invars[1].aval.shape
+    return int(rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
+
+
 __all__ = ["NARROW_CHANNELS", "REDUCTIONS", "TRANSCENDENTAL", "OpCosts", "conv_kind",
-           "conv_width", "eqn_key", "op_costs", "unbatched_bytes"]
+           "conv_out_width", "conv_width", "eqn_key", "op_costs", "unbatched_bytes"]

@@ -9,7 +9,7 @@ the pipeline) solved on the stage's (data, model) mesh like any other step, and 
 module adds what pipelining changes:
 
 - **micro-batches**: the stack's ops run m times on 1/m of the rows each (launch overhead
-  and the matmul efficiency of smaller operands, as `cost.op_times` prices them);
+  and the matmul efficiency of smaller operands, as `optime.op_times` prices them);
 - **the bubble**: the loop runs m r + p - 1 steps of one chunk (L / (p r) layers, one
   micro-batch) each, so every stage spends (p - 1) chunk-times forward and as many
   backward on no micro-batch: the stack's loop time x (p - 1) / (m r). A stage in the
@@ -71,9 +71,10 @@ import numpy as np
 
 from .assemble import StepParts, assemble
 from .comm import all_gather, all_reduce, fsdp_comm, send, tp_chain_cost
-from .cost import op_model_split, op_parts
+from .cost import op_model_split
 from .graph import Graph
 from .hardware import Cluster
+from .optime import op_parts
 from .records import Prediction, StepVariant, Strategy
 
 # loop buffers of one local batch's activation each: the micro-batched input, the round

@@ -17,11 +17,14 @@ import pytest
 from models import abstract_setup, analyze_step
 
 import jaxwap
-from jaxwap.cost import mesh_costs, op_times, predict, with_compiled
+from jaxwap.comm import fsdp_moves
+from jaxwap.cost import mesh_costs, predict, with_compiled
 from jaxwap.device import DeviceSpec, efficiency_table
 from jaxwap.hardware import Cluster
 from jaxwap.hlo import layout_changes
+from jaxwap.optime import op_times
 from jaxwap.planner import make_plan
+from jaxwap.records import DATA
 from jaxwap.strategies import param_strategies
 from jaxwap.verify import compile_candidate
 
@@ -461,3 +464,71 @@ def test_max_pooling_and_its_gradient_are_priced_per_tap_and_per_element():
     np.testing.assert_allclose(more[grad], elems * 1e-6 + SPEC.kernel_overhead_s, rtol=1e-9)
     others = np.setdiff1d(np.arange(len(base)), np.concatenate([fwd, grad]))
     np.testing.assert_array_equal(more[others], base[others])
+
+
+def test_small_conv_rate_follows_both_feature_counts_of_the_kernel():
+    assert SPEC.small_conv_rate(512, 256) == pytest.approx(np.sqrt(5e8 * 2e9))
+    assert SPEC.small_conv_rate(512, 512) == SPEC.small_conv_rate(512) == 5e8
+    assert SPEC.small_conv_rate(0, 256) == 2e9       # unknown width: the median rate
+
+
+def test_tensor_parallel_generic_loop_convolution_is_priced_at_the_kernel_a_device_holds():
+    """A 3x3 convolution over a 2x2 map at 512 features takes XLA:CPU's generic loop, whose
+    rate follows the kernel's feature counts. Split over the model axis, each device holds
+    half the output features: its convolutions are priced at the rate of (512, 256), not
+    at the whole kernel's; replicated, nothing changes."""
+    g = _small_map_graph(512)
+    slow = np.flatnonzero((g.conv == 2) & (g.tp_param == 0))
+    assert len(slow) == 1        # the forward (the input is the batch: no input gradient)
+    # B: the 256 rate made the 512 one, so a feature split cannot change the price
+    flat = dataclasses.replace(SPEC, small_input_conv_rates=((128, 3e9), (256, 5e8),
+                                                             (512, 5e8)))
+    strats = [param_strategies(g, j, 1, 2) for j in range(len(g.params))]
+    tp = next(i for i, s in enumerate(strats[0]) if s.tp != "none")
+    rep = next(i for i, s in enumerate(strats[0]) if s.tp == "none")
+    t = {(name, c): predict(g, Cluster(spec, 2), mesh_costs(g, Cluster(spec, 2), 1, 2, strats),
+                            [c]).compute_time_s
+         for name, spec in (("per-width", SPEC), ("flat", flat)) for c in (tp, rep)}
+    assert t["per-width", rep] == pytest.approx(t["flat", rep], rel=1e-12)
+    work = g.flops[slow].sum() / 2
+    want = work / np.sqrt(5e8 * 2e9) - work / 5e8      # faster at the held width
+    assert t["per-width", tp] - t["flat", tp] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_moved_fsdp_generic_loop_convolution_is_priced_at_the_kernel_a_device_holds():
+    """Two convolutions over 2x2 maps, both FSDP on two devices: XLA moves their (small)
+    activations and keeps each kernel split on its features (`comm.fsdp_moves`), so each
+    device runs its half of the features on the whole batch; their generic-loop time is
+    priced at the width a device holds. Data-parallel (kernels whole), nothing moves."""
+    f32 = jax.ShapeDtypeStruct
+    w = {"a": f32((3, 3, 8, 512), jnp.float32), "b": f32((3, 3, 512, 512), jnp.float32)}
+    g = analyze_step(_sgd(lambda p, x: jnp.sum(jnp.tanh(_conv(jnp.tanh(_conv(x, p["a"])),
+                                                              p["b"])) ** 2)),
+                     w, f32((8, 2, 2, 8), jnp.float32), batch_size=8)
+    strats = [param_strategies(g, j, 2, 1) for j in range(len(g.params))]
+    fsdp = [next(i for i, s in enumerate(o) if s.name == "fsdp") for o in strats]
+    rep = [next(i for i, s in enumerate(o) if s.name == "replicate") for o in strats]
+    moved = fsdp_moves(g.layers, {j: strats[j][fsdp[j]].spec.index(DATA)
+                                  for j in range(len(g.params))})
+    assert moved == {0, 1}
+    flat = dataclasses.replace(SPEC, small_input_conv_rates=((128, 5e8), (256, 5e8),
+                                                             (512, 5e8)))
+    t = {(name, tuple(c)): predict(g, Cluster(spec, 2),
+                                   mesh_costs(g, Cluster(spec, 2), 2, 1, strats), c
+                                   ).compute_time_s
+         for name, spec in (("per-width", SPEC), ("flat", flat)) for c in (fsdp, rep)}
+    assert t["per-width", tuple(rep)] - t["flat", tuple(rep)] == pytest.approx(
+        sum(g.flops[k] / 2 * (1 / SPEC.small_conv_rate(int(g.conv_width[k]),
+                                                        float(g.conv_out_width[k]))
+                              - 1 / 5e8)
+            for k in np.flatnonzero(g.conv == 2)), rel=1e-9)
+    slow = np.flatnonzero((g.conv == 2) & (g.tp_param >= 0))
+    assert len(slow) >= 3        # both forwards and b's input gradient
+    want = sum(g.flops[k] / 2 * (1 / SPEC.small_conv_rate(int(g.conv_width[k]),
+                                                          g.conv_out_width[k] / 2) - 1 / 5e8)
+               for k in slow)
+    others = sum(g.flops[k] / 2 * (1 / SPEC.small_conv_rate(int(g.conv_width[k]),
+                                                            float(g.conv_out_width[k])) - 1 / 5e8)
+                 for k in np.setdiff1d(np.flatnonzero(g.conv == 2), slow))
+    assert t["per-width", tuple(fsdp)] - t["flat", tuple(fsdp)] == pytest.approx(
+        want + others, rel=1e-9)

@@ -223,9 +223,9 @@ def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
     """A convolution over 3 input channels (forward, and its kernel gradient, whose lhs
     batch the channels become) is kind 3 and takes `narrow_conv_efficiency`; the next
     layer's are plain convolutions; without the figure (a CPU) narrow ones price as any."""
-    from jaxwap.cost import op_times
     from jaxwap.device import DeviceSpec
     from jaxwap.hardware import Cluster
+    from jaxwap.optime import op_times
 
     def conv(x, w):
         return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
