@@ -8,8 +8,11 @@ cost model can be judged first against the steps already measured. Each row is p
 again with the profile its set-up calibrated just before it (kept in the record), on the
 devices the set-up had (one process of one device, or processes of one device each: the
 cluster `hardware.detect_cluster` makes for them, from stand-in devices), and its
-candidate is remade as `measured.py` made it (`layouts.variant_candidate`). Only the
-analytic prediction is remade: the compiled one needs the program on real devices.
+candidate is remade as `measured.py` made it (`layouts.variant_candidate`). The analytic
+prediction is remade; with ``--compiled`` the XLA-fed one too for the one-device rows of
+the single set-up (compiled here, on this machine's one CPU device, as `measured.py`
+compiled them: `verify.compile_candidate`, then `cost.with_compiled`); the cluster's
+need its processes.
 
 `--check` asserts that the predictions are the record's to the last digit, which holds
 when the model has not changed since the record was measured: it shows this script
@@ -50,8 +53,10 @@ def main(args: argparse.Namespace) -> int:
 
     import jaxwap
     from jaxwap.calibrate import Calibration
+    from jaxwap.cost import with_compiled
     from jaxwap.hardware import detect_cluster
     from jaxwap.planner import make_plan
+    from jaxwap.verify import compile_candidate
 
     errors, moved = [], 0
     print(f"{'set-up':8s}{'model':16s}{'mesh':6s}{'layouts':24s}{'measured':>10s}"
@@ -75,13 +80,22 @@ def main(args: argparse.Namespace) -> int:
                 d, m = map(int, row["mesh"].split("x"))
                 r = next(r for r in planned.search.results
                          if (r.d, r.m) == (d, m) and r.variant == "planner")
-                now = variant_candidate(planned.graph, r, row["variants"][0],
-                                        cluster).predicted.step_time_s
+                cand = variant_candidate(planned.graph, r, row["variants"][0], cluster)
+                now = cand.predicted.step_time_s
                 errors.append(abs(now / row["measured_s"] - 1))
                 moved += now != row["predicted_s"]
+                fed = ""
+                if args.compiled and name == "single" and (d, m) == (1, 1):
+                    import jax
+
+                    dev = jax.devices()[:1]
+                    figs, _ = compile_candidate(w.step, planned.layout, cand, dev, cluster)
+                    t = with_compiled(cand.predicted, figs, cluster, w.batch_size, 1, 1).step_time_s
+                    fed = (f"   XLA-fed {row['compiled_predicted_s'] * 1e3:.2f} -> {t * 1e3:.2f}"
+                           f" ({100 * (t / row['measured_s'] - 1):+.0f}%)")
                 print(f"{name:8s}{model:16s}{row['mesh']:6s}{'/'.join(row['variants']):24s}"
                       f"{row['measured_s'] * 1e3:10.2f}{row['predicted_s'] * 1e3:10.2f}"
-                      f"{now * 1e3:10.2f}{100 * (now / row['measured_s'] - 1):+7.0f}%")
+                      f"{now * 1e3:10.2f}{100 * (now / row['measured_s'] - 1):+7.0f}%{fed}")
     was = record["summary"]
     print(f"\n|predicted / measured - 1| now: median {100 * statistics.median(errors):.1f}%, "
           f"worst {100 * max(errors):.1f}%, {len(errors)} rows; recorded: "
@@ -95,4 +109,6 @@ if __name__ == "__main__":
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "measured_cpu.json"))
     p.add_argument("--check", action="store_true",
                    help="fail unless every prediction is the record's")
+    p.add_argument("--compiled", action="store_true",
+                   help="also remake the single set-up's XLA-fed predictions (compiles)")
     sys.exit(main(p.parse_args()))

@@ -229,6 +229,17 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
             moves = graph.conv_relayout_moves[j] - (d > 1 and not st.data_sharded)
             t = moves * dev.layout_change_s(graph.conv_relayout_bytes[j] / splits[i, 1]) / speed
             vals[i, [0, 1, 6]] += t
+    if dev.relayouts_conv_grads and graph.conv_grad_bytes.any():
+        # a kernel gradient's two batched operands copied into its convolution's layout
+        # first (`reductions.conv_grad_relayouts`): layout changes, which XLA's own
+        # replace where the model is fed its figures (`with_compiled`)
+        grad_ops = np.flatnonzero((graph.conv_grad_bytes > 0) & (graph.tp_param >= 0))
+        for i in np.flatnonzero(np.isin(J, graph.tp_param[grad_ops])).tolist():
+            for k in grad_ops[graph.tp_param[grad_ops] == J[i]].tolist():
+                moved = graph.conv_grad_bytes[k] / splits[i, 0]
+                t = (dev.layout_change_s(moved) + moved / dev.memory_bandwidth) / speed
+                vals[i, [0, 1, 6]] += t
+                vals[i, [0, 6]] += 2.0 * dev.kernel_overhead_s
     if d > 1 and graph.relayout_reads.any():
         # a gradient all-reduced over the data axis, read in the matmul's layout: each
         # read moves its share (the optimizer state's) into the weight's layout

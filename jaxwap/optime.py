@@ -56,10 +56,6 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
         bound &= ~graph.host_transfer
     launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
-    if dev.relayouts_conv_grads and graph.conv_grad_bytes.any():   # two copies first
-        moved = graph.conv_grad_bytes / split
-        busy = busy + (dev.layout_change_s(moved) + moved / dev.memory_bandwidth) / speed
-        launch = launch + np.where(moved > 0, 2.0 * dev.kernel_overhead_s, 0.0)
     return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
             np.where(bound, np.maximum(f / rate, trans_t), 0.0))
 
