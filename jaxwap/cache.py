@@ -56,8 +56,10 @@ CACHE_FORMAT = 1
 # narrow convolutions have a rate of their own, and compiled figures count library calls
 # (XLA:GPU): plans made before were ranked on other times.
 # 6: on XLA:CPU a reduction is priced at what it reduces wherever its input was made, a
-# kernel-gradient convolution's operand copies are priced, and so is the slower path of
-# matmuls contracting both operands' leading dims: other times again.
+# kernel-gradient convolution's operand copies are priced, and so are the slower path of
+# matmuls contracting both operands' leading dims and a generic-loop convolution at the
+# kernel a device holds; max pooling and its gradient are priced on every backend:
+# other times again.
 KEY_FORMAT = 6
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
