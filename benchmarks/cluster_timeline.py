@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/cluster_timeline.py                  # the rows of DEFAULT_RUNS
     .venv/bin/python benchmarks/cluster_timeline.py --runs alexnet:fsdp gpt2:zero1
+    .venv/bin/python benchmarks/cluster_timeline.py --runs alexnet:planner@1x2  # a mesh
     .venv/bin/python benchmarks/cluster_timeline.py --unpinned      # processes not pinned
 
 `measured.py` says how far the predicted step is from the measured one on the cluster (two
@@ -74,7 +75,9 @@ def worker(args: argparse.Namespace) -> None:
     from jaxwap.planner import make_plan
     from jaxwap.verify import compile_candidate
 
-    model, variant = args.run.split(":")
+    run, _, mesh = args.run.partition("@")   # model:layout[@DxM], 2x1 by default
+    model, variant = run.split(":")
+    d, m = map(int, (mesh or "2x1").split("x"))
     record = json.loads(Path(args.record).read_text())
     cal = Calibration.from_dict(record["setups"]["cluster"]["calibrations"][model])
     devices = jax.devices()
@@ -82,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     w = zoo.small(model)
     planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
         hardware=cluster, verify=0, cache=False))
-    r = next(r for r in planned.search.results if (r.d, r.m) == (2, 1)
+    r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
              and r.variant == "planner")
     cand = variant_candidate(planned.graph, r, variant, cluster)
     figs, cs = compile_candidate(w.step, planned.layout, cand, devices, cluster)
@@ -92,11 +95,11 @@ def worker(args: argparse.Namespace) -> None:
     prices = {}
     for line in cs.compiled.as_text().splitlines():
         name = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+)\s*=", line)
-        found = parse_collectives(line, (2, 1)) if name else []
+        found = parse_collectives(line, (d, m)) if name else []
         if found:
             c = found[0]
             prices[name.group(1)] = {"kind": c.kind, "bytes": c.bytes, "buffers": c.buffers,
-                                     "priced_s": collective_cost(c, cluster, 2, 1)[0]}
+                                     "priced_s": collective_cost(c, cluster, d, m)[0]}
     data = w.synthetic(0)
     hosts = [np.asarray(x) for x in jax.tree_util.tree_leaves(data)]
     state = [jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i])
