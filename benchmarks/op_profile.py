@@ -56,6 +56,7 @@ import zoo  # noqa: E402
 import jaxwap  # noqa: E402
 from jaxwap.calibrate import calibrate_full  # noqa: E402
 from jaxwap.hardware import detect_cluster  # noqa: E402
+from jaxwap.hlo import computations  # noqa: E402
 from jaxwap.optime import op_times  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
 
@@ -70,14 +71,7 @@ def fused_bodies(hlo: str) -> dict[str, str]:
     """Each fusion instruction's name -> the text of the computation it calls (and of the
     computations that one calls), from the compiled program's HLO text: what an XLA:CPU
     thunk event of that name ran."""
-    comps: dict[str, list[str]] = {}
-    cur = None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head:
-            cur = comps.setdefault(head.group(1), [])
-        elif cur is not None:
-            cur.append(line)
+    comps = computations(hlo)
 
     def body(name: str, depth: int = 0) -> str:
         text = "\n".join(comps.get(name, []))

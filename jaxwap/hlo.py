@@ -139,16 +139,34 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 _WHILE = re.compile(r"body=%([\w.\-]+).*?known_trip_count\W+n\W+(\d+)")
 
 
-def _loop_multipliers(lines: Sequence[str]) -> tuple[list[str], dict[str, int]]:
-    """The computation each line belongs to, and how many times a loop body with a known
-    trip count runs per step (a micro-batch scan reduces its gradients every iteration)."""
+def _owners(lines: Sequence[str]) -> list[str]:
+    """The computation each line of an HLO module's text belongs to (its header's too)."""
     owner, current = [], ""
-    body_of: dict[str, tuple[str, int]] = {}
     for line in lines:
         mc = _COMPUTATION.match(line)
         if mc:
             current = mc.group(1)
         owner.append(current)
+    return owner
+
+
+def computations(hlo_text: str) -> dict[str, list[str]]:
+    """Each computation of an HLO module's text (a fusion's, the entry's) -> its lines,
+    the header's first."""
+    lines = hlo_text.splitlines()
+    out: dict[str, list[str]] = {}
+    for line, comp in zip(lines, _owners(lines), strict=True):
+        if comp:
+            out.setdefault(comp, []).append(line)
+    return out
+
+
+def _loop_multipliers(lines: Sequence[str]) -> tuple[list[str], dict[str, int]]:
+    """The computation each line belongs to, and how many times a loop body with a known
+    trip count runs per step (a micro-batch scan reduces its gradients every iteration)."""
+    owner = _owners(lines)
+    body_of: dict[str, tuple[str, int]] = {}
+    for line, current in zip(lines, owner, strict=True):
         mw = _WHILE.search(line) if " while(" in line else None
         if mw:
             body_of[mw.group(1)] = (current, int(mw.group(2)))
@@ -284,5 +302,5 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
         layout_changes=layout_changes(text), library_calls=sum(library_calls(text).values()))
 
 
-__all__ = ["axes_of", "compiled_figures", "layout_changes", "library_calls", "parse_collectives",
-           "replica_groups"]
+__all__ = ["axes_of", "compiled_figures", "computations", "layout_changes", "library_calls",
+           "parse_collectives", "replica_groups"]
