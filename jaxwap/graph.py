@@ -204,18 +204,14 @@ class Graph:
             object.__setattr__(self, "stacked_dim", np.full(len(self.params), -1, np.int64))
         if self.tp_live_param is None:
             object.__setattr__(self, "tp_live_param", np.zeros(0, np.int64))
-        if self.fixed_bytes is None:
-            object.__setattr__(self, "fixed_bytes", np.zeros(len(self.flops)))
-        for name in ("conv_width", "conv_out_width"):
+        # per-op arrays left out: none of what they count
+        for name, dtype in (("fixed_bytes", float), ("conv_width", np.int64),
+                            ("conv_out_width", np.int64), ("transcendentals", float),
+                            ("reduced", float), ("conv_grad_bytes", float),
+                            ("window_taps", float), ("window_grad_elems", float),
+                            ("transposed", bool)):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, np.zeros(len(self.flops), np.int64))
-        if self.transcendentals is None:
-            object.__setattr__(self, "transcendentals", np.zeros(len(self.flops)))
-        for name in ("reduced", "conv_grad_bytes", "window_taps", "window_grad_elems"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, np.zeros(len(self.flops)))
-        if self.transposed is None:
-            object.__setattr__(self, "transposed", np.zeros(len(self.flops), bool))
+                object.__setattr__(self, name, np.zeros(len(self.flops), dtype))
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
