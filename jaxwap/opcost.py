@@ -34,12 +34,13 @@ WINDOW_OPS = frozenset({"reduce_window_max", "reduce_window_min", "reduce_window
                         "reduce_window"})
 WINDOW_GRAD_OPS = frozenset({"select_and_scatter_add", "select_and_scatter",
                              "select_and_gather_add"})
+_POOLING = WINDOW_OPS | WINDOW_GRAD_OPS
 
 
 def window_taps(eqn: Any) -> float:
     """The window taps a pooling op visits: its output's elements (a select-and-scatter:
     its source's, the pooled gradient) times its window's size; 0 for another op."""
-    if eqn.primitive.name not in WINDOW_OPS | WINDOW_GRAD_OPS:
+    if eqn.primitive.name not in _POOLING:
         return 0.0
     each = eqn.invars[0] if eqn.primitive.name.startswith("select_and_scatter") \
         else eqn.outvars[0]
