@@ -130,6 +130,13 @@ def largest(fits: Callable[[int], Fit], start: int, cap: int, multiple: int,
     return ok
 
 
+def peak_bytes() -> float | None:
+    """The process's high-water mark of device memory (None where the backend keeps none,
+    as XLA:CPU): it only rises, so a run's own peak is known only where it raised it."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
 def throughput(w: zoo.Workload, step: Callable, steps: int) -> float:
     """Measured samples/s of `step` on synthetic data (GPU runs only)."""
     args = w.synthetic(0)
@@ -180,15 +187,32 @@ def run_model(name: str, *, small: bool, budget: float, cap_factor: int, run: bo
         "throughput_basis": "measured" if run else "not measured (no GPU)",
     }
     if run:
+        # in order of rising memory, so that each run's peak shows where it raised the
+        # process's high-water mark; beside it, XLA's compiled figure for the same program
+        peaks: list[dict[str, Any]] = []
+
+        def timed(key: str, w: zoo.Workload, step: Callable, compiled: float | None) -> None:
+            before = peak_bytes()
+            row[key] = throughput(w, step, steps)
+            after = peak_bytes()
+            peaks.append({"run": key, "batch": w.batch_size, "compiled_bytes": compiled,
+                          "peak_bytes_in_use": after,
+                          "peak_is_this_runs": after is not None and (
+                              before is None or after > before)})
+            print(f"    {key}: {row[key]:.1f} samples/s, peak "
+                  f"{'n/a' if after is None else f'{after / GiB:.2f} GiB'}", flush=True)
+
         w_plain = build(plain_max)
         plain_step = jax.jit(w_plain.step, donate_argnums=(0, 1))
-        row["plain_samples_per_s_at_plain_max"] = throughput(w_plain, plain_step, steps)
+        timed("plain_samples_per_s_at_plain_max", w_plain, plain_step,
+              next(f.memory_bytes for f in log_plain if f.batch == plain_max))
         for key, b in (("jaxwap_samples_per_s_at_plain_max", plain_max),
                        ("jaxwap_samples_per_s_at_own_max", jw_max)):
             w = build(b)
             sharded = jaxwap.auto_shard(w.step, w.params, num_devices=1, offload=offload,
                                         memory_budget=budget, verify=1)
-            row[key] = throughput(w, sharded, steps)
+            timed(key, w, sharded, next(f.memory_bytes for f in log_jw if f.batch == b))
+        row["measured_peaks"] = peaks
         row["throughput_ratio_at_plain_max"] = (row["jaxwap_samples_per_s_at_plain_max"]
                                                 / row["plain_samples_per_s_at_plain_max"])
     return row
@@ -211,6 +235,20 @@ def table(rows: list[dict[str, Any]], device: str) -> str:
                      f"{r['ratio']:.1f}x | {'allowed' if r['offload'] else 'off'} | "
                      f"{r['jaxwap_step_at_own_max']} | "
                      f"{r['jaxwap_step_at_plain_max']} | {tp} |")
+    runs = [(r["model"], p, r[p["run"]]) for r in rows for p in r.get("measured_peaks", [])]
+    if runs:
+        lines += ["", "Real steps (measured samples/s; XLA's compiled bytes against the "
+                  "device's measured high-water mark, which is this run's own only where the "
+                  "run raised it):", "",
+                  "| model | run | batch | samples/s | compiled GiB | measured peak GiB |",
+                  "|---|---|---|---|---|---|"]
+        for model, p, sps in runs:
+            peak = p["peak_bytes_in_use"]
+            shown = ("n/a" if peak is None else f"{peak / GiB:.2f}"
+                     + ("" if p["peak_is_this_runs"] else " (an earlier run's)"))
+            comp = "n/a" if p["compiled_bytes"] is None else f"{p['compiled_bytes'] / GiB:.2f}"
+            lines.append(f"| {model} | {p['run'].replace('_samples_per_s', '')} | "
+                         f"{p['batch']} | {sps:.1f} | {comp} | {shown} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action=argparse.BooleanOptionalAction, default=None,
                     help="run real steps for throughput (default: on a GPU only)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", default=str(RESULTS), help="where the .json and .md go")
     ap.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                     help="let jaxwap keep optimizer state in host memory (default: on a "
                          "GPU only; XLA:CPU ignores memory kinds, so on a CPU the saving "
@@ -234,7 +273,23 @@ def main(argv: list[str] | None = None) -> None:
     gpu = dev.platform == "gpu"
     run = gpu if args.run is None else args.run
     dtype = jnp.bfloat16 if gpu else jnp.float32
-    rows = []
+    rows: list[dict[str, Any]] = []
+    device = f"{dev.device_kind} ({dev.platform})"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "max_batch_small" if args.small else "max_batch"
+    if gpu:
+        stem += "_" + dev.device_kind.lower().replace(" ", "-")
+    cmd = "python benchmarks/max_batch.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write() -> str:   # after every model, so a run cut short keeps what it finished
+        md = table(rows, device)
+        (out / f"{stem}.json").write_text(json.dumps(
+            {"device": device, "command": cmd.strip(), "jax": jax.__version__,
+             "rows": rows}, indent=2))
+        (out / f"{stem}.md").write_text(f"Command: `{cmd.strip()}`\n\n{md}")
+        return md
+
     for name in args.models:
         spec = MODELS[name]
         if args.budget_gib is not None:
@@ -247,16 +302,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(run_model(name, small=args.small, budget=budget, cap_factor=args.cap,
                               run=run, dtype=dtype, steps=args.steps,
                               offload=gpu if args.offload is None else args.offload))
-    device = f"{dev.device_kind} ({dev.platform})"
-    md = table(rows, device)
+        md = write()
     print("\n" + md)
-    RESULTS.mkdir(exist_ok=True)
-    stem = "max_batch_small" if args.small else "max_batch"
-    cmd = "python benchmarks/max_batch.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"device": device, "command": cmd.strip(), "jax": jax.__version__, "rows": rows},
-        indent=2))
-    (RESULTS / f"{stem}.md").write_text(f"Command: `{cmd.strip()}`\n\n{md}")
 
 
 if __name__ == "__main__":

@@ -109,6 +109,16 @@ def _sub_jaxpr(eqn: Any) -> Any | None:
     return None
 
 
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(consts, carried values) at the head of a `scan` equation's inputs, in either form
+    jax writes them: `num_consts`/`num_carry` up to jax 0.10; from jax 0.11 the inputs'
+    grouping `ft_in`, a flat tree of (consts, carry, xs) (jax/_src/lax/control_flow/loops.py)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
 class _Flattener:
     """Walks nested jaxprs, numbering values and appending ops in program order."""
 
@@ -137,7 +147,7 @@ class _Flattener:
     def scan(self, eqn: Any, ins: list[int]) -> list[int]:
         """Inline a scan's body once, its ops repeated `length` times."""
         p = eqn.params
-        body, nc, nk = p["jaxpr"], int(p["num_consts"]), int(p["num_carry"])
+        body, (nc, nk) = p["jaxpr"], scan_counts(p)
         inner = body.jaxpr if hasattr(body, "jaxpr") else body
         outer = self.repeat
         self.repeat = outer * max(int(p["length"]), 1)

@@ -34,7 +34,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 from jax.sharding import AxisType
 
-from .flatten import bind, evaluate
+from .flatten import bind, evaluate, scan_counts
 from .pipeline import pipelined, stage_order, to_stages
 from .records import STAGE
 
@@ -172,7 +172,7 @@ class _Search:
     def judge(self, eqn: Any, param_of: dict[Any, int], on_batch: set[Any],
               used: set[Any], path: tuple[int, ...]) -> None:
         p = eqn.params
-        nc, ncarry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (nc, ncarry), length = scan_counts(p), int(p["length"])
         consts, carry = eqn.invars[:nc], eqn.invars[nc:nc + ncarry]
         xs = eqn.invars[nc + ncarry:]
         stacked = [param_of.get(v) if _is_var(v) else None for v in xs]
@@ -298,13 +298,13 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
         again = _at(closed.jaxpr, path)
     except (IndexError, KeyError):
         pass
-    keys = ("length", "num_consts", "num_carry")
-    nc = scan.params["num_consts"]
+    nc = scan_counts(scan.params)[0]
 
     def shapes(e: Any) -> list[Any]:             # consts and per-layer inputs
         return [v.aval.shape for i, v in enumerate(e.invars) if i != nc]
     if (again is None or again.primitive.name != "scan"
-            or any(again.params[k] != scan.params[k] for k in keys)
+            or again.params["length"] != scan.params["length"]
+            or scan_counts(again.params) != scan_counts(scan.params)
             or shapes(again) != shapes(scan)):
         raise NoLayerScan(f"traced with a micro-batch of {rows} rows, the loss function no "
                           f"longer has the same layer scan: its layers must not depend on "
@@ -368,7 +368,7 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             body = _body_at(loss_fn, params, batch, eqn, found.path, rows)
             if not any(isinstance(c, jax.core.Tracer) for c in body.consts):
                 bodies[key, rows] = body
-        nc, nb = eqn.params["num_consts"], len(body.consts)
+        nc, nb = scan_counts(eqn.params)[0], len(body.consts)
 
         def layer(w: list[Any], h: Any, *consts: Any) -> Any:
             return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
