@@ -225,7 +225,10 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
     import os
 
     local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-    cores = os.cpu_count() or 1
+    # the cores this process may run on, which XLA's CPU thread pool sizes itself by (a
+    # process pinned with taskset gets the pinned cores, not the machine's)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
     # the built-in profile is one core; a calibration measured one device alone, which
     # XLA runs on the whole host
     share = (1.0 if calibrated else cores) / max(local, 1)

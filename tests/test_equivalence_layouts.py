@@ -20,6 +20,7 @@ import optax
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 from models import CNN, MLP, TypedMLP, copy_tree, host_setup
 
 import jaxwap
@@ -291,16 +292,18 @@ def test_forced_host_offload_keeps_the_optimizer_state_in_pinned_host_memory(fam
     # XLA:CPU ignores memory kinds when it runs the program, but the arrays must still carry
     # them, the step must compile with the moves in and out, and the numbers must match
     step, args = mlp_args()
-    sharded = jaxwap.auto_shard(step, args[0], strategies=families,
+    # with ZeRO-1 allowed, it is pinned wherever the data axis divides (which of the two
+    # the model prefers follows from the host's cores), so the (10,) bias that no axis
+    # divides is the one left to host memory (plain replication is not allowed)
+    pins = {} if families == ("offload",) else {"kernel|Dense_[01]/bias": "zero1"}
+    sharded = jaxwap.auto_shard(step, args[0], strategies=families, constraints=pins,
                                 mesh_shape={"data": 4}, verify=0, cache=False)
     p, o, m = sharded_run(sharded, args, 3)
     plan = sharded.plan
     where = placements(plan)
     assert {pl.strategy for pl in plan.params} == (
         {"replicate+offload"} if families == ("offload",)
-        # ZeRO-1 wherever the data axis divides, host memory for the (10,) bias that
-        # no axis divides (plain replication is not among the allowed families)
-        else {"zero1", "replicate+offload"})
+        else {"zero1, pinned", "replicate+offload"})
     assert where["['params']['Dense_2']['bias']"].offload
     for tree in (o[0].mu, o[0].nu):
         for key, leaf in by_path(tree).items():
@@ -487,9 +490,13 @@ def test_bf16_mlp_under_forced_tensor_parallel_and_fsdp_matches_within_bf16_roun
     step, *args = host_setup(TypedMLP((64, 64, 10)), (32, 16),
                             tx=optax.sgd(0.1, momentum=0.9))
     # every parameter pinned to a layout with FSDP in it (on this CPU's links the model
-    # would leave the tiny ones whole: each gather is a collective of its own)
+    # would leave the tiny ones whole: each gather is a collective of its own), the first
+    # two kernels to Megatron's pair over model as well (whether tensor parallelism gains
+    # on so small a model follows from the host's cores)
     sharded = jaxwap.auto_shard(step, args[0], strategies=("tp", "fsdp"),
-                                constraints={".*": "fsdp"},
+                                constraints={"Dense_0/kernel": P("data", "model"),
+                                             "Dense_1/kernel": P("model", "data"),
+                                             ".*": "fsdp"},
                                 mesh_shape={"data": 2, "model": 2}, verify=0, cache=False)
     out = sharded_run(sharded, args, 3)
     plan = sharded.plan
