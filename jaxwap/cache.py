@@ -60,7 +60,9 @@ CACHE_FORMAT = 1
 # matmuls contracting both operands' leading dims and a generic-loop convolution at the
 # kernel a device holds; max pooling and its gradient are priced on every backend:
 # other times again.
-KEY_FORMAT = 6
+# 7: a bias is split with its column-parallel kernel (`chain.biases_follow`): plans made
+# before left it whole, which XLA gathers after every update.
+KEY_FORMAT = 7
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.

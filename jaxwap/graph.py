@@ -253,6 +253,11 @@ class Graph:
         return {L.param: L for L in self.layers}
 
     @functools.cached_property
+    def bias_of(self) -> dict[int, Layer]:
+        """Each bias's layer (`Layer.bias`), by the bias's parameter index."""
+        return {L.bias: L for L in self.layers if L.bias >= 0}
+
+    @functools.cached_property
     def layer_groups(self) -> tuple[tuple[Layer, ...], ...]:
         """The layers in forward order, consecutive siblings (the same `input_id`)
         together: the unit the tensor-parallel chain is priced in (`comm.tp_group_cost`)."""

@@ -30,7 +30,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .chain import chain_dp, flat_costs
+from .chain import biases_follow, chain_dp, flat_costs
 from .constraints import LayoutRules
 from .cost import mesh_costs, predict
 from .fitting import memory_floor, micro_batch_floor, repair
@@ -100,7 +100,7 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     if floor > budget:
         # no layout fits: skip the search and the repairs, report the least memory (and
         # price only that layout)
-        picked = [(strategies[j][s],) for j, s in enumerate(low)]
+        picked = [(strategies[j][s],) for j, s in enumerate(biases_follow(graph, strategies, low))]
         mc = mesh_costs(graph, cluster, d, m, picked, r)
         return MeshResult(d, m, tuple(p[0] for p in picked),
                           predict(graph, cluster, mc, [0] * len(picked)), False, r=r)
@@ -118,7 +118,8 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
         for w in _OVERLAP_WEIGHTS:
             choice = chain_dp(graph, cluster, est, w, flat)
             if tuple(choice) not in repaired:
-                repaired[tuple(choice)] = repair(graph, cluster, est, choice, budget)
+                repaired[tuple(choice)] = biases_follow(
+                    graph, est.strategies, repair(graph, cluster, est, choice, budget))
             for c in (choice, repaired[tuple(choice)]):
                 key = tuple(c)
                 if key not in tried:

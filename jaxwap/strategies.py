@@ -38,13 +38,39 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
     layer = graph.layer_of.get(j)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
     granules = (graph.tp_granule.get((j, "col"), 0), graph.tp_granule.get((j, "row"), 0))
+    leaks = j in graph.tp_leaks
+    if j in graph.bias_of and m > 1:
+        # a bias is offered its kernel's column split (and only that), which it takes
+        # with the kernel (`chain.biases_follow`)
+        kernel = graph.bias_of[j].param
+        dims, leaks = _bias_col_dims(graph, j, m), kernel in graph.tp_leaks
+        granules = (graph.tp_granule.get((kernel, "col"), 0), 0)
     # a pinned parameter chooses among every layout, not only the families allowed
     pin = None if rules is None else rules.pin(j)
-    out = _strategies_for(tuple(graph.params[j].shape), dims,
-                          bool(graph.resident_bytes[j] > 0), d, m, offload,
-                          None if rules is None or pin is not None else rules.families,
-                          int(graph.stacked_dim[j]), granules, j in graph.tp_leaks)
+    args = (tuple(graph.params[j].shape), bool(graph.resident_bytes[j] > 0), d, m, offload,
+            None if rules is None or pin is not None else rules.families,
+            int(graph.stacked_dim[j]))
+    out = _strategies_for(args[0], dims, *args[1:], granules, leaks)
+    if dims is not None and j in graph.bias_of and all(s.tp == "col" for s in out):
+        # beside a kernel that is not column-parallel the bias needs a layout that is not
+        # (replicated where no family allowed gives one): tensor parallelism alone allowed
+        # would otherwise leave it only the split
+        out = _strategies_for(args[0], None, *args[1:]) + out
     return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer)
+
+
+def _bias_col_dims(graph: Graph, j: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The bias j's dim its kernel's column split would split, as `_strategies_for` takes
+    a layer's dims (col, row), or None where it has none: a bias is the kernel's output
+    feature dims, trailing (a stacked one's stacked dim ahead of them)."""
+    L = graph.bias_of[j]
+    kernel, bias = graph.params[L.param].shape, graph.params[j].shape
+    stacked = int(graph.stacked_dim[L.param])
+    tdim = _largest_dim(kernel, [i for i in L.out_dims if i != stacked], m)
+    lead = len(bias) - len(L.out_dims)
+    if tdim is None or lead < 0 or tuple(bias[lead:]) != tuple(kernel[i] for i in L.out_dims):
+        return None
+    return (lead + L.out_dims.index(tdim),), ()
 
 
 def pins_hold(graph: Graph, rules: LayoutRules | None, d: int, m: int, offload: bool = True

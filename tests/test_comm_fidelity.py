@@ -404,3 +404,32 @@ def test_zero1_pins_the_gradients_reductions_make_and_leaves_the_matmuls_to_xla(
     assert {e.primitive.name for e, _ in pinned} <= {"reduce_sum", "reshape"}, pinned
     assert {tuple(e.outvars[j].aval.shape) for e, j in pinned} == {(10,), (16,)}
     assert all(spec == P(None) for outs in pins.values() for spec in outs.values())
+
+
+@pytest.mark.parametrize("bias", ["follows", "pinned whole"])
+def test_a_column_parallel_kernels_bias_is_split_with_it_so_xla_gathers_nothing(bias):
+    # Megatron's pair pinned on a 1 x 2 mesh; the column-parallel w1's bias is added to the
+    # split activation, so its gradient comes out split. Split with w1, it is updated where
+    # it is; kept whole (pinned), XLA updates it split and gathers the bias and both Adam
+    # moments: three all-gathers the model does not price, which the planner's layout avoids
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+        return jnp.mean((h @ p["w2"] + p["b2"] - b["y"]) ** 2)
+
+    params = {"w1": _sds(64, 256), "b1": _sds(256), "w2": _sds(256, 16), "b2": _sds(16)}
+    step = jaxwap.make_train_step(loss, optax.adam(0.1))
+    pins = {"w1": P(None, "model"), "w2": P("model", None),
+            **({"b1": "replicate"} if bias == "pinned whole" else {})}
+    plan = jaxwap.plan(step, params, jax.eval_shape(step.init, params),
+                       {"x": _sds(32, 64), "y": _sds(32, 16)}, params=params,
+                       hardware=jaxwap.Cluster(GLOO, 2), mesh_shape={"data": 1, "model": 2},
+                       constraints=pins, verify=1, cache=False, objective="throughput")
+    where = {p.path[-1]: p for p in plan.params}
+    gathers = [c for c in plan.compiled.collectives if c.kind == "all-gather"]
+    if bias == "follows":
+        assert (where["b1"].strategy, where["b1"].spec) == ("tp-col", ("model",))
+        assert where["b2"].strategy == "replicate"     # added to the all-reduced sum
+        assert gathers == []
+    else:
+        assert where["b1"].spec == (None,)
+        assert len(gathers) == 3 and all(c.bytes == 256 * 4 for c in gathers), gathers

@@ -90,6 +90,17 @@ def assert_laid_out(leaf, spec, mesh_shape, memory_kind="device"):
     assert leaf.sharding.memory_kind == memory_kind
 
 
+def assert_biases_follow_their_kernels(where):
+    """Megatron's layout: a bias meets its kernel's output, so it is split with a column-
+    parallel kernel (over its one dim, the output features) and whole beside any other,
+    a row-parallel one adding it to the all-reduced sum."""
+    for k, pl in where.items():
+        if k.endswith("['bias']"):
+            col = where[k.replace("['bias']", "['kernel']")].strategy == "tp-col"
+            assert (pl.strategy, pl.spec) == (("tp-col", ("model",)) if col
+                                              else ("replicate", (None,))), (k, pl)
+
+
 def mlp_args(widths=(64, 64, 10), batch=32, in_dim=16, tx=None):
     step, params, opt, data = host_setup(MLP(widths), (batch, in_dim),
                                          num_classes=widths[-1], tx=tx)
@@ -165,9 +176,10 @@ def test_forced_tensor_parallel_splits_conv_kernels_over_the_model_axis():
         assert pl.spec == tuple("model" if i == channel else None for i in range(4)), pl
     # the 3-channel first conv can only be split by its 16 output channels
     assert where["['params']['Conv_0']['kernel']"].strategy == "tp-col"
-    # the dense kernels too; the biases no tensor-parallel layout covers stay replicated
+    # the dense kernels too; each bias split with its kernel exactly where that is column
+    # parallel
     assert {where[k].strategy for k in where if k.endswith("['kernel']")} <= {"tp-col", "tp-row"}
-    assert {where[k].strategy for k in where if k.endswith("['bias']")} == {"replicate"}
+    assert_biases_follow_their_kernels(where)
     for tree in (p, o[0].trace):
         for key, leaf in by_path(tree).items():
             assert_laid_out(leaf, where[key].spec, plan.mesh_shape)
@@ -397,8 +409,10 @@ def test_any_mesh_and_width_with_tensor_parallel_matches_single_device(mesh, hid
     for pl in plan.params if model > 1 else ():
         if len(pl.shape) == 2 and any(n % model == 0 for n in pl.shape):
             assert pl.strategy in ("tp-col", "tp-row"), pl
-        else:                        # biases, and kernels the model axis does not divide
+        elif len(pl.shape) == 2:     # kernels the model axis does not divide
             assert pl.strategy == "replicate", pl
+    if model > 1:
+        assert_biases_follow_their_kernels(placements(plan))
     assert_close(reference(step, args, 2), out)
 
 
