@@ -271,7 +271,7 @@ def main(args: argparse.Namespace) -> None:
               "pinned": not args.unpinned,
               "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
               "argv": " ".join(sys.argv[1:]), "traced": args.traced, "runs": runs}
-    stem = "cluster_timeline_cpu" + ("_unpinned" if args.unpinned else "")
+    stem = args.stem or "cluster_timeline_cpu" + ("_unpinned" if args.unpinned else "")
     RESULTS.joinpath(f"{stem}.json").write_text(json.dumps(record, indent=1))
     RESULTS.joinpath(f"{stem}.md").write_text(markdown(record))
     print(f"wrote {RESULTS / stem}.md")
@@ -288,6 +288,8 @@ if __name__ == "__main__":
     ap.add_argument("--unpinned", action="store_true",
                     help="let both processes use every core (measured.py pins each to one); "
                          "writes cluster_timeline_cpu_unpinned.*")
+    ap.add_argument("--stem", help="the results' file name (default cluster_timeline_cpu, "
+                    "_unpinned with --unpinned)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
