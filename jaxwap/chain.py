@@ -66,7 +66,7 @@ def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     and the dynamic program runs over kinds: a few transitions per layer, however many
     strategies."""
     f = flat or flat_costs(mc)
-    own = f.time + weight * f.grad + 2 * f.host
+    own = pair_costs(f, weight)
     riding = _fold_riders(mc, f, own, weight)
     # per (parameter, kind): its cheapest strategy, the first of equals
     order = np.lexsort((f.S, own, f.kind, f.J))
@@ -84,14 +84,28 @@ def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     for b, (k, s) in riding.items():
         if rides(mc.strategies[k][choice[k]], mc.strategies[b][s]):
             choice[b] = s
-    return biases_follow(graph, mc.strategies, choice)
+    return biases_follow(graph, mc.strategies, choice, per_param_of(f, own))
 
 
-def biases_follow(graph: Graph, strategies: Sequence[Sequence[Any]], choice: Sequence[int]
-                  ) -> list[int]:
+def pair_costs(f: FlatCosts, weight: float) -> np.ndarray:
+    """Each (parameter, strategy) pair's own cost at a weighting of its gradient
+    communication: compute, weighted reduction, and its optimizer state's host moves
+    both ways."""
+    return f.time + weight * f.grad + 2 * f.host
+
+
+def per_param_of(f: FlatCosts, values: np.ndarray) -> list[np.ndarray]:
+    """Values per flat (parameter, strategy) pair as one array per parameter."""
+    return np.split(values, np.flatnonzero(np.diff(f.J)) + 1)
+
+
+def biases_follow(graph: Graph, strategies: Sequence[Sequence[Any]], choice: Sequence[int],
+                  cost: Sequence[Sequence[float]] | None = None) -> list[int]:
     """`choice` with each bias split over the model axis exactly where its kernel is
-    column-parallel (Megatron's layout), its other traits (data axis, host memory) kept
-    as near as its layouts allow; a bias with no such layout keeps its own.
+    column-parallel (Megatron's layout): where its kind must change, its cheapest layout
+    of the other kind by `cost` (per parameter and strategy), or without costs the one
+    nearest in its other traits (data axis, host memory); a bias with no such layout
+    keeps its own.
 
     The bias is added to the column-split activation, so its gradient comes out split by
     feature: left whole, XLA updates it split and then gathers the bias and each optimizer
@@ -104,7 +118,8 @@ def biases_follow(graph: Graph, strategies: Sequence[Sequence[Any]], choice: Seq
         now = strategies[b][out[b]]
         if (now.tp == "col") == col:
             continue
-        near = [(s.offload != now.offload, s.data_sharded != now.data_sharded,
+        near = [(0.0 if cost is None else float(cost[b][i]), s.offload != now.offload,
+                 s.data_sharded != now.data_sharded,
                  (s.state_spec is None) != (now.state_spec is None), i)
                 for i, s in enumerate(strategies[b]) if (s.tp == "col") == col]
         if near:

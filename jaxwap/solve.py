@@ -30,7 +30,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .chain import biases_follow, chain_dp, flat_costs
+from .chain import biases_follow, chain_dp, flat_costs, pair_costs, per_param_of
 from .constraints import LayoutRules
 from .cost import mesh_costs, predict
 from .fitting import memory_floor, micro_batch_floor, repair
@@ -119,7 +119,8 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
             choice = chain_dp(graph, cluster, est, w, flat)
             if tuple(choice) not in repaired:
                 repaired[tuple(choice)] = biases_follow(
-                    graph, est.strategies, repair(graph, cluster, est, choice, budget))
+                    graph, est.strategies, repair(graph, cluster, est, choice, budget),
+                    per_param_of(flat, pair_costs(flat, w)))
             for c in (choice, repaired[tuple(choice)]):
                 key = tuple(c)
                 if key not in tried:
