@@ -160,9 +160,11 @@ class LayoutRules:
                     if p.shape[dim] % size:
                         return (f"{where}: dim {dim} ({p.shape[dim]}) is not divisible by the "
                                 f"{axis} axis of size {size} on a {d}x{m} mesh")
-                if m > 1 and MODEL in c.spec and _model_kind(c.spec, layers.get(j)) is None:
+                if (m > 1 and MODEL in c.spec and _model_kind(c.spec, layers.get(j)) is None
+                        and not any(tuple(s.spec) == c.spec for s in options(j))):
                     return (f"{where}: the model axis on dim {c.spec.index(MODEL)} is not a "
-                            f"feature dim of a layer jaxwap prices as tensor-parallel")
+                            f"feature dim of a layer jaxwap prices as tensor-parallel, nor "
+                            f"the feature dim of a bias whose kernel's column split it follows")
             if not self.apply(j, options(j), p.shape, layers.get(j)):
                 return f"{where}: no {c.family} layout of it on a {d}x{m} mesh"
         return None

@@ -100,9 +100,15 @@ def test_constraints_that_cannot_hold_name_the_parameter_shape_spec_and_reason()
                                          r"P\(None, 'model'\): dim 1 \(36\) is not divisible "
                                          r"by the model axis of size 8"):
         plan(mesh_shape={"data": 1, "model": 8}, constraints={"up/kernel": P(None, "model")})
-    # the bias is no layer's feature dim: a model split of it cannot be priced
-    with pytest.raises(ValueError, match=r"up/bias with shape \(36,\).*not a feature dim"):
-        plan(mesh_shape={"data": 2, "model": 4}, constraints={"up/bias": P("model")})
+    # a bias split over model is its kernel's column split: on a model axis of 8 that
+    # does not divide its 36 features
+    with pytest.raises(ValueError, match=r"up/bias with shape \(36,\), constraint "
+                                         r"P\('model',\): dim 0 \(36\) is not divisible"):
+        plan(mesh_shape={"data": 1, "model": 8}, constraints={"up/bias": P("model")})
+    # on 4 it does, and the pin holds
+    pinned = _by_path(plan(mesh_shape={"data": 2, "model": 4},
+                           constraints={"up/bias": P("model")}))["up/bias"]
+    assert (pinned.spec, pinned.strategy) == (("model",), "tp-col, pinned")
     # pinned replicated, no layout fits 6 kB a device: the error names the pin
     with pytest.raises(MemoryError, match=r"pins \(up/kernel with shape \(32, 36\) as "
                                           r"'replicate'\)"):
