@@ -47,15 +47,16 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
         granules = (graph.tp_granule.get((kernel, "col"), 0), 0)
     # a pinned parameter chooses among every layout, not only the families allowed
     pin = None if rules is None else rules.pin(j)
-    args = (tuple(graph.params[j].shape), bool(graph.resident_bytes[j] > 0), d, m, offload,
-            None if rules is None or pin is not None else rules.families,
-            int(graph.stacked_dim[j]))
-    out = _strategies_for(args[0], dims, *args[1:], granules, leaks)
+    shape, has_state = tuple(graph.params[j].shape), bool(graph.resident_bytes[j] > 0)
+    families = None if rules is None or pin is not None else rules.families
+    stacked = int(graph.stacked_dim[j])
+    out = _strategies_for(shape, dims, has_state, d, m, offload, families, stacked, granules,
+                          leaks)
     if dims is not None and j in graph.bias_of and all(s.tp == "col" for s in out):
         # beside a kernel that is not column-parallel the bias needs a layout that is not
         # (replicated where no family allowed gives one): tensor parallelism alone allowed
         # would otherwise leave it only the split
-        out = _strategies_for(args[0], None, *args[1:]) + out
+        out = _strategies_for(shape, None, has_state, d, m, offload, families, stacked) + out
     return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer)
 
 
