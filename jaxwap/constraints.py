@@ -149,7 +149,7 @@ class LayoutRules:
         `layers` by parameter index, `options(j)` parameter j's generated layouts), or
         None when they can."""
         for j, c in self.pins:
-            p = params[j]
+            p, generated = params[j], options(j)
             where = f"{path_string(p.path)} with shape {tuple(p.shape)}, constraint {c.describe()}"
             if c.spec is not None:
                 if len(c.spec) != len(p.shape):
@@ -161,11 +161,11 @@ class LayoutRules:
                         return (f"{where}: dim {dim} ({p.shape[dim]}) is not divisible by the "
                                 f"{axis} axis of size {size} on a {d}x{m} mesh")
                 if (m > 1 and MODEL in c.spec and _model_kind(c.spec, layers.get(j)) is None
-                        and not any(tuple(s.spec) == c.spec for s in options(j))):
+                        and not any(tuple(s.spec) == c.spec for s in generated)):
                     return (f"{where}: the model axis on dim {c.spec.index(MODEL)} is not a "
                             f"feature dim of a layer jaxwap prices as tensor-parallel, nor "
                             f"the feature dim of a bias whose kernel's column split it follows")
-            if not self.apply(j, options(j), p.shape, layers.get(j)):
+            if not self.apply(j, generated, p.shape, layers.get(j)):
                 return f"{where}: no {c.family} layout of it on a {d}x{m} mesh"
         return None
 
