@@ -62,7 +62,9 @@ CACHE_FORMAT = 1
 # other times again.
 # 7: a bias is split with its column-parallel kernel (`chain.biases_follow`): plans made
 # before left it whole, which XLA gathers after every update.
-KEY_FORMAT = 7
+# 8: a data-sharded parameter is priced at every gather XLA makes of it and of the values
+# computed from it (`gathers.fsdp_gathers`): plans made before priced one a pass.
+KEY_FORMAT = 8
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no
 # dots, so no "..", no hidden files), which plan_key's hex digests satisfy.

@@ -295,22 +295,25 @@ def moved_in(layers: Sequence[Layer], chosen: Sequence[Strategy]) -> set[int]:
 
 def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 1.0,
               passes: float = 1.0, inner: int | None = None, moved: bool = False,
-              iterations: float = 1.0) -> tuple[float, float]:
+              iterations: float = 1.0, uses: float = 1.0) -> tuple[float, float]:
     """(seconds, bytes) of a data-sharded (ZeRO-3 / FSDP) weight.
 
     Gathered, where the backend combines collectives (`DeviceSpec.combines_collectives`;
     unverified on a GPU): the textbook price, gathered for the forward and again for the
     backward pass in each of `passes` loop iterations (micro-batches), its gradient
     reduce-scattered once per partial gradient (`reductions`), each a combined buffer.
-    XLA:CPU, as its compiled programs show: the SPMD partitioner gathers the weight once
-    a pass, where the forward pass first uses it, the backward pass of the same iteration
-    reading that gather, each gather a collective of its own paying its latency; each
-    partial gradient is all-reduced whole (each device slicing its share), a buffer of
-    the combined reduction. A layer scan's stacked weight has its collectives in each of
-    the scan's `iterations`, on a slice, and its backward loop gathers it again.
-    GPT-2-small's 28 weights on 2 devices: 34 all-gathers (a LayerNorm's scale and offset
-    gathered again for the backward pass) and one all-reduce of 30 buffers; the textbook
-    price, on gloo, was 1.6x its measured step on 2 processes.
+    XLA:CPU, as its compiled programs show: the SPMD partitioner gathers the weight
+    `uses` times a pass (`gathers.fsdp_gathers`): a matmul's weight once, where the
+    forward pass first uses it, the backward pass of the same iteration reading that
+    gather; a norm's scale, and the per-channel values computed from it, where each meets
+    the batch (a batch norm's 7 times). Each gather is a collective of its own paying its
+    latency; each partial gradient is all-reduced whole (each device slicing its share),
+    a buffer of the combined reduction. A layer scan's stacked weight has its collectives
+    in each of the scan's `iterations`, on a slice, and its backward loop gathers it
+    again. GPT-2-small's 28 weights on 2 devices: 33 gathers of weights and one
+    all-reduce of 30 buffers; the textbook price, on gloo, was 1.6x its measured step on
+    2 processes. ResNet-50-small's 29: 85 gathers, where one a weight had priced its
+    FSDP step on gloo at 0.67 of its measured time.
 
     Moved (`fsdp_moves`): `param_bytes` are the layer input's; three collectives of that
     size (XLA sent 1.0-1.6x that in f32 where the weights were 5 MB or more, twice it in
@@ -321,7 +324,7 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
         t, sent = all_gather(param_bytes, d, cluster, moved, inner)
         k = 2 * passes + reductions
         return k * t + (0.0 if moved else buffer_latency(k, d, cluster)), k * sent
-    gathers = passes * (2 if iterations > 1 else 1) * iterations
+    gathers = passes * (2 if iterations > 1 else uses) * iterations
     g_t, g_b = all_gather(param_bytes / iterations, d, cluster, True, inner)
     r_t, r_b = all_reduce(param_bytes, d, cluster, False, inner)
     return (gathers * g_t + reductions * r_t
@@ -330,13 +333,15 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
 
 
 def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,
-              reductions: float = 1.0, passes: float = 1.0) -> tuple[float, float]:
+              reductions: float = 1.0, passes: float = 1.0, uses: float = 1.0
+              ) -> tuple[float, float]:
     """(seconds, bytes) of a weight sharded over the data axis inside each node and
     replicated across the r nodes' replicas (HSDP, PyTorch's HYBRID_SHARD): FSDP's gathers
     and gradient reduce-scatters over the d/r devices of a node, then the gradient shard
     all-reduced across the replicas (one device per node, over the network)."""
     di = d // r
-    t_in, b_in = fsdp_comm(param_bytes, di, cluster, reductions, passes, inner=di)
+    t_in, b_in = fsdp_comm(param_bytes, di, cluster, reductions, passes, inner=di,
+                           uses=uses)
     t_x, b_x = all_reduce(param_bytes / di, r, cluster, False, 1)
     return t_in + reductions * t_x + buffer_latency(reductions, r, cluster), \
         b_in + reductions * b_x

@@ -256,7 +256,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     moves = fsdp_moves(graph.layers, fsdp_dim)
     if dev.small_input_conv_rates and (graph.conv == 2).any():
         _feature_split_convs(graph, cluster, pairs, splits[:, 0], vals, d, m, moves, speed)
-    comm_of: dict[tuple[float, bool, bool, float, float, bool, float],
+    comm_of: dict[tuple[float, bool, bool, float, float, bool, float, float],
                   tuple[float, float]] = {}
     g_comm, gathered, moved_c = [], [], []
     host: list[tuple[float, ...]] = []
@@ -265,16 +265,17 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
 
     def price(j: int, st: Strategy, local: float, moved: bool) -> tuple[float, float]:
         # the blocks of a deep model repeat the same few shapes: price each once
+        uses = float(graph.fsdp_gathers[j])
         key = (local, st.data_sharded, st.state_spec is not None, float(reps[j]),
-               float(passes[j]), moved, float(layers[j]))
+               float(passes[j]), moved, float(layers[j]), uses)
         if key not in comm_of:
             if st.data_sharded and r > 1:
-                comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j])
+                comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j], uses)
             elif st.data_sharded:
-                # the weight is gathered once per pass (a scan's backward loop gathers it
-                # again), each partial gradient reduced
+                # gathered where the batch meets it, each pass (a scan's backward loop
+                # gathers it again), each partial gradient reduced
                 comm_of[key] = fsdp_comm(local, d, cluster, reps[j], passes[j], inner,
-                                         moved, layers[j])
+                                         moved, layers[j], uses)
             else:
                 comm_of[key] = grad_reduce_comm(local, d, cluster, reps[j],
                                                 zero1=st.state_spec is not None,

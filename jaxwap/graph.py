@@ -37,6 +37,7 @@ import scipy.sparse
 
 from .dataflow import Dataflow, dataflow, op_kinds, stacked_dims
 from .flatten import FlatOp, FlatProgram, flatten
+from .gathers import fsdp_gathers
 from .liveness import (
     GRAD,
     NUM_CLASSES,
@@ -48,7 +49,7 @@ from .liveness import (
     gathered_whole,
     step_memory,
 )
-from .model_split import TP_KINDS, ModelSplit, column_leaks, model_splits
+from .model_split import column_leaks, model_splits, op_model_splits
 from .opcost import (
     conv_kind,
     conv_out_width,
@@ -198,6 +199,9 @@ class Graph:
     # `window_grad_s`); left out, none
     window_taps: np.ndarray | None = field(default=None)
     window_grad_elems: np.ndarray | None = field(default=None)
+    # [P] the gathers per pass XLA makes of each parameter and the values computed from
+    # it when the data axis splits it (`gathers.fsdp_gathers`); left out, one each
+    fsdp_gathers: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -215,10 +219,11 @@ class Graph:
         if self.tp_op_param is None:
             object.__setattr__(self, "tp_op_param", np.full(len(self.flops), -1, np.int64))
             object.__setattr__(self, "tp_op_kind", np.full(len(self.flops), -1, np.int64))
-        for name in ("relayout_bytes", "relayout_reads", "conv_relayout_bytes",
-                     "conv_relayout_moves"):
+        for name, fill in (("relayout_bytes", 0.0), ("relayout_reads", 0.0),
+                           ("conv_relayout_bytes", 0.0), ("conv_relayout_moves", 0.0),
+                           ("fsdp_gathers", 1.0)):
             if getattr(self, name) is None:
-                object.__setattr__(self, name, np.zeros(len(self.params)))
+                object.__setattr__(self, name, np.full(len(self.params), fill))
         width = 2 + NUM_CLASSES * len(self.params) + len(self.tp_live_param)
         if len(self.tp_live_kind) != len(self.tp_live_param) or self.live.shape[1] != width:
             raise ValueError(f"Graph.live has {self.live.shape[1]} columns and "
@@ -291,7 +296,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     # where no partial sum was found, the old rule: once per step, or per scan iteration
     fallback = grad_repeat(prog.ops, splits.owner, mem.op_class, params, stacked)
     repeats = np.where(repeats > 0, repeats, fallback)
-    tp_op_param, tp_op_kind = _op_model_splits(prog, model_split, splits)
+    tp_op_param, tp_op_kind = op_model_splits(prog, model_split, splits.batched,
+                                              splits.tp_param)
     conv_bytes, conv_moves = conv_relayouts(prog, flow.owner, flow.batched, len(params))
     relayout_bytes, relayout_reads = relayouts(prog, kinds, flow.owner, flow.batched,
                                                len(params))
@@ -313,6 +319,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,
+        fsdp_gathers=fsdp_gathers(prog, kinds, in_roles, out_roles, len(params)),
         conv_relayout_bytes=conv_bytes, conv_relayout_moves=conv_moves,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
@@ -320,24 +327,6 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         tp_leaks=column_leaks(prog, kinds, flow.owner, flow.perm, splits.layers, params,
                               stacked) | {model_split.pairs[e][0] for e in model_split.cut
                                           if model_split.pairs[e][1] == "col"})
-
-
-def _op_model_splits(prog: FlatProgram, split: ModelSplit, splits: _OpSplits
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Per op, the (parameter, kind index) whose tensor-parallel layout splits its
-    result over the model axis (`Graph.tp_op_param`): the label of the value it makes,
-    for a batched op that no layer's matmul already splits; (-1, -1) else."""
-    n = len(prog.ops)
-    param = np.full(n, -1, np.int64)
-    kind = np.full(n, -1, np.int64)
-    for k, op in enumerate(prog.ops):
-        if not op.outs or not splits.batched[k] or splits.tp_param[k] >= 0:
-            continue
-        e = int(split.label[op.outs[0]])
-        if e >= 0:
-            j, name = split.pairs[e]
-            param[k], kind[k] = j, TP_KINDS.index(name)
-    return param, kind
 
 
 # --------------------------------------------------------------------------- splits

@@ -208,4 +208,24 @@ def column_leaks(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     return frozenset(j for j, r in readers.items() if len(r) > 1)
 
 
-__all__ = ["TP_KINDS", "ModelSplit", "column_leaks", "model_splits", "tp_dims"]
+def op_model_splits(prog: FlatProgram, split: ModelSplit, batched: np.ndarray,
+                    tp_param: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per op, the (parameter, kind index) whose tensor-parallel layout splits its
+    result over the model axis (`Graph.tp_op_param`): the label of the value it makes,
+    for a batched op (`batched`) that no layer's matmul already splits (`tp_param` -1);
+    (-1, -1) else."""
+    n = len(prog.ops)
+    param = np.full(n, -1, np.int64)
+    kind = np.full(n, -1, np.int64)
+    for k, op in enumerate(prog.ops):
+        if not op.outs or not batched[k] or tp_param[k] >= 0:
+            continue
+        e = int(split.label[op.outs[0]])
+        if e >= 0:
+            j, name = split.pairs[e]
+            param[k], kind[k] = j, TP_KINDS.index(name)
+    return param, kind
+
+
+__all__ = ["TP_KINDS", "ModelSplit", "column_leaks", "model_splits", "op_model_splits",
+           "tp_dims"]
