@@ -16,8 +16,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .dataflow import looked_up
+from .dataflow import looked_up, op_kinds
 from .flatten import flatten
+from .gathers import fsdp_gathers
 from .pins import gradient_pins, pinned
 from .records import DATA, MODEL, REPLICA, STAGE
 from .state import BATCH, PARAM, LeafTable
@@ -140,25 +141,38 @@ def without_data(spec: P) -> P:
     return P(*(keep(e) for e in spec))
 
 
-def gathered_first(jaxpr: Any, layout: Any, in_lay: Sequence[LeafLayout],
-                   mesh: Mesh) -> dict[int, NamedSharding]:
-    """{input leaf: its sharding without the data axis} for every parameter sharded over
-    the data axis that an embedding lookup reads (`dataflow.looked_up`): the step gathers
-    such a table before it runs, as FSDP does any weight. Left to itself, XLA's
-    partitioner gives the lookup's result the table's sharding, and a table split on its
-    feature dim then splits GPT-2's residual stream by feature over the whole batch: on 8
-    devices its 2-layer, full-width form compiled to 5.8 GB of collectives (whole-batch
-    logits all-reduced) where the gathered table gives 0.57 GB and the model prices 0.65."""
+def gathered_first(jaxpr: Any, layout: Any, in_lay: Sequence[LeafLayout], mesh: Mesh
+                   ) -> tuple[dict[int, NamedSharding], dict[int, P]]:
+    """{input leaf: its sharding without the data axis} for the parameters sharded over
+    the data axis that the step gathers before it runs, as FSDP does any weight:
+
+    - a table an embedding lookup reads (`dataflow.looked_up`). Left to itself, XLA's
+      partitioner gives the lookup's result the table's sharding, and a table split on
+      its feature dim then splits GPT-2's residual stream by feature over the whole
+      batch: on 8 devices its 2-layer, full-width form compiled to 5.8 GB of collectives
+      (whole-batch logits all-reduced) where the gathered table gives 0.57 GB and the
+      model prices 0.65;
+    - one no matmul reads that XLA would gather more than once (`gathers.Gathers.first`:
+      a norm's scale, whose split XLA carries into the batch statistics). Its gradient
+      is kept whole where a reduction makes it too (`pins`), or XLA would split the
+      family again from the gradient's side (the split moments): the second dict,
+      {parameter: its spec without the data axis}, for `pins.gradient_pins`."""
     sharded = {i: lay for i, (lay, role) in enumerate(zip(in_lay, layout.inputs.roles,
                                                            strict=True))
                if role.kind == PARAM and not role.mirror
                and without_data(lay.spec) != P(*lay.spec)}
     if not sharded:
-        return {}
-    tables = looked_up(flatten(jaxpr), layout.inputs.roles, layout.outputs.roles,
+        return {}, {}
+    prog = flatten(jaxpr)
+    tables = looked_up(prog, layout.inputs.roles, layout.outputs.roles,
                        layout.params, layout.inputs.batch_size)
-    return {i: NamedSharding(mesh, without_data(lay.spec)) for i, lay in sharded.items()
-            if layout.inputs.roles[i].param in tables}
+    first = fsdp_gathers(prog, op_kinds(prog)[0], layout.inputs.roles, layout.outputs.roles,
+                         len(layout.params)).first
+    param = {i: layout.inputs.roles[i].param for i in sharded}
+    whole = {param[i]: without_data(lay.spec) for i, lay in sharded.items()
+             if first[param[i]] and param[i] not in tables}
+    return ({i: NamedSharding(mesh, without_data(lay.spec)) for i, lay in sharded.items()
+             if param[i] in tables or param[i] in whole}, whole)
 
 
 def zero1_weights(placements: Sequence[Any]) -> dict[int, P]:
@@ -237,10 +251,10 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
     t0 = time.perf_counter()
     with jax.set_mesh(mesh) if stages > 1 else contextlib.nullcontext():
         program = traced(step({}))
-        first = gathered_first(program.jaxpr, layout, in_lay, mesh)
+        first, whole = gathered_first(program.jaxpr, layout, in_lay, mesh)
         if first:
             program = traced(step(first))
-        pins = gradient_pins(program.jaxpr, layout, zero1_weights(placements)) \
+        pins = gradient_pins(program.jaxpr, layout, {**zero1_weights(placements), **whole}) \
             if stages == 1 else {}
         if pins:
             program = traced(pinned(program.jaxpr, pins, mesh))

@@ -1,5 +1,5 @@
 """How many times a step gathers each parameter the data axis splits (FSDP), as XLA's SPMD
-partitioner compiles it.
+partitioner compiles it, and which parameters the step therefore gathers first.
 
 A weight the data axis splits is gathered where the batch meets it. The split does not stop
 at the parameter: sharding propagation carries it into every whole (batch-free) value of
@@ -14,24 +14,28 @@ norm's scale and the values computed from it 7 times a step where the model had 
 
 So a parameter's *family* is the batch-free values linked to it through ops whose operand
 and result have its shape (size-1 dims aside): its casts, its gradient and moments, and
-whatever per-channel statistics its arithmetic mixes in. A gather happens
+whatever per-channel statistics its arithmetic mixes in. Left to itself XLA gathers
 
 - per distinct family value a matmul or convolution reads against the batch (XLA shares
   one gather between the forward op and the backward op that read the same weight; a
   convolution's input gradient reads the kernel reversed, a value of its own, unless the
   window is 1 x 1), and
-- per op that reads a family value (or its broadcast) elementwise against the batch (XLA
-  gathers a norm's scale again for the backward pass's product: GPT-2-small's LayerNorm
-  scales twice, their offsets once), and
+- per op that reads a family value (or its broadcast) elementwise against the batch (a
+  layer norm's scale twice: the forward and the backward products), and
 - per family value the step returns that is not the parameter (running statistics).
 
-Checked on compiled programs (`tests/test_comm_fidelity.py`): ResNet-50-small's FSDP
-layout on 2 devices, 85 gathers of weights counted and compiled; GPT-2-small's, 33.
+A parameter no matmul reads that would be gathered more than once (a norm's scale, a bias
+added twice) is gathered first instead, as FSDP means to, and its gradient pinned whole
+where a reduction makes it (`compile.compile_layout`, `pins.gradient_pins`), which keeps its
+family whole: one gather a step. ResNet-50-small's FSDP step on 2 devices compiled to 86
+all-gathers, 32 so; GPT-2-small's to 33, 28. Checked on compiled programs
+(`tests/test_comm_fidelity.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,11 +49,31 @@ def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(s) for s in shape if s != 1)
 
 
+@dataclass(frozen=True)
+class Gathers:
+    """Per parameter, what XLA gathers of it and its family when the data axis splits it
+    and nothing else is said: `reads`, distinct family values matmuls read against the
+    batch; `uses`, elementwise reads and returned family values."""
+
+    reads: np.ndarray
+    uses: np.ndarray
+
+    @property
+    def first(self) -> np.ndarray:
+        """[P] bool: gathered first (no matmul reads it; XLA would gather it again)."""
+        return (self.reads == 0) & (self.uses > 1)
+
+    @property
+    def per_pass(self) -> np.ndarray:
+        """[P] the gathers a pass makes of each, the ones gathered first once (at least 1:
+        the price of a parameter the batch never meets)."""
+        return np.where(self.first, 1.0, np.maximum(self.reads + self.uses, 1.0))
+
+
 def fsdp_gathers(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRole],
-                 out_roles: Sequence[LeafRole], num_params: int) -> np.ndarray:
-    """Per parameter, the gathers per pass XLA makes of it and its family when the data
-    axis splits it (at least 1: the model's old price, for a parameter the batch never
-    meets). See the module docstring for the rule."""
+                 out_roles: Sequence[LeafRole], num_params: int) -> Gathers:
+    """What XLA gathers of each parameter when the data axis splits it (the module
+    docstring has the rule)."""
     V = prog.vars
     axis, _ = batch_dims(prog, [i for i, r in zip(prog.in_ids, in_roles, strict=True)
                                 if r.kind == BATCH])
@@ -99,7 +123,7 @@ def fsdp_gathers(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[Lea
     for o, r in zip(prog.out_ids, out_roles, strict=True):
         if r.kind != PARAM and of[o] >= 0:
             uses[of[o]] += 1
-    return np.maximum(uses + np.array([len(s) for s in read]), 1.0)
+    return Gathers(np.array([float(len(s)) for s in read]), uses)
 
 
-__all__ = ["fsdp_gathers"]
+__all__ = ["Gathers", "fsdp_gathers"]

@@ -200,7 +200,7 @@ class Graph:
     window_taps: np.ndarray | None = field(default=None)
     window_grad_elems: np.ndarray | None = field(default=None)
     # [P] the gathers per pass XLA makes of each parameter and the values computed from
-    # it when the data axis splits it (`gathers.fsdp_gathers`); left out, one each
+    # it when the data axis splits it (`gathers.Gathers.per_pass`); left out, one each
     fsdp_gathers: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -319,7 +319,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,
-        fsdp_gathers=fsdp_gathers(prog, kinds, in_roles, out_roles, len(params)),
+        fsdp_gathers=fsdp_gathers(prog, kinds, in_roles, out_roles, len(params)).per_pass,
         conv_relayout_bytes=conv_bytes, conv_relayout_moves=conv_moves,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,

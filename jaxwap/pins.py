@@ -1,5 +1,7 @@
 """What a compiled step pins inside it: a ZeRO-1 parameter's gradient made by a reduction
-keeps the layout of its weight.
+keeps the layout of its weight (and so does that of an FSDP parameter the step gathers
+first, `compile.gathered_first`: a norm's scale, whose split XLA would otherwise carry from
+the split moments into the statistics through the gradient).
 
 ZeRO-1 keeps a weight whole on every device of the data axis and splits its optimizer
 state over that axis: each device updates its share of the weight and the new weight is
@@ -49,7 +51,8 @@ Pins = dict[int, dict[int, P]]   # {top-level equation: {result index: its layou
 
 def gradient_pins(closed: Any, layout: Any, weights: Mapping[int, P]) -> Pins:
     """Where a reduction in the step makes the gradient of a parameter in `weights`
-    ({parameter: weight spec}, the ZeRO-1 ones), and the spec to pin it to.
+    ({parameter: weight spec without the data axis}: the ZeRO-1 ones, and the FSDP ones
+    gathered first), and the spec to pin it to.
 
     A gradient is a value that is a form of the parameter (`dataflow`'s ownership, which
     runs back from the new weight and optimizer state through elementwise ops), computed

@@ -299,6 +299,27 @@ def test_forced_zero1_on_resnet50_small_gathers_each_weight_once_and_matches_sin
     assert_close_adam(reference(w.step, args, 2), out, lr=1e-3, n_steps=2)
 
 
+def test_forced_fsdp_on_resnet50_small_gathers_each_norm_once_and_matches_single_device():
+    """FSDP on a batch-norm network: each weight gathered once a step (a 3x3 kernel's
+    reversed copy for the input gradient again). Left to XLA, a split batch-norm scale
+    splits the statistics computed with it, gathered back wherever they meet the batch (86
+    all-gathers for 29 weights); the step gathers such a scale first and keeps its
+    gradient whole (`compile.gathered_first`), and the numbers are unchanged."""
+    w = zoo.small("resnet50")
+    args = w.synthetic(0)
+    sharded = jaxwap.auto_shard(w.step, w.params, strategies=("fsdp",),
+                                mesh_shape={"data": 2}, verify=1, cache=False)
+    out = sharded_run(sharded, args, 2)
+    plan = sharded.plan
+    assert {pl.strategy for pl in plan.params} == {"fsdp"}
+    gathers = [c for c in plan.compiled.collectives if c.kind == "all-gather"]
+    # 29 weights, the two 3x3 kernels' reversed copies, and the head's activations
+    assert sum(c.buffers for c in gathers) == len(plan.params) + 3
+    for leaf in jax.tree.leaves(out[0]):                 # weights: split over the devices
+        assert not leaf.sharding.is_fully_replicated
+    assert_close_adam(reference(w.step, args, 2), out, lr=1e-3, n_steps=2)
+
+
 @pytest.mark.parametrize("families", [("offload",), ("zero1", "offload")])
 def test_forced_host_offload_keeps_the_optimizer_state_in_pinned_host_memory(families):
     # XLA:CPU ignores memory kinds when it runs the program, but the arrays must still carry
