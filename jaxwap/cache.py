@@ -63,7 +63,8 @@ CACHE_FORMAT = 1
 # 7: a bias is split with its column-parallel kernel (`chain.biases_follow`): plans made
 # before left it whole, which XLA gathers after every update.
 # 8: a data-sharded parameter is priced at every gather XLA makes of it and of the values
-# computed from it (`gathers.fsdp_gathers`): plans made before priced one a pass.
+# computed from it (`gathers.fsdp_gathers`), a norm's scale gathered first; XLA:CPU's copies
+# around batched matmuls are priced (`reductions.dot_relayouts`): other times again.
 KEY_FORMAT = 8
 
 # Entry names are used as file names: keep them to a safe alphabet (no separators, no

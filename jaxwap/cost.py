@@ -44,7 +44,7 @@ from .graph import GRAD, OPT, Graph, Layer
 from .hardware import Cluster
 from .layout_memory import peak_memory
 from .model_split import TP_KINDS
-from .optime import op_parts
+from .optime import op_parts, relayout_times
 from .records import DATA, MODEL, CompiledFigures, Prediction, Strategy
 
 
@@ -101,6 +101,7 @@ class MeshCosts:
     # moved (None: it cannot move)
     gathered_comm: tuple[tuple[tuple[float, float], ...], ...] = ()
     moved_comm: tuple[tuple[tuple[float, float] | None, ...], ...] = ()
+    base_relayout: float = 0.0   # of `base`: layout changes
 
 
 def rides(kernel: Strategy, bias: Strategy) -> bool:
@@ -148,13 +149,14 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     per_split: dict[int, tuple[np.ndarray, ...]] = {}
 
     def at(split: int) -> tuple[np.ndarray, ...]:
-        """Per-op (seconds, busy seconds, flops, compute-bound seconds, their work) with
-        the work divided `split` ways."""
+        """Per-op (seconds, busy seconds, flops, compute-bound seconds, their work, of the
+        seconds layout changes) with the work divided `split` ways."""
         if split not in per_split:
             # every batched op's split includes the data axis; the rest move no fixed bytes
             t, bound, work = op_parts(graph, cluster, float(split), speed, data=float(d))
             per_split[split] = (t, t - graph.kernels * dev.kernel_overhead_s,
-                                graph.flops / split, bound, work)
+                                graph.flops / split, bound, work,
+                                relayout_times(graph, cluster, float(split), speed))
         return per_split[split]
 
     batched, owner, tp = graph.batched, graph.owner, graph.tp_param
@@ -162,7 +164,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     fixed_b = batched & (tp < 0) & (tp_op < 0)
     fixed_o = ~batched & (owner < 0)
     at_d, at_1 = at(d), at(1)
-    base, base_busy, base_flops, base_bound, base_work = (
+    base, base_busy, base_flops, base_bound, base_work, base_relayout = (
         float(x_d[fixed_b].sum() + x_1[fixed_o].sum()) for x_d, x_1 in zip(at_d, at_1, strict=True))
     base_batched = float(at_d[0][fixed_b].sum())
 
@@ -179,7 +181,7 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     sums: dict[tuple[str, int], np.ndarray] = {}
 
     def summed(group: str, split: int) -> np.ndarray:
-        """[5, P]: per parameter, the group's `at` sums at this split."""
+        """[6, P]: per parameter, the group's `at` sums at this split."""
         if (group, split) not in sums:
             mask, who = groups[group]
             sums[group, split] = np.stack([np.bincount(who[mask], x[mask], minlength=P)
@@ -217,7 +219,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
         for split in np.unique(col):
             sel = col == split
             got = summed(group, int(split))[:, J[sel]].T
-            vals[sel, :5] += got
+            vals[sel, :5] += got[:, :5]
+            vals[sel, 6] += got[:, 5]
             if group not in ("w", "s"):
                 vals[sel, 5] += got[:, 0]
     if graph.conv_relayout_moves.any():
@@ -308,7 +311,8 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     return MeshCosts(d, m, base, base_busy, base_flops, base_batched,
                      tuple(tuple(s) for s in strategies), table(0), table(1), table(2),
                      table(5), tuple(g_comm), tuple(host), r, base_bound, base_work,
-                     table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c))
+                     table(3), table(4), riders, table(6), tuple(gathered), tuple(moved_c),
+                     base_relayout)
 
 
 def _feature_split_convs(graph: Graph, cluster: Cluster, pairs: Sequence[tuple[int, Strategy]],
@@ -359,7 +363,8 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
         bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked),
         fresh=cluster.device.fresh_memory_s(scratch),
-        relayout=sum(mc.param_relayout[j][s] for j, s in picked) if mc.param_relayout else 0.0)
+        relayout=mc.base_relayout + (sum(mc.param_relayout[j][s] for j, s in picked)
+                                     if mc.param_relayout else 0.0))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
 
 

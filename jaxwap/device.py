@@ -62,7 +62,7 @@ def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
 # DeviceSpec fields that say what the backend does, not what was measured: a calibration
 # takes them from the backend's built-in profile (records made before one existed too)
 BACKEND_FLAGS = ("combines_collectives", "overlaps_collectives", "relayouts_conv_grads",
-                 "fuses_reductions")
+                 "fuses_reductions", "relayouts_batched_dots")
 
 
 @dataclass(frozen=True)
@@ -172,6 +172,10 @@ class DeviceSpec:
         activations and output gradient into another layout before it
         (`reductions.conv_grad_relayouts`), each copy priced as a layout change
         (`layout_change_s`). XLA:CPU does; cuDNN reads them as they are.
+      relayouts_batched_dots: whether the backend copies a batched matmul's operands into
+        a layout with the batch dims leading, and materializes a transpose next to one
+        (`reductions.dot_relayouts`: attention's heads), each copy priced as a layout
+        change. XLA:CPU does; on a GPU unverified, so not priced there.
       fuses_reductions: whether the backend computes a reduction inside the fusion of the
         elementwise ops that make its input (XLA:GPU), so that it costs what that fusion
         reads. XLA:CPU runs reductions as library kernels of their own (YNNPACK), each
@@ -214,6 +218,7 @@ class DeviceSpec:
     combines_collectives: bool = True
     overlaps_collectives: bool = True
     relayouts_conv_grads: bool = False
+    relayouts_batched_dots: bool = False
     fuses_reductions: bool = True
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
@@ -387,6 +392,7 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
                    overlaps_collectives=False, combines_collectives=False,
                    relayouts_conv_grads=True, fuses_reductions=False,
+                   relayouts_batched_dots=True,
                    network_bandwidth=1.25 * GB, network_latency_s=50e-6),
     )
 }

@@ -63,6 +63,7 @@ from .reductions import (
     conv_grad_relayouts,
     conv_relayouts,
     data_reductions,
+    dot_relayouts,
     grad_repeat,
     partial_sums,
     reduced_copies,
@@ -199,6 +200,9 @@ class Graph:
     # `window_grad_s`); left out, none
     window_taps: np.ndarray | None = field(default=None)
     window_grad_elems: np.ndarray | None = field(default=None)
+    # [ops] bytes the backend copies into another layout around each batched matmul
+    # (`reductions.dot_relayouts`, `DeviceSpec.relayouts_batched_dots`); left out, none
+    dot_relayout_bytes: np.ndarray | None = field(default=None)
     # [P] the gathers per pass XLA makes of each parameter and the values computed from
     # it when the data axis splits it (`gathers.Gathers.per_pass`); left out, one each
     fsdp_gathers: np.ndarray | None = field(default=None)
@@ -213,7 +217,7 @@ class Graph:
                             ("conv_out_width", np.int64), ("transcendentals", float),
                             ("reduced", float), ("conv_grad_bytes", float),
                             ("window_taps", float), ("window_grad_elems", float),
-                            ("transposed", bool)):
+                            ("transposed", bool), ("dot_relayout_bytes", float)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.flops), dtype))
         if self.tp_op_param is None:
@@ -315,6 +319,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         transcendentals=costs.transcendentals, reduced=costs.reduced,
         window_taps=costs.window_taps, window_grad_elems=costs.window_grad_elems,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
+        dot_relayout_bytes=dot_relayouts(prog, flow.batched),
         transposed=np.array([transposed_matmul(op.eqn) for op in prog.ops], dtype=bool),
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,

@@ -56,8 +56,22 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
         busy = np.where(graph.host_transfer, b / 2 / dev.host_bandwidth, busy)
         bound &= ~graph.host_transfer
     launch = dev.kernel_overhead_s + np.where(graph.conv > 0, dev.conv_overhead_s, 0.0)
-    return (busy + graph.kernels * launch, np.where(bound, busy, 0.0),
-            np.where(bound, np.maximum(f / rate, trans_t), 0.0))
+    return (busy + graph.kernels * launch + relayout_times(graph, cluster, split, speed),
+            np.where(bound, busy, 0.0), np.where(bound, np.maximum(f / rate, trans_t), 0.0))
+
+
+def relayout_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
+                   speed: float = 1.0) -> np.ndarray:
+    """Per-op seconds of the copies the backend makes around batched matmuls
+    (`reductions.dot_relayouts`), at a `split` share, where it makes them
+    (`DeviceSpec.relayouts_batched_dots`): a layout change and a kernel launch each.
+    Part of `op_parts`' seconds; `cost.mesh_costs` keeps them apart as layout changes,
+    which XLA's own replace where the model is fed its figures."""
+    dev = cluster.device
+    if not dev.relayouts_batched_dots or not graph.dot_relayout_bytes.any():
+        return np.zeros(len(graph.flops))
+    moved = graph.dot_relayout_bytes / split
+    return np.where(moved > 0, dev.layout_change_s(moved) / speed + dev.kernel_overhead_s, 0.0)
 
 
 def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
@@ -66,4 +80,4 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     return op_parts(graph, cluster, split, speed, data)[0]
 
 
-__all__ = ["op_parts", "op_times"]
+__all__ = ["op_parts", "op_times", "relayout_times"]

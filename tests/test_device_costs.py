@@ -538,3 +538,42 @@ def test_a_moved_fsdp_generic_loop_convolution_is_priced_at_the_kernel_a_device_
                  for k in np.setdiff1d(np.flatnonzero(g.conv == 2), slow))
     assert t["per-width", tuple(fsdp)] - t["flat", tuple(fsdp)] == pytest.approx(
         want + others, rel=1e-9)
+
+
+def test_attention_heads_pay_the_copies_xla_cpu_makes_around_its_batched_matmuls():
+    """XLA:CPU runs a batched matmul on operands with the batch dims leading: attention's
+    `bqhd,bkhd->bhqk` has both operands copied, the heads split out of q, k and v and the
+    output merged back are materialized. The model names most of those arrays
+    (`reductions.dot_relayouts`, checked against the compiled program's layout changes,
+    independent of the model) and prices them as layout changes where the backend makes
+    them (`DeviceSpec.relayouts_batched_dots`), which XLA's own replace when the model is
+    fed its figures."""
+    f32 = jax.ShapeDtypeStruct
+    B, T, H, D = 8, 32, 4, 16
+
+    def loss(p, x):
+        q, k, v = (a.reshape(B, T, H, D) for a in jnp.split(x @ p["qkv"], 3, axis=-1))
+        s = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5, axis=-1)
+        return jnp.mean((jnp.einsum("bhqk,bkhd->bqhd", s, v).reshape(B, T, H * D)
+                         @ p["o"]) ** 2)
+
+    params = {"qkv": f32((H * D, 3 * H * D), jnp.float32), "o": f32((H * D, H * D), jnp.float32)}
+    x = f32((B, T, H * D), jnp.float32)
+    step = _sgd(loss)
+    heads = {B * T * H * D * 4, B * H * T * T * 4}     # the arrays of q, k, v and scores
+    xla = sum(b * n for b, n in layout_changes(jax.jit(step).lower(params, x).compile()
+                                                .as_text()) if b in heads)
+    g = analyze_step(step, params, x, batch_size=B)
+    named = float(g.dot_relayout_bytes.sum())
+    assert 0.5 * xla <= named <= xla, (named, xla)
+    on = dataclasses.replace(SPEC, relayouts_batched_dots=True)
+    strats = [param_strategies(g, j, 1, 1) for j in range(len(g.params))]
+    rep = [0] * len(strats)
+    pred = {name: predict(g, Cluster(spec, 1), mesh_costs(g, Cluster(spec, 1), 1, 1, strats),
+                          rep) for name, spec in (("off", SPEC), ("on", on))}
+    moved = g.dot_relayout_bytes[g.dot_relayout_bytes > 0]
+    want = float(sum(on.layout_change_s(b) + on.kernel_overhead_s for b in moved))
+    assert pred["on"].layout_change_time_s - pred["off"].layout_change_time_s == \
+        pytest.approx(want, rel=1e-9)
+    assert pred["on"].compute_time_s - pred["off"].compute_time_s == pytest.approx(want,
+                                                                                    rel=1e-9)
