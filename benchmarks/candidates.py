@@ -62,11 +62,13 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # column split that leaks into the residual stream among the planner's layouts. 4: nor
 # one a fused q/k/v split cuts, nor an unpaired row-parallel layer where another kind can.
 # 5: after a column-parallel layer, only a row-parallel one where it can be. 6: a ZeRO-1
-# gradient pinned to its weight's layout where it is made (`jaxwap.pins`).
-FORMAT = 6
+# gradient pinned to its weight's layout where it is made (`jaxwap.pins`). 7: an FSDP
+# norm scale (any data-sharded parameter no matmul reads that XLA would gather again)
+# gathered first, its gradient pinned whole (`compile.gathered_first`).
+FORMAT = 7
 # {older format: which of its records still describe what is compiled now (by strategies)}
 STILL_VALID: dict[int, Callable[[Sequence[str]], bool]] = {
-    5: lambda strategies: not any("zero1" in s for s in strategies)}
+    6: lambda strategies: not any("fsdp" in s for s in strategies)}
 
 
 @dataclass(frozen=True)
