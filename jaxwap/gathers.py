@@ -98,32 +98,40 @@ def fsdp_gathers(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[Lea
             for i in op.ins:
                 if whole[i] and shape[i] == shape[o]:
                     parent[find(i)] = find(o)
-    family = {find(i): r.param for i, r in zip(prog.in_ids, in_roles, strict=True)
-              if r.kind == PARAM and not r.mirror}
-    of = [family.get(find(i), -1) for i in range(len(V))]
+    # a family may hold several parameters (a norm's scale and offset, where the backward
+    # pass mixes their per-channel sums): each is priced at, and gathered first for, all
+    # of the family's gathers
+    members: dict[int, list[int]] = {}
+    for i, r in zip(prog.in_ids, in_roles, strict=True):
+        if r.kind == PARAM and not r.mirror:
+            members.setdefault(find(i), []).append(r.param)
+    of = [find(i) if find(i) in members else -1 for i in range(len(V))]
     spread = {}   # a broadcast of a family value: the value it broadcasts
     for op in prog.ops:
         if op.prim == "broadcast_in_dim" and of[op.ins[0]] >= 0 and of[op.outs[0]] < 0:
             spread[op.outs[0]] = op.ins[0]
-    read: list[set[int]] = [set() for _ in range(num_params)]
-    uses = np.zeros(num_params)
+    read: dict[int, set[int]] = {f: set() for f in members}
+    uses = dict.fromkeys(members, 0.0)
     for op, kind in zip(prog.ops, kinds, strict=True):
         if any(of[o] >= 0 for o in op.outs) or not any(
                 not whole[i] and of[i] < 0 and i not in spread for i in op.ins):
             continue
         for i in op.ins:
             v = spread.get(i, i)
-            j = of[v]
-            if j < 0:
+            f = of[v]
+            if f < 0:
                 continue
             if kind == MATMUL and v == i:
-                read[j].add(same[v])
+                read[f].add(same[v])
             else:
-                uses[j] += 1
+                uses[f] += 1
     for o, r in zip(prog.out_ids, out_roles, strict=True):
         if r.kind != PARAM and of[o] >= 0:
             uses[of[o]] += 1
-    return Gathers(np.array([float(len(s)) for s in read]), uses)
+    reads, used = np.zeros(num_params), np.zeros(num_params)
+    for f, params in members.items():
+        reads[params], used[params] = len(read[f]), uses[f]
+    return Gathers(reads, used)
 
 
 __all__ = ["Gathers", "fsdp_gathers"]
