@@ -289,16 +289,18 @@ def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     (in cache and past it), timed against the same fusion without the transpose, so the
     figure is what the change adds to the roofline the model already charges. A small
     array's call is mostly dispatch, whose jitter dwarfs what the change adds: each
-    difference is the median of three alternating rounds, each round's calls repeated
-    until they move about 16 MiB (5 to 101 calls)."""
+    difference is the median of seven alternating rounds, each round's calls repeated
+    until they move about 64 MiB (5 to 401 calls). With three rounds of 16 MiB the 16 KiB
+    point read 4e-11 to 1.5e-9 s a byte between calibrations on this 2-core VM (one such
+    outlier put GPT-2-small's XLA-fed step at +45%); so, 3e-11 to 9e-11 in six tries."""
     out = []
     for n in sizes:
         x = _ones(device, n, n)
-        reps = int(min(101, max(5, 2**24 // (n * n * 4))))
+        reps = int(min(401, max(5, 2**26 // (n * n * 4))))
         diffs = [in_place(lambda y, v: y * 0.9 + 0.1 * v.T, _ones(device, n, n), x,
                           repeats=reps)
                  - in_place(lambda y, v: y * 0.9 + 0.1 * v, _ones(device, n, n), x,
-                            repeats=reps) for _ in range(3)]
+                            repeats=reps) for _ in range(7)]
         out.append((n * n * 4, max(float(np.median(diffs)), 0.0) / (n * n * 4)))
     return out
 
