@@ -276,47 +276,35 @@ def test_forced_zero1_shards_only_the_optimizer_state_and_matches_single_device(
     assert_close(reference(step, args, 3), (p, o, m))
 
 
-def test_forced_zero1_on_resnet50_small_gathers_each_weight_once_and_matches_single_device():
-    """ZeRO-1 on a batch-norm network compiles to ZeRO-1: the gradients are reduced whole
-    and each updated weight is all-gathered once. Told only the split optimizer state, XLA
-    had split the batch norms' statistics too and gathered them back where the forward and
-    backward passes read them (92 all-gathers for 29 weights, measured 2.2x the
-    data-parallel step on the two-process cluster); the step now pins each ZeRO-1 gradient
-    to its weight's layout where it is made (`jaxwap.pins`)."""
+@pytest.mark.parametrize("family, extra, kinds, whole", [
+    ("zero1", 0, {"all-reduce", "all-gather"}, True),
+    ("fsdp", 3, {"all-reduce", "all-gather", "all-to-all"}, False)])
+def test_forced_sharding_on_resnet50_small_gathers_each_weight_once_and_matches_single_device(
+        family, extra, kinds, whole):
+    """ZeRO-1 and FSDP on a batch-norm network compile to what they mean: each weight
+    all-gathered once a step (under FSDP a 3x3 kernel's reversed copy for the input
+    gradient again, and the head's activations moved), the numbers those of one device.
+
+    ZeRO-1: told only the split optimizer state, XLA had split the batch norms' statistics
+    too and gathered them back where the forward and backward passes read them (92
+    all-gathers for 29 weights, measured 2.2x the data-parallel step on the two-process
+    cluster); the step pins each ZeRO-1 gradient to its weight's layout where it is made
+    (`jaxwap.pins`). FSDP: a split batch-norm scale split the statistics computed with it,
+    gathered back wherever they met the batch (86 all-gathers for 29 weights); the step
+    gathers such a scale first and keeps its gradient whole (`compile.gathered_first`)."""
     w = zoo.small("resnet50")
     args = w.synthetic(0)
-    sharded = jaxwap.auto_shard(w.step, w.params, strategies=("zero1",),
+    sharded = jaxwap.auto_shard(w.step, w.params, strategies=(family,),
                                 mesh_shape={"data": 2}, verify=1, cache=False)
     out = sharded_run(sharded, args, 2)
     plan = sharded.plan
     assert dict(plan.mesh_shape) == {"data": 2, "model": 1}
-    assert {pl.strategy for pl in plan.params} == {"zero1"}
+    assert {pl.strategy for pl in plan.params} == {family}
     gathers = [c for c in plan.compiled.collectives if c.kind == "all-gather"]
-    assert sum(c.buffers for c in gathers) == len(plan.params)
-    assert {c.kind for c in plan.compiled.collectives} == {"all-reduce", "all-gather"}
-    for leaf in jax.tree.leaves(out[0]):                 # weights: whole on every device
-        assert leaf.sharding.is_fully_replicated
-    assert_close_adam(reference(w.step, args, 2), out, lr=1e-3, n_steps=2)
-
-
-def test_forced_fsdp_on_resnet50_small_gathers_each_norm_once_and_matches_single_device():
-    """FSDP on a batch-norm network: each weight gathered once a step (a 3x3 kernel's
-    reversed copy for the input gradient again). Left to XLA, a split batch-norm scale
-    splits the statistics computed with it, gathered back wherever they meet the batch (86
-    all-gathers for 29 weights); the step gathers such a scale first and keeps its
-    gradient whole (`compile.gathered_first`), and the numbers are unchanged."""
-    w = zoo.small("resnet50")
-    args = w.synthetic(0)
-    sharded = jaxwap.auto_shard(w.step, w.params, strategies=("fsdp",),
-                                mesh_shape={"data": 2}, verify=1, cache=False)
-    out = sharded_run(sharded, args, 2)
-    plan = sharded.plan
-    assert {pl.strategy for pl in plan.params} == {"fsdp"}
-    gathers = [c for c in plan.compiled.collectives if c.kind == "all-gather"]
-    # 29 weights, the two 3x3 kernels' reversed copies, and the head's activations
-    assert sum(c.buffers for c in gathers) == len(plan.params) + 3
-    for leaf in jax.tree.leaves(out[0]):                 # weights: split over the devices
-        assert not leaf.sharding.is_fully_replicated
+    assert sum(c.buffers for c in gathers) == len(plan.params) + extra
+    assert {c.kind for c in plan.compiled.collectives} == kinds
+    for leaf in jax.tree.leaves(out[0]):   # ZeRO-1's weights whole, FSDP's split
+        assert leaf.sharding.is_fully_replicated == whole
     assert_close_adam(reference(w.step, args, 2), out, lr=1e-3, n_steps=2)
 
 
