@@ -21,6 +21,7 @@ from .flatten import flatten
 from .gathers import fsdp_gathers
 from .pins import gradient_pins, pinned
 from .records import DATA, MODEL, REPLICA, STAGE
+from .reductions import batch_split
 from .state import BATCH, PARAM, LeafTable
 
 # Applied to GPU compiles only: overlap collectives with compute (XLA flag names checked
@@ -166,8 +167,9 @@ def gathered_first(jaxpr: Any, layout: Any, in_lay: Sequence[LeafLayout], mesh: 
     prog = flatten(jaxpr)
     tables = looked_up(prog, layout.inputs.roles, layout.outputs.roles,
                        layout.params, layout.inputs.batch_size)
-    first = fsdp_gathers(prog, op_kinds(prog)[0], layout.inputs.roles, layout.outputs.roles,
-                         len(layout.params)).first
+    roles = layout.inputs.roles
+    first = fsdp_gathers(prog, op_kinds(prog)[0], batch_split(prog, roles)[0], roles,
+                         layout.outputs.roles, len(layout.params)).first
     param = {i: layout.inputs.roles[i].param for i in sharded}
     whole = {param[i]: without_data(lay.spec) for i, lay in sharded.items()
              if first[param[i]] and param[i] not in tables}

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .comm import batch_dims
 from .flatten import FlatProgram
 from .primitives import MATMUL
-from .state import BATCH, PARAM, LeafRole
+from .state import PARAM, LeafRole
 
 
 def _squeezed(shape: Sequence[int]) -> tuple[int, ...]:
@@ -70,13 +69,13 @@ class Gathers:
         return np.where(self.first, 1.0, np.maximum(self.reads + self.uses, 1.0))
 
 
-def fsdp_gathers(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRole],
-                 out_roles: Sequence[LeafRole], num_params: int) -> Gathers:
+def fsdp_gathers(prog: FlatProgram, kinds: Sequence[str], axis: Sequence[int | None],
+                 in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
+                 num_params: int) -> Gathers:
     """What XLA gathers of each parameter when the data axis splits it (the module
-    docstring has the rule)."""
+    docstring has the rule); `axis`, each value's batch dim or None
+    (`reductions.batch_split`)."""
     V = prog.vars
-    axis, _ = batch_dims(prog, [i for i, r in zip(prog.in_ids, in_roles, strict=True)
-                                if r.kind == BATCH])
     shape = [_squeezed(v.shape) for v in V]
     whole = [a is None for a in axis]
     parent = list(range(len(V)))

@@ -60,6 +60,7 @@ from .opcost import (
 )
 from .primitives import FREE, MATMUL, prim_info, roofline_rules
 from .reductions import (
+    batch_split,
     conv_grad_relayouts,
     conv_relayouts,
     data_reductions,
@@ -291,7 +292,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     stacked = stacked_dims(prog, flow, params)
     model_split = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched,
                                splits.layers, params, stacked)
-    sums = partial_sums(prog, in_roles, out_roles)   # each partial sum over the batch
+    split = batch_split(prog, in_roles)
+    sums = partial_sums(prog, out_roles, split)   # each partial sum over the batch
     mem = step_memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
                   gathered_whole(prog.ops, prog.nbytes, splits.layers, splits.tp_param,
                                  splits.owner, stacked),
@@ -324,7 +326,8 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         stacked_dim=stacked, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
         tp_op_param=tp_op_param, tp_op_kind=tp_op_kind, relayout_bytes=relayout_bytes,
         relayout_reads=relayout_reads,
-        fsdp_gathers=fsdp_gathers(prog, kinds, in_roles, out_roles, len(params)).per_pass,
+        fsdp_gathers=fsdp_gathers(prog, kinds, split[0], in_roles, out_roles,
+                                  len(params)).per_pass,
         conv_relayout_bytes=conv_bytes, conv_relayout_moves=conv_moves,
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,

@@ -15,12 +15,20 @@ from .primitives import MATMUL, linear_in
 from .state import BATCH, PARAM, LeafRole, ParamInfo
 
 
-def partial_sums(prog: FlatProgram, in_roles: Sequence[LeafRole],
-                 out_roles: Sequence[LeafRole]) -> list[tuple[int, int]]:
+def batch_split(prog: FlatProgram, in_roles: Sequence[LeafRole]
+                ) -> tuple[list[int | None], np.ndarray]:
+    """`comm.batch_dims` of the step: where data parallelism splits each value (the batch
+    inputs on their leading dim), and which ops make partial sums over the batch."""
+    return batch_dims(prog, [i for i, r in zip(prog.in_ids, in_roles, strict=True)
+                             if r.kind == BATCH])
+
+
+def partial_sums(prog: FlatProgram, out_roles: Sequence[LeafRole],
+                 split: tuple[Sequence[int | None], np.ndarray]) -> list[tuple[int, int]]:
     """(op, parameter or -1) of every op whose result is a partial sum over the batch
-    (`comm.batch_dims`), with the parameter it flows into linearly (`data_reductions`)."""
-    batch_in = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
-    axis, partial = batch_dims(prog, batch_in)
+    (`split`, the step's `batch_split`), with the parameter it flows into linearly
+    (`data_reductions`)."""
+    axis, partial = split
     reach = np.full(len(prog.vars), -1, np.int64)  # the parameter a value flows into
     for o, r in zip(prog.out_ids, out_roles, strict=True):
         if r.kind == PARAM:
@@ -179,11 +187,8 @@ def dot_relayouts(prog: FlatProgram, batched: np.ndarray) -> np.ndarray:
     gradient, which contracts the batch, is not one (`DeviceSpec.transposed_matmul_efficiency`
     prices it)."""
     out = np.zeros(len(prog.ops))
-    made: dict[int, int] = {}
     bdot: set[int] = set()   # values a batched matmul makes or reads
     for k, op in enumerate(prog.ops):
-        for o in op.outs:
-            made[o] = k
         if op.prim != "dot_general":
             continue
         (_, _), (lb, rb) = op.eqn.params["dimension_numbers"]
@@ -206,5 +211,5 @@ def dot_relayouts(prog: FlatProgram, batched: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["conv_grad_relayouts", "conv_relayouts", "data_reductions", "dot_relayouts",
-           "grad_repeat", "partial_sums", "reduced_copies", "relayouts"]
+__all__ = ["batch_split", "conv_grad_relayouts", "conv_relayouts", "data_reductions",
+           "dot_relayouts", "grad_repeat", "partial_sums", "reduced_copies", "relayouts"]

@@ -30,6 +30,7 @@ from jaxwap.flatten import flatten
 from jaxwap.gathers import fsdp_gathers
 from jaxwap.graph import analyze
 from jaxwap.hlo import compiled_figures
+from jaxwap.reductions import batch_split
 from jaxwap.solve import param_strategies
 from jaxwap.trace import layout_of
 
@@ -489,8 +490,8 @@ def test_fsdp_gathers_a_norms_scale_first_and_prices_each_gather_xla_makes(norm,
     assert {p.strategy for p in plan.params} == {"fsdp"}, [p.strategy for p in plan.params]
     layout, closed = layout_of(step, (params, *rest), {}, params, batch_size=B)
     prog = flatten(closed)
-    left = fsdp_gathers(prog, op_kinds(prog)[0], layout.inputs.roles, layout.outputs.roles,
-                        len(layout.params))
+    left = fsdp_gathers(prog, op_kinds(prog)[0], batch_split(prog, layout.inputs.roles)[0],
+                        layout.inputs.roles, layout.outputs.roles, len(layout.params))
     names = ["/".join(map(str, p.path)) for p in layout.params]
     scales = [j for j, k in enumerate(names) if "Norm" in k and k.endswith("scale")]
     assert left.uses[scales].tolist() == [scale_uses] * 2
