@@ -7,7 +7,14 @@ Two set-ups, both real devices of this machine (no simulated devices):
 
 - ``single``: one process, one CPU device that XLA runs on every core;
 - ``cluster``: two processes under `jax.distributed` on 127.0.0.1, one CPU device each,
-  each pinned to its own core, talking over gloo: real devices with real communication.
+  each computing on one core, talking over gloo: real devices with real communication.
+  How a process gets its core is ``--placement``: ``pinned`` (the default, the record's)
+  pins each process, every thread of it, to its own core (`taskset`); ``threads`` sizes
+  XLA's thread pools to one thread (its NPROC setting) and leaves the processes to the
+  OS. Pinned, gloo's threads wait behind XLA's on the one core, and a small collective
+  lasts until the scheduler's next 4 ms tick about as often as not
+  (`benchmarks/cluster_timeline.py`): no real cluster's links behave so. ``threads``
+  writes `measured_cpu_threads.*`.
 
 In each, before each model's candidates, the profile is calibrated there and then
 (`jaxwap.calibrate`: per-device flop/s, bandwidth, kernel overhead, and in the cluster link
@@ -55,6 +62,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")
 OBJECTIVES = ("throughput", "balanced")
 GOAL_MEDIAN, GOAL_WORST, GOAL_REGRET = 0.15, 0.30, 0.05
+# how each process of the cluster gets its core: `launch_local`'s arguments
+PLACEMENTS = {"threads": {"pin_cores": False, "threads": 1},
+              "pinned": {"pin_cores": True},
+              "shared": {"pin_cores": False}}
 
 
 # ---------------------------------------------------------------------------- worker
@@ -355,8 +366,8 @@ def run_setup(setup: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
             "--out", str(out), "--num-processes", str(n), "--coordinator", "{coordinator}",
             "--process-id", "{process_id}"] + (["--quick"] if args.quick else [])
     # the single device gets every core; the cluster's processes one core each
-    results = launch_local(argv, n, pin_cores=setup == "cluster", timeout_s=3000,
-                           cwd=str(ROOT))
+    place = PLACEMENTS[args.placement] if setup == "cluster" else {"pin_cores": False}
+    results = launch_local(argv, n, timeout_s=3000, cwd=str(ROOT), **place)
     for r in results:
         print(r.tail(6000) if r.process_id == 0 else "", end="")
     if not all(r.ok for r in results):
@@ -475,10 +486,11 @@ def main(args: argparse.Namespace) -> None:
               "setups": {k: {kk: v[kk] for kk in ("processes", "devices", "device_kind",
                                                   "calibrations")}
                          for k, v in results.items()},
-              "rounds": args.rounds,
+              "rounds": args.rounds, "placement": args.placement,
               "summary": summary, "summary_compiled": compiled, "rows": rows,
               "quality": quality, "measured_choice": choice}
-    suffix = "" if set(setups) == {"single", "cluster"} else f"_{args.setup}"
+    suffix = ("" if set(setups) == {"single", "cluster"} else f"_{args.setup}") \
+        + ("" if args.placement == "pinned" else f"_{args.placement}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"measured_cpu{suffix}.json").write_text(json.dumps(record, indent=1) + "\n")
     (RESULTS / f"measured_cpu{suffix}.md").write_text(markdown(record))
@@ -495,6 +507,9 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=4,
                    help="interleaved rounds over a model's candidates")
     p.add_argument("--quick", action="store_true", help="quick calibration sizes")
+    p.add_argument("--placement", default="pinned", choices=sorted(PLACEMENTS),
+                   help="how each cluster process gets its core: one XLA thread each "
+                        "(threads), every thread pinned (pinned), or neither (shared)")
     # worker arguments (set by the orchestrator)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default="", help=argparse.SUPPRESS)

@@ -141,6 +141,24 @@ def test_launcher_kills_the_rest_when_one_fails():
     assert results[0].timed_out and "time ran out" in describe(results)
 
 
+def test_launcher_threads_size_xla_pools_and_leave_cores_to_the_os():
+    # `threads`: XLA:CPU's pools sized by NPROC, every core left open (gloo's threads run
+    # wherever one is free); pinned: each process on one core, NPROC untouched
+    code = ("import os; print('NPROC=' + os.environ.get('NPROC', '-'), "
+            "'CORES=' + str(len(os.sched_getaffinity(0))))")
+    cores = len(os.sched_getaffinity(0))
+    for kwargs, nproc, seen in (({"pin_cores": False, "threads": 1}, "1", cores),
+                                ({"pin_cores": True}, "-", 1)):
+        results = launch_local([sys.executable, "-c", code], 2, timeout_s=30,
+                               env={k: v for k, v in os.environ.items() if k != "NPROC"},
+                               **kwargs)
+        assert all(r.ok for r in results), describe(results)
+        for r in results:
+            assert f"NPROC={nproc} CORES={seen}" in r.output, (kwargs, r.output)
+    with pytest.raises(ValueError, match="threads"):
+        launch_local([sys.executable, "-c", "pass"], 1, threads=0)
+
+
 @pytest.mark.parametrize("fmt", [1, 3])
 def test_a_record_of_an_older_format_is_stale(tmp_path, fmt):
     # formats before 4 timed the link latency by calls of their own and lack what a
