@@ -95,10 +95,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import jax
     import numpy as np
-    from jax.profiler import ProfileData
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import zoo
+    from jax.profiler import ProfileData
     from layouts import variant_candidate
     from op_profile import fused_bodies, op_events, xla_kind
 
@@ -198,8 +196,9 @@ def union_ns(spans: list[tuple[int, int]]) -> int:
 def analyse(procs: list[dict[str, Any]]) -> dict[str, Any]:
     """The last traced step of the processes that ran it, lined up: per collective its own
     time (the shorter of the two durations: the later process's) and the wait of the one
-    that entered first; per process its compute (union of its other operations) and the
-    durations of those operations summed by kind (`op_profile.xla_kind`)."""
+    that entered first; per process its compute (union of its other operations), each
+    moment of its step shared out by kind of what ran (`op_profile.shared_out`: the
+    collectives one kind, the rest `op_profile.xla_kind`'s), and its idle time."""
     predicted = procs[0]["predicted"]
     procs = [p for p in procs if not p.get("idle")]
     k = min(len(p["steps"]) for p in procs) - 1
