@@ -18,6 +18,9 @@ def _process(steps, events, wall_s=0.01):
                                "priced_s": 0.002},
               "all-reduce": {"kind": "all-reduce", "bytes": 8, "buffers": 2,
                              "priced_s": 0.004}}
+    # each event with its kind, as the worker records it (op_profile.xla_kind)
+    events = [(a, d, name, "collective" if tl.COLLECTIVE.match(name) else name.split(".")[0])
+              for a, d, name in events]
     return {"steps": steps, "events": events, "walls_s": [wall_s] * 3, "prices": prices,
             "predicted": {"step_s": 0.0, "compute_s": 0.0, "comm_s": 0.0,
                           "xla_fed_step_s": 0.0, "xla_fed_comm_s": 0.0}}
@@ -50,6 +53,20 @@ def test_the_later_process_times_the_collective_and_the_earlier_one_waits():
     assert got["compute_s"] == pytest.approx([0.011, 0.015])
     assert got["priced_s"] == pytest.approx(0.006)
     assert got["step_s"] == pytest.approx(0.03)          # the slower process's wall
+    # each moment of the step goes to what ran then, shared where two ran at once; the
+    # rest is idle: before the first operation, between, after the last
+    assert got["by_kind_s"][0] == pytest.approx(
+        {"fusion": 0.009, "collective": 0.008, "convolution": 0.002})
+    assert got["by_kind_s"][1] == pytest.approx(
+        {"fusion": 0.012, "copy": 0.001, "collective": 0.004, "convolution": 0.002})
+    assert [tuple(x) for x in got["idle_s"]] == [pytest.approx((0.001, 0.0, 0.010))] * 2
+
+
+def test_a_one_device_candidate_is_read_from_the_process_that_ran_it():
+    p0 = _process([(0, 10 * MS)], [(1 * MS, 4 * MS, "fusion"), (6 * MS, 2 * MS, "dot")])
+    got = tl.analyse([p0, {"process": 1, "idle": True, "predicted": p0["predicted"]}])
+    assert got["collectives"] == [] and got["compute_s"] == pytest.approx([0.006])
+    assert [tuple(x) for x in got["idle_s"]] == [pytest.approx((0.001, 0.001, 0.002))]
 
 
 def test_a_collective_in_a_loop_is_summed_over_its_trips_and_priced_per_trip():
@@ -69,6 +86,29 @@ def test_only_collective_operations_are_collectives():
         assert tl.COLLECTIVE.match(name), name
     for name in ("fusion.all-gather", "copy_all-reduce_fusion", "all-gathered", "dot.2"):
         assert not tl.COLLECTIVE.match(name), name
+
+
+def test_an_operation_runs_to_its_end_mark_and_overlaps_are_shared_out():
+    # XLA:CPU records an operation split into parallel parts for its launching thread's
+    # part, and marks when its last part ends ("end: <op>"): it runs to that mark
+    from types import SimpleNamespace as NS
+
+    import op_profile
+
+    def ev(name, start, dur):
+        return NS(name=name, start_ns=start, duration_ns=dur)
+
+    profile = NS(planes=[NS(name="/host:CPU", lines=[
+        NS(name="python", events=[ev("$x.py:1 run", 0, 50)]),
+        NS(name="tf_XLAEigen/1", events=[ev("copy.65", 0, 5), ev("end: copy.65", 35, 0),
+                                         ev("ThreadpoolListener::Record", 1, 0),
+                                         ev("dot", 36, 4), ev("copy.65", 41, 2),
+                                         ev("end: copy.65", 44, 0)])])])
+    ops, host = op_profile.op_events(profile)
+    assert sorted(ops) == [(0, 35, "copy.65"), (36, 4, "dot"), (41, 3, "copy.65")]
+    assert host == [(0, 50, "$x.py:1 run")]
+    got = op_profile.shared_out([(0, 10, "a"), (5, 15, "b"), (20, 25, "a")])
+    assert got == pytest.approx({"a": 12.5e-9, "b": 7.5e-9})
 
 
 def test_union_counts_overlapping_spans_once():
