@@ -221,11 +221,10 @@ def analyse(procs: list[dict[str, Any]]) -> dict[str, Any]:
         kinds.append(shared_out(labelled))
         # the step's time in which no operation or collective ran: before the first, after
         # the last, and between them
-        spans = sorted((s, min(s + d, b)) for s, d, *_ in p["events"] if a <= s < b)
-        busy = union_ns(spans)
-        head = spans[0][0] - a if spans else b - a
-        tail = b - max(e for _, e in spans) if spans else 0
-        idle.append(((head) * 1e-9, (b - a - busy - head - tail) * 1e-9, tail * 1e-9))
+        busy = union_ns([(s, e) for s, e, _ in labelled])
+        head = min((s for s, _, _ in labelled), default=b) - a
+        tail = b - max((e for _, e, _ in labelled), default=b)
+        idle.append((head * 1e-9, (b - a - busy - head - tail) * 1e-9, tail * 1e-9))
     rows = []
     for name in sorted(set.intersection(*(set(c) for c in per)), key=lambda n: per[0][n][0][0]):
         runs = list(zip(*(c[name] for c in per), strict=False))   # one per loop trip

@@ -366,7 +366,7 @@ def run_setup(setup: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
             "--out", str(out), "--num-processes", str(n), "--coordinator", "{coordinator}",
             "--process-id", "{process_id}"] + (["--quick"] if args.quick else [])
     # the single device gets every core; the cluster's processes one core each
-    place = PLACEMENTS[args.placement] if setup == "cluster" else {"pin_cores": False}
+    place = PLACEMENTS[args.placement if setup == "cluster" else "shared"]
     results = launch_local(argv, n, timeout_s=3000, cwd=str(ROOT), **place)
     for r in results:
         print(r.tail(6000) if r.process_id == 0 else "", end="")
