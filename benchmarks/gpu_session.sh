@@ -10,8 +10,9 @@
 #    and runs an MLP's Adam step on the GPU and matches `jax.jit` of the same step.
 # 3. benchmarks/gpu_sweep.py: calibration without touching the power limit, then
 #    AlexNet, VGG-16 and GPT-2 small on one device, measured against predicted.
-# Everything lands under $OUT: env.txt (with the smoke test's output), gpu_sweep.log and the
-# sweep's files.
+# 4. benchmarks/conv_probe.py: convolutions by shape against the calibrated matmul curve.
+# Everything lands under $OUT: env.txt (with the smoke test's output), gpu_sweep.log, the
+# sweep's files, conv_probe's, and the sweep's work folder as gpu_sweep_work.tgz.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PY:-python3}
@@ -69,3 +70,13 @@ tail -2 "$OUT/env.txt"
 if [ $rc -ne 0 ]; then echo "smoke test failed ($rc): see env.txt"; tail -40 "$OUT/env.txt"; exit $rc; fi
 
 $PY benchmarks/gpu_sweep.py --no-power-limits --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_sweep.log"
+
+# 4. benchmarks/conv_probe.py: convolutions by shape family (3x3 wide and bottleneck, 1x1,
+#    first layers) at two batches, against the matmul curve the sweep calibrated.
+timeout "${CONV_TIMEOUT:-120}" $PY benchmarks/conv_probe.py --out "$OUT" \
+  --calibration "$OUT/gpu_sweep_work/calibration.json" >>"$OUT/gpu_sweep.log" 2>&1
+echo "conv_probe: exit $?"; tail -8 "$OUT/gpu_sweep.log"
+# the sweep's work folder (calibration, rows, traces and their programs) as one file: what
+# comes back from a lent machine is counted in files
+tar -C "$OUT" -czf "$OUT/gpu_sweep_work.tgz" gpu_sweep_work && rm -rf "$OUT/gpu_sweep_work"
+ls -la "$OUT"

@@ -166,8 +166,11 @@ def model_worker(args: argparse.Namespace) -> None:
             queued_s = (time.perf_counter() - t0) / steps
             m = measure_step(run, [device], steps, r.predicted.avg_power_w)
             peak_after = peak()
-            if args.trace:   # the model's first point's kernels: where its time goes
-                trace(run, Path(args.rows).parent / f"trace_{args.worker}_{batch}.xplane.pb")
+            if args.trace:   # the model's first point's kernels: where its time goes,
+                # beside the program they ran (each kernel's HLO op and its shapes)
+                stem = Path(args.rows).parent / f"trace_{args.worker}_{batch}"
+                trace(run, stem.with_suffix(".xplane.pb"))
+                stem.with_suffix(".hlo.txt").write_text(cs.compiled.as_text())
                 args.trace = False
             p = r.predicted
 

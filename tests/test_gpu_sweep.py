@@ -38,6 +38,7 @@ def test_gpu_sweep_records_measured_and_predicted_rows_and_repredicts_them(tmp_p
         assert row[key]["step_time_s"] > 0 and row[key]["memory_bytes"] > 0
     assert row["compiled"]["memory_bytes"] > 0 and row["compiled"]["library_calls"] == {}
     assert (tmp_path / "gpu_sweep_work" / "trace_alexnet_8.xplane.pb").stat().st_size > 0
+    assert "ENTRY" in (tmp_path / "gpu_sweep_work" / "trace_alexnet_8.hlo.txt").read_text()
     assert (tmp_path / "gpu_cpu_quick.md").read_text().count("| alexnet-small |") == 1
 
     # predictions re-made from the recorded calibration, with no device run: the same
