@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .probes import _conv_flops, _repeated, _stream, in_program, operand, time_it
+from .conv_probes import conv_flops
+from .probes import _repeated, _stream, in_program, operand, time_it
 
 #: a CNN's first layers over RGB at a training batch, 3 -> 64 channels: (batch, map,
 #: window, stride) of VGG's, ResNet's stem and AlexNet's
@@ -74,7 +75,7 @@ def narrow_conv_efficiency(device: Any, dtype: Any, matmul_s: Callable[[float], 
 
         f = jax.jit(jax.value_and_grad(loss))
         measured += time_it(lambda f=f, w=w, x=x: jax.block_until_ready(f(w, x)))
-        as_matmul += 2 * matmul_s(_conv_flops(f, w, x) / 2)
+        as_matmul += 2 * matmul_s(conv_flops(f, w, x) / 2)
     return min(as_matmul / measured, 1.0)
 
 

@@ -33,7 +33,7 @@ GiB = 2**30
 
 # the (size, value) tables of a DeviceSpec
 _TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
-           "matmul_efficiency", "reduction_cost")
+           "matmul_efficiency", "reduction_cost", "conv_efficiency_curve")
 
 
 def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
@@ -105,6 +105,15 @@ class DeviceSpec:
         keeping optimizer state in host memory costs per step.
       conv_efficiency: the share of the matmul rate convolutions reach (library
         convolutions such as cuDNN's come close to 1; XLA:CPU's do not): calibrated.
+      conv_efficiency_curve: ((flops of one convolution kernel, share of the matmul
+        rate), ...): where measured, a convolution's share by its work, interpolated in log
+        work and held at the ends; it replaces `conv_efficiency` (the work-weighted
+        figure) for all but narrow and generic-loop convolutions. cuDNN's share rises with
+        the work: on an H100 here 0.19-0.23 at 12-14 Gflop a pass (ResNet's bottleneck
+        3x3 layers at batch 64), 0.44-0.52 at 54-58, 0.77-0.81 at 226-231 and 0.91-0.93 at
+        451-462 (benchmarks/results/conv_probe_nvidia-h100-80gb-hbm3.md), where one figure
+        priced ResNet-50's small convolutions 2x too fast and VGG-16's large ones 1.2x too
+        slow. Calibrated on accelerators; empty: `conv_efficiency` for all.
       narrow_conv_efficiency: the share of the matmul rate a convolution over fewer than 8
         input channels reaches (`opcost.conv_kind` 3: a CNN's first layer), where it is far
         below `conv_efficiency` (cuDNN on an H200 here: AlexNet's 11x11 first layer at
@@ -213,6 +222,7 @@ class DeviceSpec:
     layout_change_cost: tuple[tuple[float, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     reduction_cost: tuple[tuple[float, float], ...] = ()
+    conv_efficiency_curve: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     combines_collectives: bool = True
@@ -256,9 +266,10 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
                                  f"value >= 0) pairs, got {getattr(self, field)!r}")
             object.__setattr__(self, field, tuple(sorted(pairs)))
-        if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
-            raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
-                             f"in (0, 1], got {self.matmul_efficiency!r}")
+        for field in ("matmul_efficiency", "conv_efficiency_curve"):
+            if any(not 0 < e <= 1 for _, e in getattr(self, field)):
+                raise ValueError(f"DeviceSpec {self.name!r}: {field} values must be in "
+                                 f"(0, 1], got {getattr(self, field)!r}")
         if self.efficiency_half_flops is None:
             object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
@@ -294,6 +305,15 @@ class DeviceSpec:
             return self.matmul_efficiency_at(np.asarray(work, float) / rate)
         half = float(self.efficiency_half_flops or 0.0) * speed
         return np.asarray(work, float) / (np.asarray(work, float) + half)
+
+    def conv_eff(self, work: np.ndarray) -> np.ndarray:
+        """Share of the matmul rate convolutions of `work` flops per kernel reach:
+        `conv_efficiency_curve` in log work, held at its ends, else `conv_efficiency`."""
+        if not self.conv_efficiency_curve:
+            return np.full(np.shape(work), self.conv_efficiency)
+        w, e = (np.log(np.asarray(v, float)) for v in zip(*self.conv_efficiency_curve,
+                                                            strict=True))
+        return np.exp(np.interp(np.log(np.maximum(np.asarray(work, float), 1.0)), w, e))
 
     def matmul_efficiency_at(self, peak_s: np.ndarray) -> np.ndarray:
         """Efficiency of matmuls whose work takes `peak_s` seconds at the peak rate, from

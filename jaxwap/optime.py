@@ -28,7 +28,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
-                        dev.conv_efficiency)
+                        np.where(graph.conv == 1, dev.conv_eff(per_kernel), dev.conv_efficiency))
     rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
         graph.transposed, dev.transposed_matmul_efficiency or 1.0, 1.0)
     if dev.small_input_conv_flops is not None:

@@ -25,8 +25,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .compile import make_mesh
-from .flatten import flatten
-from .primitives import roofline_rules
 from .progress import Progress
 
 
@@ -226,62 +224,6 @@ def cpu_bandwidth_bytes() -> int:
     return max(256 * 2**20, 8 * int(llc))
 
 
-def _conv(x: Any, w: Any) -> Any:
-    return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
-                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
-
-
-# (batch, spatial, in channels, out channels) of 3x3 convolutions timed with their two
-# gradients: the layers of a small CNN, maps larger than the window
-CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
-# the same at an accelerator's scale, where the small ones time the launch alone: VGG's
-# and ResNet's middle layers at a training batch (0.2-0.7 Tflop each with the gradients)
-ACCEL_CONV_SHAPES = ((64, 56, 128, 128), (64, 56, 256, 256), (64, 28, 512, 512),
-                     (64, 14, 512, 512))
-# 3x3 convolutions over a 2x2 map (the window larger than the input) at the usual CNN
-# widths. On XLA:CPU's generic loop the rate (per tap that lands on the input) is about
-# flat from 64 to 384 channels, and 512 -> 512 runs 3x slower than its neighbours (seen
-# on this project's 2-core EPYC: the kernel's 2 KiB rows alias in cache); each width's
-# rate is kept (`DeviceSpec.small_input_conv_rates`) and their median stands for widths
-# far from all of them
-SMALL_INPUT_CONVS = ((8, 2, 128, 128), (8, 2, 256, 256), (8, 2, 384, 384), (8, 2, 512, 512))
-
-
-def _conv_flops(fn: Callable[..., Any], *args: Any) -> float:
-    """Flops of the convolutions `fn` runs, by jax's roofline rule: the figure the cost
-    model divides by the rates measured here (it counts only the window taps that land on
-    the input, 4 of 9 for a 3x3 window over a 2x2 map), so rate and work agree."""
-    rules = roofline_rules()
-    prog = flatten(jax.make_jaxpr(fn)(*args))
-    return sum((rules.cost(op.eqn) or (0.0, 0.0))[0] * op.repeat for op in prog.ops
-               if op.prim == "conv_general_dilated")
-
-
-def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool,
-               shapes: Sequence[tuple[int, int, int, int]] = CONV_SHAPES,
-               dtype: Any = jnp.float32) -> tuple[float, float, dict[int, float]]:
-    """(conv_efficiency, small_input_conv_flops, {input features: flop/s}): convolutions
-    of `shapes` (forward and both gradients, in `dtype`) against what the matmul curve
-    gives the same work (`matmul_s`: seconds of one matmul of w flops in that dtype, its
-    launch included), and the f32 flop/s of a convolution whose window is larger than its
-    input, the median and per width. Work is counted as the cost model counts it
-    (`_conv_flops`)."""
-    as_matmul = measured = 0.0
-    for b, h, c, k in shapes[:2] if quick else shapes:
-        x, w = operand(device, (b, h, h, c), dtype), operand(device, (3, 3, c, k), dtype, 9 * c)
-        f = jax.jit(jax.value_and_grad(lambda x, w: _conv(x, w).sum(), argnums=(0, 1)))
-        measured += time_it(lambda f=f, x=x, w=w: jax.block_until_ready(f(x, w)))
-        as_matmul += 3 * matmul_s(_conv_flops(f, x, w) / 3)
-    rates = {}
-    g = jax.jit(_conv)
-    for b, h, c, k in SMALL_INPUT_CONVS[:1] if quick else SMALL_INPUT_CONVS:
-        x = jax.device_put(jnp.ones((b, h, h, c), jnp.float32), device)
-        w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
-        rates[c] = _conv_flops(_conv, x, w) / time_it(
-            lambda x=x, w=w: g(x, w).block_until_ready(), 3)
-    return min(as_matmul / measured, 1.0), float(np.median(list(rates.values()))), rates
-
-
 def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     """[(array bytes, seconds per byte)] a layout change adds as training steps run them:
     inside an elementwise fusion (an update reading a gradient XLA laid out the other
@@ -303,16 +245,6 @@ def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
                             repeats=reps) for _ in range(7)]
         out.append((n * n * 4, max(float(np.median(diffs)), 0.0) / (n * n * 4)))
     return out
-
-
-def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
-    """(seconds, flops) of one tiny 3x3 convolution inside a program, a dependent chain
-    of them (`in_program`): its work is a few microseconds, so the rest is what each
-    convolution costs whatever its size (`DeviceSpec.conv_overhead_s`)."""
-    x = jax.device_put(jnp.ones((8, 8, 8, 16), jnp.float32), device)
-    w = jax.device_put(jnp.ones((3, 3, 16, 16), jnp.float32), device)
-    chained = _repeated(lambda v, w: jnp.tanh(_conv(v, w)))
-    return in_program(chained, (x, w), chain - 1, repeats=9), _conv_flops(_conv, x, w)
 
 
 def kernel_overhead(device: Any, chain: int = 64) -> float:
@@ -439,8 +371,8 @@ def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
             "bandwidth_Bps": bw, "latency_s": intercept / (2 * (n - 1))}
 
 
-__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "SMALL_INPUT_CONVS", "all_reduce", "bandwidth",
-           "buffer_latency", "conv_rates", "cpu_bandwidth_bytes", "fit_line", "fresh_memory",
+__all__ = ["all_reduce", "bandwidth", "buffer_latency", "cpu_bandwidth_bytes", "fit_line",
+           "fresh_memory",
            "fresh_memory_sizes", "in_place", "in_program", "kernel_overhead", "layout_change",
            "link_sizes", "matmul_curve", "matmul_training", "operand", "reduction", "sizes_for",
-           "time_it", "tiny_conv", "transcendental"]
+           "time_it", "transcendental"]
