@@ -27,6 +27,7 @@ Writes `benchmarks/results/gpu_<device>.json`, `.md` and `.png` (or under `--out
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -316,6 +317,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def recorded_spec(calibration: dict[str, Any]) -> tuple[Any, list[str]]:
+    """A recorded calibration's profile as the model at this commit reads it, and the
+    figures it left out: the backend's flags are the model's knowledge of the compiler,
+    not measured, so the current built-in's (a record keeps those of its day); a figure
+    the model no longer has is left out and named."""
+    from jaxwap.calibrate import Calibration
+    from jaxwap.device import BACKEND_FLAGS, DeviceSpec
+    from jaxwap.hardware import builtin_for_kind
+
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    spec = calibration["spec"]
+    cal = Calibration.from_dict(dict(calibration, spec={k: v for k, v in spec.items()
+                                                        if k in known}))
+    base = builtin_for_kind(cal.device_kind, cal.platform)
+    return (dataclasses.replace(cal.spec, **{f: getattr(base, f) for f in BACKEND_FLAGS}),
+            sorted(set(spec) - known))
+
+
 def repredict(args: argparse.Namespace) -> None:
     """A recorded run's rows predicted again by the model as it is now (no device needed:
     planning takes abstract shapes), with the profile calibrated in that run and the
@@ -323,14 +342,15 @@ def repredict(args: argparse.Namespace) -> None:
     are kept beside the new ones (`predicted_at_run`), and the XLA-fed column, which needs
     the device's compiled program, is the run's."""
     import jaxwap
-    from jaxwap.calibrate import Calibration
     from jaxwap.hardware import builtin_for_kind
 
     src = Path(args.repredict)
     rec = json.loads(src.read_text())
     builtin = jaxwap.Cluster(builtin_for_kind(rec["device"], rec["platform"]), 1)
-    cluster = jaxwap.Cluster(Calibration.from_dict(rec["calibration"]).spec, 1) \
-        if rec.get("calibration") else builtin
+    cluster, dropped = builtin, []
+    if rec.get("calibration"):
+        spec, dropped = recorded_spec(rec["calibration"])
+        cluster = jaxwap.Cluster(spec, 1)
     for row in rec["rows"]:
         name = row["model"].removesuffix("-small")
         w = workload(name, row["batch"], row["dtype"], row["model"].endswith("-small"))
@@ -344,8 +364,9 @@ def repredict(args: argparse.Namespace) -> None:
         "command": "python benchmarks/gpu_sweep.py " + " ".join(sys.argv[1:]),
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "note": "predicted columns re-made by the model at this commit from the recorded "
-                "calibration; measured and compiled columns and the XLA-fed column are "
-                "the run's"}
+                "calibration (backend flags the current built-in's"
+                + (f"; left out, not in the model now: {', '.join(dropped)}" if dropped else "")
+                + "); measured and compiled columns and the XLA-fed column are the run's"}
     stem = Path(args.out) / src.stem
     stem.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(rec))

@@ -228,16 +228,16 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     def matmul_s(w: float) -> float:   # a matmul of w flops, its launch excluded
         return w / (peak * float(curve.matmul_eff(w, peak)))
 
-    conv_eff, small_conv, small_by_width, conv_timed = conv_probes.conv_rates(
+    conv_eff, small_conv, small_by_width = conv_probes.conv_rates(
         dev, lambda w: matmul_s(w) + overhead, quick,
         *(() if on_cpu else (conv_probes.ACCEL_CONV_SHAPES, fast)))
-    conv_curve = () if on_cpu else conv_probes.conv_curve(conv_timed)  # a library's, by work
     narrow = float("nan") if on_cpu else accel_probes.narrow_conv_efficiency(
         dev, fast, lambda w: matmul_s(w) + overhead)
     tiny_s, tiny_flops = conv_probes.tiny_conv(dev)
     transposed = cpu_probes.transposed_matmul_efficiency(dev) if on_cpu else float("nan")
     pool_tap, pool_grad = cpu_probes.pooling(dev) if on_cpu else (0.0, 0.0)
-    per_tanh = probes.transcendental(dev)
+    # past the cache: an H100's 50 MB L2 holds 4 MiB, whose tanh its launch dominates
+    per_tanh = probes.transcendental(dev, 2**20 if on_cpu else 2**26)
     reduce = probes.reduction(dev, [2**12, 2**14, 2**16, 2**18, 2**20, 2**22], bandwidth,
                               overhead)
     bar.step("convolutions")
@@ -281,7 +281,6 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "memory_watts": power[2] if power and power[2] is not None else nan,
            # tables as one figure per entry, so processes agree on each by its median
            **{f"small_conv_flops@{c}": r for c, r in small_by_width.items()},
-           **{f"conv_share@{w:.0f}": e for w, e in conv_curve},
            **{f"fresh_s_per_byte@{n}": c for n, c in fresh},
            **{f"layout_s_per_byte@{n}": c for n, c in relayout},
            **{f"dense_matmul_s@{w:.0f}": t for w, t in dense},
@@ -309,9 +308,9 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     # a generic-loop convolution far below the library's rate is a backend's slow path
     # (XLA:CPU); where it is not slower, the backend has no such path
     slow_convs = on_cpu and small_conv < 0.5 * fig["conv_efficiency"] * fig["peak_flops_f32"]
-    rates, fresh_cost, layout_cost, dense, reduce_cost, conv_curve = (_table(fig, t) for t in (
+    rates, fresh_cost, layout_cost, dense, reduce_cost = (_table(fig, t) for t in (
         "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@",
-        "reduce_s_per_byte@", "conv_share@"))
+        "reduce_s_per_byte@"))
     mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
@@ -320,7 +319,6 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         efficiency_half_flops=fig["efficiency_half_flops"],
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
-        conv_efficiency_curve=conv_curve,
         narrow_conv_efficiency=_known(fig["narrow_conv_efficiency"]),
         transposed_matmul_efficiency=_known(fig["transposed_matmul_efficiency"], 0.9),
         transcendental_s=fig["transcendental_s"], window_tap_s=fig["window_tap_s"],
@@ -347,7 +345,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                "transposed_matmul_efficiency", "conv_overhead_s", "transcendental_s",
                "small_input_conv_flops", "window_tap_s", "window_grad_s")},
            "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
-           "conv_efficiency_curve": conv_curve, "fresh_memory_cost": fresh_cost, "link": link,
+           "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,
            "topology": topology, "per_process": per_process}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,

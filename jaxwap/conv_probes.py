@@ -1,10 +1,10 @@
 """Timed convolution probes: what a device profile's convolution figures stand for.
 
 Convolutions with their gradients against the matmul curve (their share of its rate, one
-work-weighted figure, and on an accelerator the share by work, `conv_curve`), over maps
-smaller than their window (a backend's generic loop, per width), and a chain of tiny ones
-(what each costs whatever its size). A network's first layers, which an accelerator runs
-far below this, are `accel_probes.narrow_conv_efficiency`. `calibrate.py` runs them.
+work-weighted figure), over maps smaller than their window (a backend's generic loop, per
+width), and a chain of tiny ones (what each costs whatever its size). A network's first
+layers, which an accelerator runs far below this, are `accel_probes.narrow_conv_efficiency`.
+`calibrate.py` runs them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from .flatten import flatten
 from .primitives import roofline_rules
-from .probes import _repeated, fit_line, in_program, operand, time_it
+from .probes import _repeated, in_program, operand, time_it
 
 
 def _conv(x: Any, w: Any) -> Any:
@@ -30,8 +30,13 @@ def _conv(x: Any, w: Any) -> Any:
 # gradients: the layers of a small CNN, maps larger than the window
 CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
 # the same at an accelerator's scale, where the small ones time the launch alone: ResNet's
-# bottleneck layers and VGG's at training batches, 12-460 Gflop a pass (cuDNN's share of
-# the matmul rate rises with the work: `DeviceSpec.conv_efficiency_curve`)
+# bottleneck layers and VGG's at training batches, 12-460 Gflop a pass, work-weighted. Alone,
+# cuDNN's share rises with the work (on an H100 here 0.41-0.59 at 12-29 Gflop, 0.90-0.97
+# at 226-462; benchmarks/results/conv_probe_nvidia-h100-80gb-hbm3.md), but inside a
+# training step ResNet-50's small layers ran at 0.83 and VGG-16's at 1.05 (profiler trace,
+# gpu_trace_nvidia-h100-80gb-hbm3.md): the work-weighted figure (0.92 there) is the one
+# that held. A share by work fitted to these probes put ResNet-50's step 11% above its
+# queued time (flat: 0%), 39% when each probe was one call waited for
 ACCEL_CONV_SHAPES = ((64, 56, 64, 64), (64, 14, 256, 256), (64, 56, 128, 128),
                      (64, 14, 512, 512), (64, 56, 256, 256), (64, 28, 512, 512),
                      (128, 56, 256, 256))
@@ -81,10 +86,8 @@ def conv_timings(device: Any, matmul_s: Callable[[float], float],
 
 def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool,
                shapes: Sequence[tuple[int, int, int, int]] = CONV_SHAPES,
-               dtype: Any = jnp.float32
-               ) -> tuple[float, float, dict[int, float], list[tuple[float, float, float]]]:
-    """(conv_efficiency, small_input_conv_flops, {input features: flop/s}, each shape's
-    `conv_timings`): convolutions
+               dtype: Any = jnp.float32) -> tuple[float, float, dict[int, float]]:
+    """(conv_efficiency, small_input_conv_flops, {input features: flop/s}): convolutions
     of `shapes` (forward and both gradients, in `dtype`) against what the matmul curve
     gives the same work (`matmul_s`: seconds of one matmul of w flops in that dtype, its
     launch included), and the f32 flop/s of a convolution whose window is larger than its
@@ -99,8 +102,7 @@ def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool,
         w = jax.device_put(jnp.ones((3, 3, c, k), jnp.float32), device)
         rates[c] = conv_flops(_conv, x, w) / time_it(
             lambda x=x, w=w: g(x, w).block_until_ready(), 3)
-    return (min(as_matmul / measured, 1.0), float(np.median(list(rates.values()))), rates,
-            timed)
+    return min(as_matmul / measured, 1.0), float(np.median(list(rates.values()))), rates
 
 
 
@@ -114,22 +116,5 @@ def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     return in_program(chained, (x, w), chain - 1, repeats=9), conv_flops(_conv, x, w)
 
 
-def conv_curve(timed: Sequence[tuple[float, float, float]]
-               ) -> tuple[tuple[float, float], ...]:
-    """`DeviceSpec.conv_efficiency_curve` from `conv_timings`: the share s(w) = e w / (w + h)
-    fitted to each probe's share (its matmul-curve seconds over its measured seconds) as
-    the line 1/s = 1/e + (h/e) / w, evaluated at the probes' works. cuDNN's share rises
-    with a convolution's work like a matmul's with its size, but further (a fixed cost of
-    about 0.1 ms a pass on an H100 here), which the matmul curve under it does not hold;
-    the fit smooths the probes' spread at one work (0.44 and 0.52 at 54-58 Gflop)."""
-    work = [w for w, _, _ in timed]
-    slope, icept = fit_line([1.0 / w for w in work], [m / a for _, a, m in timed],
-                            relative=True)
-    if icept <= 0:   # no ceiling in reach of the probes: the shares as measured
-        return tuple(sorted((w, min(a / m, 1.0)) for w, a, m in timed))
-    e, h = 1.0 / icept, slope / icept
-    return tuple(sorted((w, float(min(e * w / (w + h), 1.0))) for w in set(work)))
-
-
-__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "QUEUED", "SMALL_INPUT_CONVS", "conv_curve",
-           "conv_flops", "conv_rates", "conv_timings", "tiny_conv"]
+__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "QUEUED", "SMALL_INPUT_CONVS", "conv_flops",
+           "conv_rates", "conv_timings", "tiny_conv"]

@@ -33,7 +33,7 @@ GiB = 2**30
 
 # the (size, value) tables of a DeviceSpec
 _TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
-           "matmul_efficiency", "reduction_cost", "conv_efficiency_curve")
+           "matmul_efficiency", "reduction_cost")
 
 
 def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
@@ -62,7 +62,7 @@ def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
 # DeviceSpec fields that say what the backend does, not what was measured: a calibration
 # takes them from the backend's built-in profile (records made before one existed too)
 BACKEND_FLAGS = ("combines_collectives", "overlaps_collectives", "relayouts_conv_grads",
-                 "fuses_reductions", "relayouts_batched_dots")
+                 "fuses_reductions", "relayouts_batched_dots", "expands_pooling_grads")
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,6 @@ class DeviceSpec:
         keeping optimizer state in host memory costs per step.
       conv_efficiency: the share of the matmul rate convolutions reach (library
         convolutions such as cuDNN's come close to 1; XLA:CPU's do not): calibrated.
-      conv_efficiency_curve: ((flops of one convolution kernel, share of the matmul
-        rate), ...): where measured, a convolution's share by its work, interpolated in log
-        work and held at the ends; it replaces `conv_efficiency` (the work-weighted
-        figure) for all but narrow and generic-loop convolutions. cuDNN's share rises with
-        the work: on an H100 here 0.19-0.23 at 12-14 Gflop a pass (ResNet's bottleneck
-        3x3 layers at batch 64), 0.44-0.52 at 54-58, 0.77-0.81 at 226-231 and 0.91-0.93 at
-        451-462 (benchmarks/results/conv_probe_nvidia-h100-80gb-hbm3.md), where one figure
-        priced ResNet-50's small convolutions 2x too fast and VGG-16's large ones 1.2x too
-        slow. Calibrated on accelerators; empty: `conv_efficiency` for all.
       narrow_conv_efficiency: the share of the matmul rate a convolution over fewer than 8
         input channels reaches (`opcost.conv_kind` 3: a CNN's first layer), where it is far
         below `conv_efficiency` (cuDNN on an H200 here: AlexNet's 11x11 first layer at
@@ -184,7 +175,14 @@ class DeviceSpec:
       relayouts_batched_dots: whether the backend copies a batched matmul's operands into
         a layout with the batch dims leading, and materializes a transpose next to one
         (`reductions.dot_relayouts`: attention's heads), each copy priced as a layout
-        change. XLA:CPU does; on a GPU unverified, so not priced there.
+        change. XLA:CPU does, and XLA:GPU: in an H100's trace of GPT-2's step (jax
+        0.11.2) 48 copy and transpose kernels made batched-matmul operands, 0.81 ms a
+        step, priced 0.80 ms with this (benchmarks/results/gpu_trace_nvidia-h100-80gb-
+        hbm3.md); the GPU built-ins set it.
+      expands_pooling_grads: whether the backend runs a max pool's gradient (select-and-
+        scatter) as an argmax reduce-window and a scatter (XLA:GPU), moving its indices and
+        a zeroed result besides its operands (`opcost.expanded_pool_grad`); XLA:CPU runs
+        it in one loop (`window_grad_s`). The GPU built-ins set it.
       fuses_reductions: whether the backend computes a reduction inside the fusion of the
         elementwise ops that make its input (XLA:GPU), so that it costs what that fusion
         reads. XLA:CPU runs reductions as library kernels of their own (YNNPACK), each
@@ -222,13 +220,13 @@ class DeviceSpec:
     layout_change_cost: tuple[tuple[float, float], ...] = ()
     matmul_efficiency: tuple[tuple[float, float], ...] = ()
     reduction_cost: tuple[tuple[float, float], ...] = ()
-    conv_efficiency_curve: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     combines_collectives: bool = True
     overlaps_collectives: bool = True
     relayouts_conv_grads: bool = False
     relayouts_batched_dots: bool = False
+    expands_pooling_grads: bool = False
     fuses_reductions: bool = True
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
@@ -266,10 +264,9 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
                                  f"value >= 0) pairs, got {getattr(self, field)!r}")
             object.__setattr__(self, field, tuple(sorted(pairs)))
-        for field in ("matmul_efficiency", "conv_efficiency_curve"):
-            if any(not 0 < e <= 1 for _, e in getattr(self, field)):
-                raise ValueError(f"DeviceSpec {self.name!r}: {field} values must be in "
-                                 f"(0, 1], got {getattr(self, field)!r}")
+        if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
+            raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
+                             f"in (0, 1], got {self.matmul_efficiency!r}")
         if self.efficiency_half_flops is None:
             object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
@@ -305,15 +302,6 @@ class DeviceSpec:
             return self.matmul_efficiency_at(np.asarray(work, float) / rate)
         half = float(self.efficiency_half_flops or 0.0) * speed
         return np.asarray(work, float) / (np.asarray(work, float) + half)
-
-    def conv_eff(self, work: np.ndarray) -> np.ndarray:
-        """Share of the matmul rate convolutions of `work` flops per kernel reach:
-        `conv_efficiency_curve` in log work, held at its ends, else `conv_efficiency`."""
-        if not self.conv_efficiency_curve:
-            return np.full(np.shape(work), self.conv_efficiency)
-        w, e = (np.log(np.asarray(v, float)) for v in zip(*self.conv_efficiency_curve,
-                                                            strict=True))
-        return np.exp(np.interp(np.log(np.maximum(np.asarray(work, float), 1.0)), w, e))
 
     def matmul_efficiency_at(self, peak_s: np.ndarray) -> np.ndarray:
         """Efficiency of matmuls whose work takes `peak_s` seconds at the peak rate, from
@@ -370,7 +358,8 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=79,
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         # datasheet peaks; the convolutions' shares of the matmul rate as `jaxwap calibrate`
         # measured them on one H200 here (benchmarks/results/gpu_nvidia-h200.json): 0.57
         # for 3x3 layers at a training batch, 0.029 over 3 input channels (first layers);
@@ -380,29 +369,34 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    conv_efficiency=0.57, narrow_conv_efficiency=0.029,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM),
+                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM),
+                   host_bandwidth=25 * GB, power=A100_SXM,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM),
+                   host_bandwidth=25 * GB, power=A100_SXM,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=150 * GB, link_latency_s=5e-6,
-                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB),
+                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         # the 250 W PCIe card (no NVLink: its peers over PCIe 3.0), the V100 the published
         # power trace `benchmarks/power.py` checks against ran on
         DeviceSpec("v100-pcie", peak_flops=112e12, peak_flops_f32=14e12,
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=V100_IDLE_W,
                    max_watts=250, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=12 * GB, link_latency_s=10e-6,
-                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB, power=V100_PCIE),
+                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB, power=V100_PCIE,
+                   relayouts_batched_dots=True, expands_pooling_grads=True),
         # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
         # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
         # Simulated CPU devices share the host's cores: `detect_cluster` scales this.

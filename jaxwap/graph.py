@@ -196,11 +196,12 @@ class Graph:
     # [ops] matmuls that contract both operands over a dim that is not their last
     # (`opcost.transposed_matmul`); left out, none
     transposed: np.ndarray | None = field(default=None)
-    # [ops] the window taps each pooling op visits (`opcost.window_taps`), and the
-    # elements of each pooling gradient's result (`DeviceSpec.window_tap_s`,
-    # `window_grad_s`); left out, none
+    # [ops] the window taps each pooling op visits (`opcost.window_taps`), the elements of
+    # each pooling gradient's result (`DeviceSpec.window_tap_s`, `window_grad_s`) and the
+    # bytes expanding it adds (`opcost.expanded_pool_grad`); left out, none
     window_taps: np.ndarray | None = field(default=None)
     window_grad_elems: np.ndarray | None = field(default=None)
+    window_grad_bytes: np.ndarray | None = field(default=None)
     # [ops] bytes the backend copies into another layout around each batched matmul
     # (`reductions.dot_relayouts`, `DeviceSpec.relayouts_batched_dots`); left out, none
     dot_relayout_bytes: np.ndarray | None = field(default=None)
@@ -218,6 +219,7 @@ class Graph:
                             ("conv_out_width", np.int64), ("transcendentals", float),
                             ("reduced", float), ("conv_grad_bytes", float),
                             ("window_taps", float), ("window_grad_elems", float),
+                            ("window_grad_bytes", float),
                             ("transposed", bool), ("dot_relayout_bytes", float)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.flops), dtype))
@@ -320,6 +322,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv_out_width=np.array([conv_out_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduced=costs.reduced,
         window_taps=costs.window_taps, window_grad_elems=costs.window_grad_elems,
+        window_grad_bytes=costs.window_grad_bytes,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
         dot_relayout_bytes=dot_relayouts(prog, flow.batched),
         transposed=np.array([transposed_matmul(op.eqn) for op in prog.ops], dtype=bool),

@@ -47,6 +47,21 @@ def window_taps(eqn: Any) -> float:
     return float(np.prod(each.aval.shape) * np.prod(eqn.params["window_dimensions"]))
 
 
+def expanded_pool_grad(eqn: Any) -> float:
+    """Bytes a select-and-scatter moves beyond its operands and result where the backend
+    expands it (XLA:GPU): an argmax reduce-window reads the operand again and writes, for
+    each pooled element, its value (f32) and its position (one s32 per dim); a scatter
+    reads the positions back and adds the source into the result, which a copy zeroes
+    first. Per pooled element 4 + 8 x rank bytes, and the result's bytes once more: on an
+    H100 here VGG-16's five took 6.8 ms a step, 16.9 GB in XLA's program, where the
+    operands and results alone are 3.5 GB (gpu_trace_nvidia-h100-80gb-hbm3.md)."""
+    if not eqn.primitive.name.startswith("select_and_scatter"):
+        return 0.0
+    src, out = eqn.invars[0].aval, eqn.outvars[0].aval
+    return float(np.prod(out.shape) * itemsize_of(out.dtype)
+                 + np.prod(src.shape) * (4 + 8 * len(out.shape)))
+
+
 @dataclass(frozen=True)
 class OpCosts:
     flops: np.ndarray
@@ -59,6 +74,7 @@ class OpCosts:
     reduced: np.ndarray
     window_taps: np.ndarray        # pooling's forward ops (`window_taps`)
     window_grad_elems: np.ndarray  # its gradients' results' elements
+    window_grad_bytes: np.ndarray  # what expanding a gradient adds (`expanded_pool_grad`)
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -77,7 +93,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
     # (python lists: fast to index one by one; the sums add the same float64 values)
     size, nbytes, V = prog.size.tolist(), prog.nbytes.tolist(), prog.vars
     flops, traffic, kernels, trans = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    pool, pool_grad = np.zeros(n), np.zeros(n)
+    pool, pool_grad, pool_grad_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
     lowp = np.zeros(n, bool)
     fusible = [False] * len(V)  # made by an elementwise or free op
     priced: dict[Any, tuple[float, float] | None] = {}
@@ -101,6 +117,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                 pool[k] = taps * op.repeat
             else:
                 pool_grad[k] = float(sum(size[o] for o in op.outs)) * op.repeat
+                pool_grad_bytes[k] = expanded_pool_grad(op.eqn) * op.repeat
             cost = (taps, float(sum(nbytes[i] for i in op.ins)) + out_bytes)
         if cost is None:
             unmodeled.add(op.prim)
@@ -126,7 +143,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                         for op, red in zip(prog.ops, reductions, strict=True)])
     traffic = _fused_traffic(prog, kinds, traffic, reductions)
     return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
-                   reduced, pool, pool_grad)
+                   reduced, pool, pool_grad, pool_grad_bytes)
 
 
 def _fused_traffic(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,

@@ -23,12 +23,13 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     time; its work, that time at the full rate, is what the power model acts on."""
     dev = cluster.device
     f = graph.flops / split
-    b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)) / split
+    b = (graph.bytes + graph.fixed_bytes * (np.asarray(data, float) - 1.0)
+         + graph.window_grad_bytes * dev.expands_pooling_grads) / split
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
-                        np.where(graph.conv == 1, dev.conv_eff(per_kernel), dev.conv_efficiency))
+                        dev.conv_efficiency)
     rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
         graph.transposed, dev.transposed_matmul_efficiency or 1.0, 1.0)
     if dev.small_input_conv_flops is not None:

@@ -254,9 +254,12 @@ def kernel_overhead(device: Any, chain: int = 64) -> float:
 
 
 def transcendental(device: Any, elements: int = 2**20) -> float:
-    """Seconds per element of a tanh over `elements` (4 MiB of f32 by default: past the
-    cache, as a training step's activations are), its memory traffic included, timed in a
-    chain of them inside a program (a barrier keeps each its own kernel)."""
+    """Seconds per element of a tanh over `elements` (4 MiB of f32 by default: past a
+    CPU's cache, as a training step's activations are; an accelerator needs more, its
+    launch dominating 4 MiB: on an H100 the figure crossed the 1.5x-memory line of
+    `calibrate` in one of two runs and priced GPT-2's step 26% slower), its memory traffic
+    included, timed in a chain of them inside a program (a barrier keeps each its own
+    kernel)."""
     x = jax.device_put(jnp.ones((elements // 256, 256), jnp.float32), device)
     chained = _repeated(lambda v: jax.lax.optimization_barrier(jnp.tanh(v)))
     return in_program(chained, (x,), 8) / elements

@@ -472,6 +472,40 @@ def test_max_pooling_and_its_gradient_are_priced_per_tap_and_per_element():
     np.testing.assert_array_equal(more[others], base[others])
 
 
+def test_gpu_profiles_price_the_expanded_pooling_gradient_and_batched_matmul_copies():
+    """XLA:GPU runs a max pool's gradient as an argmax reduce-window writing each pooled
+    element's value (f32) and position (one s32 per dim) and a scatter reading them back
+    into a zeroed result (checked on an H100's compiled VGG-16: gpu_trace_nvidia-h100-
+    80gb-hbm3.md), and copies batched matmuls' operands like XLA:CPU: the GPU built-ins
+    say so (`expands_pooling_grads`, `relayouts_batched_dots`), the CPU's does not expand.
+    The gradient's op is priced at those bytes more, at the bandwidth; nothing else moves."""
+    from jaxwap.device import device_spec
+
+    gpus = [device_spec(n) for n in ("h100-sxm", "h200", "a100-sxm-80gb", "v100-pcie")]
+    assert all(d.expands_pooling_grads and d.relayouts_batched_dots for d in gpus)
+    assert not device_spec("cpu").expands_pooling_grads
+    bf16 = jax.ShapeDtypeStruct
+
+    def pool(v):
+        return jax.lax.reduce_window(v, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                     "VALID")
+
+    step = _sgd(lambda p, x: jnp.sum(pool(_conv(x, p["w"])).astype(jnp.float32) ** 2))
+    w, x = {"w": bf16((3, 3, 8, 64), jnp.bfloat16)}, bf16((4, 32, 32, 8), jnp.bfloat16)
+    g = analyze_step(step, w, x, batch_size=4)
+    (grad,) = np.flatnonzero(g.window_grad_elems)
+    pooled, out = 4 * 16 * 16 * 64, 4 * 32 * 32 * 64
+    assert g.window_grad_bytes[grad] == out * 2 + pooled * (4 + 8 * 4)
+    assert np.count_nonzero(g.window_grad_bytes) == 1
+    h100 = dataclasses.replace(device_spec("h100-sxm"), kernel_overhead_s=0.0)
+    flat = dataclasses.replace(h100, expands_pooling_grads=False)
+    on, off = (op_times(g, Cluster(s, 1), 1.0) for s in (h100, flat))
+    np.testing.assert_allclose(on[grad] - off[grad],
+                               g.window_grad_bytes[grad] / h100.memory_bandwidth, rtol=1e-9)
+    others = np.arange(len(on)) != grad
+    np.testing.assert_array_equal(on[others], off[others])
+
+
 def test_small_conv_rate_follows_both_feature_counts_of_the_kernel():
     assert SPEC.small_conv_rate(512, 256) == pytest.approx(np.sqrt(5e8 * 2e9))
     assert SPEC.small_conv_rate(512, 512) == SPEC.small_conv_rate(512) == 5e8
