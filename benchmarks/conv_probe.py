@@ -158,11 +158,12 @@ def probe(batches: list[int], dtype_name: str, cal_path: str | None, quick: bool
 
 def load_spec(path: str) -> Any:
     """The calibrated profile in `path`: a calibration's JSON, or a `gpu_sweep.py` record
-    that holds one."""
-    from jaxwap.calibrate import Calibration
+    that holds one, as the model at this commit reads it (`gpu_sweep.recorded_spec`)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_sweep import recorded_spec
 
     d = json.loads(Path(path).read_text())
-    return Calibration.from_dict(d if "spec" in d else d["calibration"]).spec
+    return recorded_spec(d if "spec" in d else d["calibration"])[0]
 
 
 def add_predictions(rec: dict[str, Any], cal_path: str, command: str) -> None:
@@ -243,7 +244,8 @@ def main() -> None:
         rec = probe([int(b) for b in args.batches.split(",")], args.dtype, args.calibration,
                     args.quick)
     kind = "".join(ch if ch.isalnum() else "-" for ch in rec["device"].lower())
-    stem = Path(args.out) / f"conv_probe_{kind}{'_quick' if args.quick else ''}"
+    stem = Path(args.out) / (Path(args.predict).stem if args.predict
+                             else f"conv_probe_{kind}{'_quick' if args.quick else ''}")
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(rec))

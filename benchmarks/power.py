@@ -177,10 +177,14 @@ def published() -> list[dict[str, Any]]:
     ]
 
 
-def measured_gpu(path: Path = RESULTS / "gpu_nvidia-h200.json") -> list[dict[str, Any]]:
-    """Step power measured by NVML on one H200 (`benchmarks/gpu_sweep.py`), against the
+#: the GPU runs whose step power is set against the model (`gpu_sweep.py`'s records)
+GPU_RUNS = ("gpu_nvidia-h200.json", "gpu_nvidia-h100-80gb-hbm3_run1.json")
+
+
+def measured_gpu(path: Path = RESULTS / GPU_RUNS[0]) -> list[dict[str, Any]]:
+    """Step power measured by NVML on one GPU (`benchmarks/gpu_sweep.py`), against the
     power predicted for the same step with the profile calibrated there and with the
-    built-in H200 profile; [] where no such run is recorded."""
+    device's built-in profile; [] where no such run is recorded."""
     if not path.exists():
         return []
     rec = json.loads(path.read_text())
@@ -202,7 +206,7 @@ def measured_gpu(path: Path = RESULTS / "gpu_nvidia-h200.json") -> list[dict[str
 def main() -> None:
     rows = [row(name, make, n) for name, make in workloads().items() for n in (1, 2, 4, 8)]
     pub = published()
-    gpu = measured_gpu()
+    gpu = [g for run in GPU_RUNS for g in measured_gpu(RESULTS / run)]
     RESULTS.mkdir(exist_ok=True)
     meta = {"command": "python benchmarks/power.py", "machine": platform.machine(),
             "jax": jaxwap.__dict__.get("__version__", ""), "basis": "predicted (H100 "
@@ -248,24 +252,26 @@ def main() -> None:
               "jobs whose GPU or configuration the sources do not state, were in reach.",
               f"Planning time per plan: {min(r['planning_time_s'] for r in rows):.1f}-"
               f"{max(r['planning_time_s'] for r in rows):.1f} s (measured here)."]
-    if gpu:
-        errs = [abs(g[k] / g["measured_w"] - 1) for g in gpu
+    for dev in dict.fromkeys(g["device"] for g in gpu):
+        on = [g for g in gpu if g["device"] == dev]
+        errs = [abs(g[k] / g["measured_w"] - 1) for g in on
                 for k in ("calibrated_w", "builtin_w")]
-        lines += ["", f"Step power **measured** by NVML on one {gpu[0]['device']} "
-                  f"({gpu[0]['date_utc']}, `benchmarks/gpu_sweep.py`, the card's limit left "
+        lines += ["", f"Step power **measured** by NVML on one {dev} "
+                  f"({on[0]['date_utc']}, `benchmarks/gpu_sweep.py`, the card's limit left "
                   "at its default), against the power **predicted** for the same step with "
                   "the profile calibrated there (its probes are chained matmuls and memory "
-                  "passes, not these steps) and with the built-in H200 profile (whose phase "
-                  "powers are that calibration's figures):", "",
-                  "| step | batch | measured W | calibrated W | built-in W |",
+                  "passes, not these steps) and with the device's built-in profile (the "
+                  "H200's phase powers are its calibration's figures, the H100's published):",
+                  "", "| step | batch | measured W | calibrated W | built-in W |",
                   "|---|---|---|---|---|"]
         lines += [f"| {g['model']} {g['dtype']} | {g['batch']} | {g['measured_w']:.0f} | "
                   f"{g['calibrated_w']:.0f} ({g['calibrated_w'] / g['measured_w'] - 1:+.0%}) "
                   f"| {g['builtin_w']:.0f} ({g['builtin_w'] / g['measured_w'] - 1:+.0%}) |"
-                  for g in gpu]
-        lines += ["", f"Within {GOAL:.0%}: {sum(e <= GOAL for e in errs)} of {len(errs)}. "
-                  "The power-limit curve was not measured: the lent machine's rules forbid "
-                  "changing its power limit, so every capped figure above stays modelled."]
+                  for g in on]
+        lines += ["", f"Within {GOAL:.0%}: {sum(e <= GOAL for e in errs)} of {len(errs)}."]
+    if gpu:
+        lines += ["", "The power-limit curve was not measured: the lent machines' rules "
+                  "forbid changing a power limit, so every capped figure above stays modelled."]
     (RESULTS / "power.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -213,7 +213,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     fast = jnp.bfloat16 if main is bf16 else jnp.float32
     dense = probes.matmul_training(dev, fast, dense_sizes, bar)
     bandwidth = (probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
-    relayout = probes.layout_change(dev, [256, 2048] if quick else [64, 256, 1024, 2048])
+    relayout = probes.layout_change(dev, ([256, 2048] if quick else [64, 256, 1024, 2048])
+                                    if on_cpu else [4096, 8192, 16384])  # past launches
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
     bar.step("kernel overhead")

@@ -234,7 +234,10 @@ def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     difference is the median of seven alternating rounds, each round's calls repeated
     until they move about 64 MiB (5 to 401 calls). With three rounds of 16 MiB the 16 KiB
     point read 4e-11 to 1.5e-9 s a byte between calibrations on this 2-core VM (one such
-    outlier put GPT-2-small's XLA-fed step at +45%); so, 3e-11 to 9e-11 in six tries."""
+    outlier put GPT-2-small's XLA-fed step at +45%); so, 3e-11 to 9e-11 in six tries. An
+    accelerator's 16 MiB call is all launch and jitter too (an H200 here read 4e-12 s a byte
+    at 16 KiB and 16 MiB and 0 between; an H100 3e-13 to 4e-13): there `calibrate` times
+    64 MiB to 1 GiB."""
     out = []
     for n in sizes:
         x = _ones(device, n, n)

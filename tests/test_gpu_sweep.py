@@ -50,3 +50,23 @@ def test_gpu_sweep_records_measured_and_predicted_rows_and_repredicts_them(tmp_p
     assert redone["predicted_calibrated"] == row["predicted_calibrated"]
     assert redone["predicted_at_run"]["calibrated"] == row["predicted_calibrated"]
     assert redone["measured"] == row["measured"]
+
+    # the session's convolution probe on the same path: toy sizes timed here, then each row
+    # predicted by the model with that run's calibration (no device run)
+    probe = ROOT / "benchmarks" / "conv_probe.py"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    subprocess.run([sys.executable, str(probe), "--quick", "--batches", "2", "--dtype",
+                    "float32", "--out", str(tmp_path)], check=True, env=env, cwd=ROOT,
+                   timeout=300, capture_output=True)
+    rec = json.loads((tmp_path / "conv_probe_cpu_quick.json").read_text())
+    assert {r["family"] for r in rec["rows"]} == {"3x3 wide", "3x3 bottleneck", "1x1",
+                                                  "first layer"}
+    assert all(r["seconds"] > 0 and r["flops"] > 0 and r["share"] > 0 for r in rec["rows"])
+    subprocess.run([sys.executable, str(probe), "--predict",
+                    str(tmp_path / "conv_probe_cpu_quick.json"), "--calibration",
+                    str(tmp_path / "gpu_cpu_quick.json"), "--out", str(again)],
+                   check=True, env=env, cwd=ROOT, timeout=300, capture_output=True)
+    predicted = json.loads((again / "conv_probe_cpu_quick.json").read_text())
+    assert all(r["predicted_s"] > 0 for r in predicted["rows"])
+    assert "predicted ms" in (again / "conv_probe_cpu_quick.md").read_text()
