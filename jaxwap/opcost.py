@@ -49,12 +49,13 @@ def window_taps(eqn: Any) -> float:
 
 def expanded_pool_grad(eqn: Any) -> float:
     """Bytes a select-and-scatter moves beyond its operands and result where the backend
-    expands it (XLA:GPU): an argmax reduce-window reads the operand again and writes, for
-    each pooled element, its value (f32) and its position (one s32 per dim); a scatter
-    reads the positions back and adds the source into the result, which a copy zeroes
-    first. Per pooled element 4 + 8 x rank bytes, and the result's bytes once more: on an
-    H100 here VGG-16's five took 6.8 ms a step, 16.9 GB in XLA's program, where the
-    operands and results alone are 3.5 GB (gpu_trace_nvidia-h100-80gb-hbm3.md)."""
+    expands it (XLA:GPU): an argmax reduce-window reads the operand and writes, for each
+    pooled element, its value (f32) and its position (one s32 per dim); a scatter reads
+    the positions back and adds the source into the result, which a copy zeroes first.
+    Beyond what the op's own operands and result count: 4 + 8 x rank bytes per pooled
+    element, and the result's bytes once more. On an H100 here VGG-16's five took 6.8 ms
+    a step, 16.9 GB in XLA's program, where the operands and results alone are 3.5 GB
+    (gpu_trace_nvidia-h100-80gb-hbm3.md)."""
     if not eqn.primitive.name.startswith("select_and_scatter"):
         return 0.0
     src, out = eqn.invars[0].aval, eqn.outvars[0].aval
