@@ -1,0 +1,129 @@
+"""A candidate's whole work on one core: is a 2-device program heavier than the 1-device one?
+
+    NPROC=1 taskset -c 0 .venv/bin/python benchmarks/one_core.py            # AlexNet-small
+    NPROC=1 taskset -c 0 .venv/bin/python benchmarks/one_core.py --models alexnet,vgg16
+
+On the two-process gloo cluster (`measured.py --setup cluster`) each process of
+AlexNet-small's FSDP 2x1 step computes 82-92 ms where the model predicts 67.6 ms, and every
+2-device AlexNet and VGG-16 layout is under-predicted, while one-device steps are not. That
+is either the program (XLA's 2-device program doing more work than half the one-device
+one) or the setting (two processes, one core each, gloo, both cores busy at once). This
+runs the programs `auto_shard` would compile (the planner's one-device candidate, FSDP
+2x1 and the planner's 1x2, compiled by `verify.compile_candidate`) on two simulated CPU
+devices of one process, which the command pins to one core with XLA's pools at one thread:
+the devices' work then runs one after the other on that core, so a step's wall time is the
+program's whole work (its collectives are in-process copies). **Measured**: the median of
+8 steps' wall time, each step's new state the next step's. **Predicted**: the candidate's
+compute per device with the cluster calibration `measured.py` recorded (one core a
+process), the figure the cluster is checked against. Writes `results/one_core_cpu.json`
+and `.md`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+#: (data, model, variant) of each program timed
+RUNS = ((1, 1, "planner"), (2, 1, "fsdp"), (1, 2, "planner"))
+
+
+def measure(model: str, steps: int) -> list[dict[str, Any]]:
+    import jax
+    import numpy as np
+    import zoo
+    from layouts import variant_candidate
+
+    import jaxwap
+    from jaxwap.calibrate import Calibration
+    from jaxwap.planner import make_plan
+    from jaxwap.verify import compile_candidate
+
+    record = json.loads((RESULTS / "measured_cpu.json").read_text())
+    cal = Calibration.from_dict(record["setups"]["cluster"]["calibrations"][model])
+    devices = jax.devices()
+    # as each process of the cluster plans: two devices of the calibrated core, not one
+    # host's cores shared out among simulated devices
+    cluster = jaxwap.Cluster(cal.spec, 2)
+    w = zoo.small(model)
+    planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
+        hardware=cluster, verify=0, cache=False))
+    rows = []
+    for d, m, variant in RUNS:
+        r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
+                 and r.variant == "planner")
+        cand = variant_candidate(planned.graph, r, variant, cluster)
+        _, cs = compile_candidate(w.step, planned.layout, cand, devices[: d * m], cluster)
+        data = w.synthetic(0)
+        state = [jax.device_put(np.asarray(x), s) for x, s in
+                 zip(jax.tree_util.tree_leaves(data), cs.in_shardings, strict=True)]
+        n_batch = len(jax.tree_util.tree_leaves(data[-1]))
+
+        def run(cs: Any = cs, state: list[Any] = state, n_batch: int = n_batch) -> None:
+            out = jax.block_until_ready(cs.compiled(*state))
+            state[: len(state) - n_batch] = jax.tree_util.tree_leaves(
+                jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)[:-1])
+
+        for _ in range(3):
+            run()
+        walls = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            run()
+            walls.append(time.perf_counter() - t0)
+        row = {"model": f"{model}-small", "layout": f"{variant}@{d}x{m}", "devices": d * m,
+               "measured_wall_ms": statistics.median(walls) * 1e3,
+               "measured_per_device_ms": statistics.median(walls) * 1e3 / (d * m),
+               "predicted_compute_per_device_ms": cand.predicted.compute_time_s * 1e3}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def markdown(rec: dict[str, Any]) -> str:
+    lines = [f"# One core, the whole program: {', '.join(rec['models'])}", "",
+             f"Command: `{rec['command']}` on {rec['date_utc']}; affinity {rec['affinity']}, "
+             f"NPROC={rec['nproc']}. **Measured**: median wall time of {rec['steps']} steps of "
+             "the program on two simulated devices run one after the other on that core (a "
+             "step's whole work). **Predicted**: compute per device, model with the cluster "
+             "calibration of `measured_cpu.json` (one core a process).", "",
+             "| model | layout | devices | measured wall ms | per device ms | predicted "
+             "compute per device ms |", "|---|---|---|---|---|---|"]
+    for r in rec["rows"]:
+        lines.append(f"| {r['model']} | {r['layout']} | {r['devices']} | "
+                     f"{r['measured_wall_ms']:.1f} | {r['measured_per_device_ms']:.1f} | "
+                     f"{r['predicted_compute_per_device_ms']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="alexnet")
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    rows = [r for m in args.models.split(",") for r in measure(m, args.steps)]
+    rec = {"command": "NPROC=" + os.environ.get("NPROC", "") + " python benchmarks/one_core.py "
+           + " ".join(sys.argv[1:]),
+           "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "affinity": sorted(os.sched_getaffinity(0)), "nproc": os.environ.get("NPROC"),
+           "steps": args.steps, "models": args.models.split(","), "rows": rows}
+    (RESULTS / "one_core_cpu.json").write_text(json.dumps(rec, indent=1) + "\n")
+    (RESULTS / "one_core_cpu.md").write_text(markdown(rec))
+    print(markdown(rec))
+
+
+if __name__ == "__main__":
+    main()
