@@ -15,8 +15,10 @@ the devices' work then runs one after the other on that core, so a step's wall t
 program's whole work (its collectives are in-process copies). **Measured**: the median of
 8 steps' wall time, each step's new state the next step's. **Predicted**: the candidate's
 compute per device with the cluster calibration `measured.py` recorded (one core a
-process), the figure the cluster is checked against. Writes `results/one_core_cpu.json`
-and `.md`.
+process), the figure the cluster is checked against. Then copies of 64 MiB on one core
+alone and on two cores at once (two processes): what the memory system gives each of two
+processes running a memory-bound phase together. Writes `results/one_core_cpu.json` and
+`.md`.
 """
 
 from __future__ import annotations
@@ -93,6 +95,37 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def stream_worker(core: int, seconds: float) -> None:
+    """Copy 64 MiB back and forth on `core` for `seconds`; print GB/s moved (read + write)."""
+    import numpy as np
+
+    os.sched_setaffinity(0, {core})
+    a = np.ones(16 * 2**20, np.float32)
+    b = np.empty_like(a)
+    for _ in range(3):
+        np.copyto(b, a)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        np.copyto(b, a)
+        n += 1
+    print(2 * a.nbytes * n / (time.perf_counter() - t0) / 1e9, flush=True)
+
+
+def stream_contention(seconds: float = 4.0) -> dict[str, Any]:
+    """GB/s one core streams copies alone, and each of cores 0 and 1 when both do at once
+    (separate processes, as the gloo cluster's are): what two processes running the same
+    memory-bound phase of a step at once get of the memory system."""
+    import subprocess
+
+    def start(core: int) -> Any:
+        return subprocess.Popen([sys.executable, __file__, "--stream-worker", str(core),
+                                 str(seconds)], stdout=subprocess.PIPE, text=True)
+
+    alone = float(start(0).communicate()[0])
+    both = [start(0), start(1)]
+    return {"alone_GBps": alone, "both_GBps": [float(q.communicate()[0]) for q in both]}
+
+
 def markdown(rec: dict[str, Any]) -> str:
     lines = [f"# One core, the whole program: {', '.join(rec['models'])}", "",
              f"Command: `{rec['command']}` on {rec['date_utc']}; affinity {rec['affinity']}, "
@@ -106,6 +139,10 @@ def markdown(rec: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['layout']} | {r['devices']} | "
                      f"{r['measured_wall_ms']:.1f} | {r['measured_per_device_ms']:.1f} | "
                      f"{r['predicted_compute_per_device_ms']:.1f} |")
+    c = rec["streams"]
+    lines += ["", f"Copies of 64 MiB (numpy, **measured**): one core alone "
+              f"{c['alone_GBps']:.1f} GB/s; cores 0 and 1 at once (two processes) "
+              + " and ".join(f"{x:.1f}" for x in c["both_GBps"]) + " GB/s each."]
     return "\n".join(lines) + "\n"
 
 
@@ -113,13 +150,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="alexnet")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--stream-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.stream_worker:
+        return stream_worker(int(args.stream_worker[0]), float(args.stream_worker[1]))
     rows = [r for m in args.models.split(",") for r in measure(m, args.steps)]
+    streams = stream_contention()
     rec = {"command": "NPROC=" + os.environ.get("NPROC", "") + " python benchmarks/one_core.py "
            + " ".join(sys.argv[1:]),
            "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "affinity": sorted(os.sched_getaffinity(0)), "nproc": os.environ.get("NPROC"),
-           "steps": args.steps, "models": args.models.split(","), "rows": rows}
+           "steps": args.steps, "models": args.models.split(","), "rows": rows,
+           "streams": streams}
     (RESULTS / "one_core_cpu.json").write_text(json.dumps(rec, indent=1) + "\n")
     (RESULTS / "one_core_cpu.md").write_text(markdown(rec))
     print(markdown(rec))
