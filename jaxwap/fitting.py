@@ -6,6 +6,7 @@ micro-batches (which spares the planner traces of counts that cannot fit)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,9 +52,12 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
                              r)
     per_point = graph.live_at(weights)
     cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
-    at_k = -1          # the peak point the move tables below were made for
-    saved = added = ok = np.empty(0)
-    moved = -1
+    # each peak point's move tables, and the moves made since they were last brought up to
+    # date (the peak often returns to a point: only the parameters moved meanwhile have new
+    # rows there)
+    tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
+    history: list[int] = []
+    blocks: dict[int, Any] = {}
 
     def row(j: int, at_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Parameter j's moves from its current strategy: bytes freed at the peak, time
@@ -73,17 +77,19 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             if per_point[k] <= budget:
                 break
         at_peak = live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T  # [P, classes]
-        if k != at_k:
+        if k not in tables:
             # a new peak point: every parameter's moves afresh
             cur = np.asarray(choice)
             saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
             added = cost - cost[idx, cur][:, None]
             cur_kind = kind[idx, cur][:, None]
             ok = (saved > 0) & finite & ((cur_kind == 0) | (kind == cur_kind))
-            at_k = k
-        elif moved >= 0:
-            # the same peak: only the parameter just moved has new moves
-            saved[moved], added[moved], ok[moved] = row(moved, at_peak)
+        else:
+            # a point seen before: only the parameters moved since have new moves
+            saved, added, ok, seen = tables[k]
+            for j in dict.fromkeys(history[seen:]):
+                saved[j], added[j], ok[j] = row(j, at_peak)
+        tables[k] = (saved, added, ok, len(history))
         if not ok.any():
             break
         free = ok & (added <= 0)
@@ -95,13 +101,15 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
         j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
         if kind[j, s] == kind[j, choice[j]]:
-            per_point += graph.live_cols_at(cols[j], inv[j, s] - inv[j, choice[j]])
+            if j not in blocks:   # `live[:, cols[j]]`'s changes, sliced once a parameter
+                blocks[j] = graph.live_changes[:, cols[j]]
+            per_point += np.cumsum(blocks[j] @ (inv[j, s] - inv[j, choice[j]]))
             choice[j] = s
         else:   # a new tensor-parallel kind also splits activations: sum afresh
             choice[j] = s
             per_point = graph.live_at(memory_weights(
                 graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m, r))
-        moved = j
+        history.append(j)
     return choice
 
 

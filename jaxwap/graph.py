@@ -255,10 +255,6 @@ class Graph:
         """`live @ weights`, the bytes per device at every kept point, from the changes."""
         return np.cumsum(self.live_changes @ weights)
 
-    def live_cols_at(self, cols: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """`live[:, cols] @ weights`, from the changes."""
-        return np.cumsum(self.live_changes[:, cols] @ weights)
-
     @functools.cached_property
     def layer_of(self) -> dict[int, Layer]:
         """Each parameter's layer (its forward matmul against the batch), by index."""
