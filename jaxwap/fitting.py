@@ -19,6 +19,10 @@ from .meshes import mesh_shapes
 from .records import Strategy
 from .strategies import param_strategies, pins_hold
 
+#: peak points whose move tables `repair` keeps (the 70B's repair visits up to 562, and
+#: each table is 3 x parameters x strategies values: 64 keep the cost of a revisit down)
+KEPT_PEAKS = 64
+
 
 def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             budget: float) -> list[int]:
@@ -86,10 +90,12 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             ok = (saved > 0) & finite & ((cur_kind == 0) | (kind == cur_kind))
         else:
             # a point seen before: only the parameters moved since have new moves
-            saved, added, ok, seen = tables[k]
+            saved, added, ok, seen = tables.pop(k)
             for j in dict.fromkeys(history[seen:]):
                 saved[j], added[j], ok[j] = row(j, at_peak)
         tables[k] = (saved, added, ok, len(history))
+        if len(tables) > KEPT_PEAKS:   # the least recently used point's tables go
+            del tables[next(iter(tables))]
         if not ok.any():
             break
         free = ok & (added <= 0)
