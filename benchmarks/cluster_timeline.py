@@ -149,11 +149,10 @@ def worker(args: argparse.Namespace) -> None:
              for x, s in zip(hosts, cs.in_shardings, strict=True)]
     n_batch = len(jax.tree_util.tree_leaves(data[-1]))
 
-    def run() -> None:   # as measured.py runs a step: the new state is the next step's
-        out = jax.block_until_ready(cs.compiled(*state))
-        new = jax.tree_util.tree_leaves(
-            jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)[:-1])
-        state[: len(state) - n_batch] = new
+    step = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
+
+    def run() -> None:   # its own name: the trace's steps are this function's calls
+        step()
 
     for _ in range(3):
         run()

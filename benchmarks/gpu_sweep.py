@@ -117,6 +117,8 @@ def model_worker(args: argparse.Namespace) -> None:
     builtin = jaxwap.Cluster(builtin_for_kind(device.device_kind, device.platform), 1)
     cluster = jaxwap.Cluster(cal.spec, 1) if cal is not None else builtin
     rows = Path(args.rows)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
 
     def peak() -> float | None:
         stats = device.memory_stats() or {}
@@ -137,14 +139,7 @@ def model_worker(args: argparse.Namespace) -> None:
             n_batch = len(jax.tree_util.tree_leaves(data[-1]))   # the batch comes last
             del data
 
-            def run(cs: Any = cs, state: list[Any] = state, n_batch: int = n_batch,
-                    treedef: Any = planned.layout.out_treedef, block: bool = True) -> Any:
-                out = cs.compiled(*state)
-                if block:
-                    jax.block_until_ready(out)
-                new = jax.tree_util.tree_leaves(jax.tree_util.tree_unflatten(treedef, out)[:-1])
-                state[: len(state) - n_batch] = new
-                return out
+            run = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
 
             t0 = time.perf_counter()
             run()

@@ -140,14 +140,8 @@ def worker(args: argparse.Namespace) -> None:
         state = [global_array(x, s) for x, s in zip(flat, cs.in_shardings, strict=True)]
         n_batch = len(jax.tree_util.tree_leaves(data[-1]))   # the batch comes last
 
-        def run() -> None:
-            # every zoo step returns (*new state, metrics) for (*state, batch)
-            out = jax.block_until_ready(cs.compiled(*state))
-            new = jax.tree_util.tree_leaves(
-                jax.tree_util.tree_unflatten(layout.out_treedef, out)[:-1])
-            state[: len(state) - n_batch] = new
-
-        return {"run": run, "compiled_predicted_s": compiled.step_time_s}
+        return {"run": zoo.step_runner(cs.compiled, layout.out_treedef, state, n_batch),
+                "compiled_predicted_s": compiled.step_time_s}
 
     def time_interleaved(runs: list[Any]) -> list[dict[str, Any]]:
         """Time every candidate of a model in `args.rounds` interleaved rounds (candidate

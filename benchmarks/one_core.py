@@ -74,10 +74,7 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
                  zip(jax.tree_util.tree_leaves(data), cs.in_shardings, strict=True)]
         n_batch = len(jax.tree_util.tree_leaves(data[-1]))
 
-        def run(cs: Any = cs, state: list[Any] = state, n_batch: int = n_batch) -> None:
-            out = jax.block_until_ready(cs.compiled(*state))
-            state[: len(state) - n_batch] = jax.tree_util.tree_leaves(
-                jax.tree_util.tree_unflatten(planned.layout.out_treedef, out)[:-1])
+        run = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
 
         for _ in range(3):
             run()

@@ -181,6 +181,23 @@ class Workload:
         return (*out, jax.tree.map(data, batch))
 
 
+def step_runner(compiled: Any, out_treedef: Any, state: list[Any], n_batch: int
+                ) -> Callable[..., Any]:
+    """`run()`: one step of a compiled zoo step as a training loop runs it. Every zoo step
+    takes (*state, batch) and returns (*new state, metrics); `state` holds the flat
+    arguments (the batch's `n_batch` leaves last) and each step's new state replaces the
+    old in it, so the next step continues from it (donated buffers are never reused).
+    `run(block=False)` dispatches without waiting for the device. Returns the outputs."""
+    def run(block: bool = True) -> Any:
+        out = compiled(*state)
+        if block:
+            jax.block_until_ready(out)
+        state[: len(state) - n_batch] = jax.tree_util.tree_leaves(
+            jax.tree_util.tree_unflatten(out_treedef, out)[:-1])
+        return out
+    return run
+
+
 def _last_name(path: Any) -> str:
     """The last named entry of a key path (skipping NNX's trailing `.value`)."""
     for key in reversed(path):
