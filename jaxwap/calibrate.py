@@ -2,25 +2,25 @@
 
 Datasheet peaks flatter every device. `calibrate()` times what the cost model's
 parameters stand for, on the real device: matmuls of several sizes and dtypes (peak
-flop/s and the efficiency curve: a matmul of w flops takes (w + w_half) / peak), a large
-elementwise op (memory bandwidth), a chain of tiny matmuls (per-kernel overhead),
-all-reduces from 4 KiB up across the devices (link bandwidth and latency), and, where
-NVML answers, idle and loaded power. The result is cached per device kind, driver, jax
-version and process count, and `hardware=None` planning uses it when it exists.
+flop/s, efficiency curve), a large elementwise op (memory bandwidth), a chain of tiny
+matmuls (per-kernel overhead), all-reduces across the devices (link bandwidth and
+latency), where NVML answers idle and loaded power, and more (`calibrate_full`). Cached
+per device kind, driver, jax version and process count; `hardware=None` planning uses it.
 
 Under jax.distributed (`jaxwap calibrate --coordinator ...`, once per process) every
 process measures its own device, the links are timed by all-reduces over all the global
 devices (gloo between CPU processes), and the processes agree on the median of their
 figures so that every process plans with the same profile.
 
-Every figure is measured on the device named; what could not be (power without NVML,
-links with one device) keeps the built-in profile's value, and the notes say so."""
+A CPU cluster's processes of one host also stream alone and all at once: how much they
+slow each other's memory-bound work (`Cluster.host_memory_slowdown`). Every figure is
+measured on the device named; what could not be (power without NVML, links with one
+device) keeps the built-in profile's value, and the notes say so."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -39,7 +39,7 @@ import numpy as np
 from . import accel_probes, conv_probes, cpu_probes, probes
 from .comm import ring_fit
 from .device import BACKEND_FLAGS, efficiency_table
-from .dirs import default_cache_dir
+from .dirs import default_cache_dir, driver_version
 from .hardware import DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
 from .power_limit import measured_power_profile
@@ -86,21 +86,6 @@ class Calibration:
 
 
 # --------------------------------------------------------------------------- storage
-@functools.lru_cache(maxsize=1)
-def _driver_version() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            v = pynvml.nvmlSystemGetDriverVersion()
-            return v.decode() if isinstance(v, bytes) else str(v)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML: the driver is not part of the key
-        return "none"
-
-
 def _known(v: float, below: float = math.inf) -> float | None:
     """A figure, or None where it was not measured (NaN) or is not below `below`."""
     return None if math.isnan(v) or v >= below else v
@@ -121,7 +106,7 @@ def calibration_path(device: Any, directory: Path | None = None,
     base = Path(directory) if directory is not None else default_cache_dir()
     kind = "".join(c if c.isalnum() else "-" for c in device.device_kind.lower())
     procs = jax.process_count() if num_processes is None else int(num_processes)
-    name = f"{device.platform}-{kind}-jax{jax.__version__}-driver{_driver_version()}"
+    name = f"{device.platform}-{kind}-jax{jax.__version__}-driver{driver_version()}"
     return base / "calibration" / (name + (f"-{procs}proc" if procs > 1 else "") + ".json")
 
 
@@ -139,8 +124,7 @@ def load_calibration(device: Any, directory: Path | None = None,
 def _save(cal: Calibration, path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # a temporary name of this process's own: processes sharing the directory never
-        # write into one file; the rename is atomic, so a reader sees a whole record
+        # a temporary name of this process's own; the rename is atomic (whole records)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cal.to_dict(), indent=1))
         os.replace(tmp, path)
@@ -198,7 +182,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
             hit = all_processes(hit)
         if hit and cached is not None:
             return dataclasses.replace(cached, notes=cached.notes + tuple(notes))
-    on_cpu = dev.platform == "cpu"
+    on_cpu, nan = dev.platform == "cpu", float("nan")  # nan: none, and so its median
     sizes, dense_sizes, bw_bytes = probes.sizes_for(on_cpu, quick)
     steps = 2 * len(sizes) + len(dense_sizes) + 6
     bar = Progress(steps, progress, "jaxwap calibrate")
@@ -213,6 +197,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     fast = jnp.bfloat16 if main is bf16 else jnp.float32
     dense = probes.matmul_training(dev, fast, dense_sizes, bar)
     bandwidth = (probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
+    # a CPU cluster's processes of one host share its memory (an accelerator has its own)
+    host = cpu_probes.host_memory(dev, bw_bytes) if on_cpu and procs > 1 else (0, nan, nan)
     relayout = probes.layout_change(dev, ([256, 2048] if quick else [64, 256, 1024, 2048])
                                     if on_cpu else [4096, 8192, 16384])  # past launches
     bar.step("memory bandwidth")
@@ -257,7 +243,6 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     except Exception as e:  # noqa: BLE001 - power is optional; the profile says so
         notes_.append(f"power not measured: {type(e).__name__}: {e}")
     bar.step("power")
-    nan = float("nan")  # none: the median over processes is then none too
     # the fallback curve of the fast matmul: a matmul of w flops takes (w + w_half) / peak
     # + a launch, so each size gives w_half = peak * (t - launch) - w; the median over them
     half = float(np.median([main["peak_flops"] * (t - overhead) - w for w, t in
@@ -277,7 +262,9 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
            "all_reduce_s": in_program[0], "all_gather_s": in_program[1],
-           "link_buffer_latency_s": buffer_latency,
+           "link_buffer_latency_s": buffer_latency, "host_devices": host[0],
+           "host_alone_Bps": host[1], "host_together_Bps": host[2],
+           "host_slowdown": max(host[1] / host[2], 1.0) if host[0] else nan,
            "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan,
            "memory_watts": power[2] if power and power[2] is not None else nan,
            # tables as one figure per entry, so processes agree on each by its median
@@ -348,9 +335,12 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
            "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,
-           "topology": topology, "per_process": per_process}
+           "topology": topology, "per_process": per_process,
+           "host_memory": None if math.isnan(fig["host_slowdown"]) else {"devices": round(
+               fig["host_devices"]) * len(local), "slowdown": fig["host_slowdown"],
+               "alone_Bps": fig["host_alone_Bps"], "together_Bps": fig["host_together_Bps"]}}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,
-                      _driver_version(), raw, tuple(notes_), procs)
+                      driver_version(), raw, tuple(notes_), procs)
     # in a cluster process 0 writes, and then (a barrier) only a process whose directory
     # lacks the same profile (another machine's disk): sharers never race on the file
     if procs == 1 or me == 0:

@@ -141,7 +141,10 @@ def mesh_costs(graph: Graph, cluster: Cluster, d: int, m: int,
     sharded; anything else not at all. Time, busy time and flops per device all follow
     these same splits. With r replicas (HSDP) what is sharded over data is sharded over
     the d/r devices of the data axis inside a node, and reduced across the replicas.
+    Memory-bound work is priced as the mesh's devices see it running together
+    (`Cluster.co_running`: processes of one host sharing its memory).
     """
+    cluster = cluster.co_running(d * m)
     dev = cluster.device
     ds = d // r   # how many ways the data axis shards parameters
     speed = cluster.speedup_when_using(d * m)
@@ -339,6 +342,7 @@ def _feature_split_convs(graph: Graph, cluster: Cluster, pairs: Sequence[tuple[i
 def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]) -> Prediction:
     """The full prediction for a mesh's costs and a strategy index per parameter."""
     d, m = mc.d, mc.m
+    cluster = cluster.co_running(d * m)   # as `mesh_costs` priced it
     picked = list(enumerate(choice))
     strats = [mc.strategies[j][s] for j, s in picked]
     grads = grad_comms(mc, choice, graph.layers)
@@ -376,6 +380,7 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
     (`DeviceSpec.layout_change_s`, `fresh_memory_s`); communication
     is priced from the collectives XLA actually inserted (data-axis ones overlap backward
     compute, the rest block); the exposure rule and host transfers are the model's own."""
+    cluster = cluster.co_running(d * m)
     counted = pred.flops_as_xla_counts
     # XLA counts no flops for a library call's work (XLA:GPU's cuBLAS and cuDNN): there
     # the model's flops stand

@@ -6,6 +6,7 @@ calibration) can find the directory without importing the layers above it.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -28,4 +29,21 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "jaxwap"
 
 
-__all__ = ["ENV_VAR", "default_cache_dir"]
+@functools.lru_cache(maxsize=1)
+def driver_version() -> str:
+    """The GPU driver's version (NVML), part of a calibration file's name: a new driver
+    is new kernels. "none" without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else str(v)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML: the driver is not part of the key
+        return "none"
+
+
+__all__ = ["ENV_VAR", "default_cache_dir", "driver_version"]

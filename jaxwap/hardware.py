@@ -44,6 +44,12 @@ class Cluster:
     `shared_compute=True` says the devices are slices of one pool (simulated CPU devices
     on one host): a mesh of n of them runs at `num_devices / n` times the per-device
     figures, since the devices left out leave their share to those used.
+
+    `host_devices` devices in a row (processes of one host, one device each) share one
+    memory system: with all of them running at once, memory-bound work takes
+    `host_memory_slowdown` times as long as with one alone (`jaxwap.calibrate` measures
+    both on a CPU cluster; 1 where each device has memory of its own, as accelerators'
+    HBM). A mesh of n devices prices its memory-bound work on `co_running(n)`.
     """
 
     device: DeviceSpec
@@ -54,14 +60,24 @@ class Cluster:
     devices_per_node: int | None
     inter_node_bandwidth: float
     inter_node_latency: float
+    host_devices: int
+    host_memory_slowdown: float
 
     def __init__(self, device: str | DeviceSpec, num_devices: int,
                  link_bandwidth: float | None = None,
                  link_latency: float | None = None, shared_compute: bool = False, *,
                  devices_per_node: int | None = None,
                  inter_node_bandwidth: float | None = None,
-                 inter_node_latency: float | None = None) -> None:
+                 inter_node_latency: float | None = None, host_devices: int = 1,
+                 host_memory_slowdown: float = 1.0) -> None:
         spec = device_spec(device)
+        if not _is_int(host_devices) or host_devices < 1:
+            raise ValueError(f"Cluster host_devices must be a positive int, got {host_devices!r}")
+        if isinstance(host_memory_slowdown, bool) or not isinstance(
+                host_memory_slowdown, (int, float, np.floating, np.integer)) \
+                or not 1.0 <= host_memory_slowdown < np.inf:
+            raise ValueError(f"Cluster host_memory_slowdown must be a finite number >= 1, "
+                             f"got {host_memory_slowdown!r}")
         if not _is_int(num_devices) or num_devices < 1:
             raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
         if devices_per_node is not None:
@@ -87,6 +103,8 @@ class Cluster:
         object.__setattr__(self, "shared_compute", bool(shared_compute))
         object.__setattr__(self, "devices_per_node",
                            None if devices_per_node is None else int(devices_per_node))
+        object.__setattr__(self, "host_devices", int(host_devices))
+        object.__setattr__(self, "host_memory_slowdown", float(host_memory_slowdown))
 
     @property
     def num_nodes(self) -> int:
@@ -110,6 +128,38 @@ class Cluster:
         """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
         return self.num_devices / n if self.shared_compute else 1.0
 
+    def memory_slowdown_when_using(self, n: int) -> float:
+        """How many times as long memory-bound work takes on each device of a mesh of n,
+        its first min(n, host_devices) running at once on one host's memory system: a
+        shared bus, each of j devices streaming at once getting the host's bandwidth over
+        j where that is below what one alone gets. `host_memory_slowdown` (measured with
+        all host_devices at once) puts the host's bandwidth at host_devices / slowdown
+        devices' worth."""
+        if self.host_memory_slowdown == 1.0 or self.host_devices <= 1:
+            return 1.0
+        j = min(n, self.host_devices)
+        return max(1.0, j * self.host_memory_slowdown / self.host_devices)
+
+    def co_running(self, n: int) -> Cluster:
+        """This cluster as a mesh of n of its devices sees it: its device's memory-side
+        figures (bandwidth, and the measured per-byte costs of layout changes,
+        reductions and fresh memory) slowed by `memory_slowdown_when_using(n)`; itself
+        where nothing is shared."""
+        slow = self.memory_slowdown_when_using(n)
+        if slow == 1.0:
+            return self
+        dev = self.device
+
+        def slowed(table: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+            return tuple((b, c * slow) for b, c in table)
+
+        spec = dataclasses.replace(
+            dev, memory_bandwidth=dev.memory_bandwidth / slow,
+            layout_change_cost=slowed(dev.layout_change_cost),
+            reduction_cost=slowed(dev.reduction_cost),
+            fresh_memory_cost=slowed(dev.fresh_memory_cost))
+        return dataclasses.replace(self, device=spec, host_memory_slowdown=1.0)
+
     def describe_links(self) -> str:
         """The links in words, for `explain()`."""
         inside = f"links {si(self.link_bandwidth, 'B/s')} / {self.link_latency * 1e6:.1f} us"
@@ -125,7 +175,11 @@ class Cluster:
                 "shared_compute": self.shared_compute,
                 "devices_per_node": self.devices_per_node,
                 "inter_node_bandwidth": self.inter_node_bandwidth,
-                "inter_node_latency": self.inter_node_latency}
+                "inter_node_latency": self.inter_node_latency,
+                # only where set: records and cache keys of other clusters stay as they were
+                **({"host_devices": self.host_devices,
+                    "host_memory_slowdown": self.host_memory_slowdown}
+                   if self.host_memory_slowdown != 1.0 else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
@@ -133,7 +187,9 @@ class Cluster:
                    d["link_bandwidth"], d["link_latency"], d.get("shared_compute", False),
                    devices_per_node=d.get("devices_per_node"),
                    inter_node_bandwidth=d.get("inter_node_bandwidth"),
-                   inter_node_latency=d.get("inter_node_latency"))
+                   inter_node_latency=d.get("inter_node_latency"),
+                   host_devices=d.get("host_devices", 1),
+                   host_memory_slowdown=d.get("host_memory_slowdown", 1.0))
 
 
 def _is_int(x: Any) -> bool:
@@ -188,8 +244,12 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
         # cores (one device each) are separate machines as far as compute goes
         local = sum(1 for d in devices if d.process_index == devices[0].process_index)
         spec = _host_share(spec, devices, calibrated=cal is not None)
+        # processes of one host share its memory: what the calibration measured of it
+        host = (cal.measurements.get("host_memory") if cal is not None else None) or {}
         return Cluster(spec, len(devices), nodes.get("link_bandwidth"),
                        nodes.get("link_latency"), shared_compute=local > 1,
+                       host_devices=int(host.get("devices", 1)),
+                       host_memory_slowdown=float(host.get("slowdown", 1.0)),
                        **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
     return Cluster(spec, len(devices), nodes.get("link_bandwidth"), nodes.get("link_latency"),
                    **{k: v for k, v in nodes.items() if not k.startswith("link")}), note

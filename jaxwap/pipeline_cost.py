@@ -117,6 +117,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     n = p * d * m
     # the stage was priced as if its d*m devices were all the job used
     ratio = cluster.speedup_when_using(d * m) / cluster.speedup_when_using(n)
+    cluster = cluster.co_running(n)   # all n run at once (the stage priced d * m)
     speed = cluster.speedup_when_using(n)
     mask = stack_ops(graph, layers_per_stage)
     over = graph.kernels * cluster.device.kernel_overhead_s

@@ -17,9 +17,19 @@ import pytest
 from models import collectives_reproduced
 
 from jaxwap.calibrate import Calibration, load_calibration
+from jaxwap.hardware import detect_cluster
 from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
 
 HERE = Path(__file__).parent
+
+
+class _Dev:
+    """What `detect_cluster` reads of a device of the cluster the record was made on."""
+
+    platform = device_kind = "cpu"
+
+    def __init__(self, id: int, process_index: int) -> None:
+        self.id, self.process_index = id, process_index
 
 
 def _records(results):
@@ -57,6 +67,14 @@ def test_two_process_cluster_calibration_measures_the_link(tmp_path):
     assert cals[0].spec == cals[1].spec
     per = cals[0].measurements["per_process"]
     assert len(per["link_bandwidth"]) == 2 and all(v > 0 for v in per["link_bandwidth"])
+    # both processes on this host: each streamed alone, in turn, and then both at once
+    host = cals[0].measurements["host_memory"]
+    assert host["devices"] == 2 and host["alone_Bps"] > 0 and host["together_Bps"] > 0
+    # the median of each process's own ratio, never below 1 (no speed-up from company)
+    own = per["host_slowdown"]
+    assert all(v >= 1.0 for v in own) and host["slowdown"] == pytest.approx(sum(own) / 2)
+    cluster, _ = detect_cluster([_Dev(0, 0), _Dev(1, 1)], cals[0])
+    assert cluster.host_devices == 2 and cluster.host_memory_slowdown == host["slowdown"]
     # a one-process load does not pick up the cluster's record
     assert load_calibration(jax.devices()[0], tmp_path / "process0", 1) is None
 
