@@ -196,9 +196,11 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     main = bf16 if bf16["peak_flops"] > 1.2 * f32["peak_flops"] else f32
     fast = jnp.bfloat16 if main is bf16 else jnp.float32
     dense = probes.matmul_training(dev, fast, dense_sizes, bar)
-    bandwidth = (probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
-    # a CPU cluster's processes of one host share its memory (an accelerator has its own)
+    # a CPU cluster's processes of one host share its memory (an accelerator has its own):
+    # the bandwidth is each one's alone, not what chance overlap left it
     host = cpu_probes.host_memory(dev, bw_bytes) if on_cpu and procs > 1 else (0, nan, nan)
+    bandwidth = host[1] if host[0] else (
+        probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
     relayout = probes.layout_change(dev, ([256, 2048] if quick else [64, 256, 1024, 2048])
                                     if on_cpu else [4096, 8192, 16384])  # past launches
     bar.step("memory bandwidth")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .launch import all_processes
-from .probes import _repeated, bandwidth, in_program
+from .probes import _repeated, _stream, in_program
 
 # (rows contracted, K, N): a dense layer's kernel gradient at CI and mid sizes
 TRANSPOSED_SHAPES = ((1024, 256, 64), (4096, 256, 64))
@@ -67,15 +67,19 @@ def pooling(device: Any, shape: tuple[int, ...] = (8, 32, 32, 32)) -> tuple[floa
     return per_tap, max(grad, 0.0) / float(np.prod(shape))
 
 
-def host_memory(device: Any, nbytes: int, repeats: int = 15) -> tuple[int, float, float]:
+def host_memory(device: Any, nbytes: int, calls: int = 30) -> tuple[int, float, float]:
     """(processes on this one's host, bytes/s alone, bytes/s with all of them at once) of
-    `probes.bandwidth` on `nbytes`: the processes of one host (by hostname) stream one
-    after another while the rest wait at a barrier, then all at once. A collective: every
-    process of the cluster calls it. On this project's 2-core VM two processes each
-    streamed 64 MiB copies at 13.4-13.8 GB/s where one alone got 19.9, and a 2-device
-    program computed up to 1.5x its one-core time with both cores busy. Alone, the host's
-    only process: (1, figure, figure)."""
+    `probes.bandwidth`'s in-place elementwise op on `nbytes`, `calls` calls each: the
+    processes of one host (by hostname) stream one after another while the rest wait at
+    a barrier, then all at once; each array is in place and its op compiled before the
+    barrier, so only the streaming overlaps. A collective: every process of the cluster
+    calls it. On this project's 2-core VM two processes each streamed 64 MiB copies at
+    13.4-13.8 GB/s where one alone got 19.9, and a 2-device program computed up to 1.5x
+    its one-core time with both cores busy; calibration's own bandwidth probe, the
+    processes left to overlap by chance, read 26 to 50 GB/s. Alone on its host: (1, the
+    figure, the figure)."""
     import socket
+    import time
     import zlib
 
     from jax.experimental import multihost_utils
@@ -85,13 +89,24 @@ def host_memory(device: Any, nbytes: int, repeats: int = 15) -> tuple[int, float
     hosts = np.asarray(multihost_utils.process_allgather(np.array([host], np.int64))).ravel()
     mine = np.flatnonzero(hosts == host)
     turns = max(int(np.sum(hosts == h)) for h in set(hosts.tolist()))
+    f = jax.jit(_stream, donate_argnums=0)
+    box = [f(jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device))]
+    box[0].block_until_ready()
+
+    def rate() -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            box[0] = f(box[0])
+        box[0].block_until_ready()
+        return 2.0 * (nbytes // 4) * 4 * calls / (time.perf_counter() - t0)
+
     alone = float("nan")
     for turn in range(turns):   # every process takes part in every barrier
         all_processes(True)
         if turn < len(mine) and mine[turn] == me:
-            alone = bandwidth(device, nbytes, repeats)
+            alone = rate()
     all_processes(True)
-    together = bandwidth(device, nbytes, repeats) if len(mine) > 1 else alone
+    together = rate() if len(mine) > 1 else alone
     return len(mine), alone, together
 
 

@@ -73,7 +73,10 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         f"objective {plan.objective.describe()}",
         f"hardware: {hw.num_devices} x {hw.device.name} "
         f"({si(dev.peak_flops, 'flop/s')} bf16, {si(dev.memory_bandwidth, 'B/s')}, "
-        f"{si(dev.memory_bytes, 'B')}), {hw.describe_links()}",
+        f"{si(dev.memory_bytes, 'B')}), {hw.describe_links()}" + (
+            f"; {hw.host_devices} devices share a host's memory: "
+            f"{hw.memory_slowdown_when_using(plan.num_devices):.2f}x the memory-bound time "
+            f"on this mesh" if hw.host_memory_slowdown > 1.0 else ""),
         f"devices: {list(plan.device_ids)}   batch: {plan.batch_size}   memory budget: "
         f"{si(plan.memory_budget_bytes, 'B')} per device",
         f"step: {plan.step.describe()}" + _memory_summary(plan),

@@ -166,11 +166,11 @@ def _stream(v: Any) -> Any:
     return v * 1.0001 + 1.0
 
 
-def bandwidth(device: Any, nbytes: int, repeats: int = 5) -> float:
+def bandwidth(device: Any, nbytes: int) -> float:
     """Bytes/s of an elementwise op that reads and writes nbytes each, in place (its input
     donated), as a training step with donated state updates it: a fresh output each call
     would time the operating system handing out new pages, not the memory."""
-    return 2.0 * nbytes / in_place(_stream, _ones(device, nbytes // 4), repeats=repeats)
+    return 2.0 * nbytes / in_place(_stream, _ones(device, nbytes // 4))
 
 
 def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:

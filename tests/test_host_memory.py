@@ -76,3 +76,14 @@ def test_a_mesh_of_co_running_devices_pays_the_hosts_memory_slowdown():
         # compute-bound (the 1.5 slowdown), and more than nothing
         memory_side = a.compute_time_s - a.compute_bound_time_s
         assert 0 < b.compute_time_s - a.compute_time_s <= 0.5 * memory_side + 1e-12, k
+
+
+def test_explain_says_what_the_shared_host_costs_the_chosen_mesh():
+    step, params, opt, batch = abstract_setup([1024, 1024, 10], 256, 1024)
+    cluster = Cluster(SPEC, 2, host_devices=2, host_memory_slowdown=1.5)
+    plan = jaxwap.plan(step, params, opt, batch, hardware=cluster, verify=0, cache=False)
+    text = plan.explain()
+    slow = cluster.memory_slowdown_when_using(plan.num_devices)
+    assert f"2 devices share a host's memory: {slow:.2f}x the memory-bound time" in text
+    assert "share a host" not in jaxwap.plan(step, params, opt, batch, hardware=Cluster(
+        SPEC, 2), verify=0, cache=False).explain()
