@@ -12,7 +12,8 @@ runs the programs `auto_shard` would compile (the planner's one-device candidate
 2x1 and the planner's 1x2, compiled by `verify.compile_candidate`) on two simulated CPU
 devices of one process, which the command pins to one core with XLA's pools at one thread:
 the devices' work then runs one after the other on that core, so a step's wall time is the
-program's whole work (its collectives are in-process copies). **Measured**: the median of
+program's whole work (its collectives are in-process copies). Then two such processes at
+once, pinned to cores 0 and 1: the same work with both cores busy. **Measured**: the median of
 8 steps' wall time, each step's new state the next step's. **Predicted**: the candidate's
 compute per device with the cluster calibration `measured.py` recorded (one core a
 process), the figure the cluster is checked against. Then copies of 64 MiB on one core
@@ -60,9 +61,17 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
     # as each process of the cluster plans: two devices of the calibrated core, not one
     # host's cores shared out among simulated devices
     cluster = jaxwap.Cluster(cal.spec, 2)
+    # ... and the same with both cores' processes running at once: the memory-side
+    # figures slowed as the calibration measured the host (`Cluster.co_running`)
+    host = cal.measurements.get("host_memory") or {}
+    together = jaxwap.Cluster(jaxwap.Cluster(
+        cal.spec, 2, host_devices=int(host.get("devices", 1)),
+        host_memory_slowdown=float(host.get("slowdown", 1.0))).co_running(2).device, 2)
     w = zoo.small(model)
     planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
         hardware=cluster, verify=0, cache=False))
+    both = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
+        hardware=together, verify=0, cache=False))
     rows = []
     for d, m, variant in RUNS:
         r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
@@ -86,10 +95,30 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
         row = {"model": f"{model}-small", "layout": f"{variant}@{d}x{m}", "devices": d * m,
                "measured_wall_ms": statistics.median(walls) * 1e3,
                "measured_per_device_ms": statistics.median(walls) * 1e3 / (d * m),
-               "predicted_compute_per_device_ms": cand.predicted.compute_time_s * 1e3}
+               "predicted_compute_per_device_ms": cand.predicted.compute_time_s * 1e3,
+               "predicted_together_ms": variant_candidate(both.graph, next(
+                   q for q in both.search.results if (q.d, q.m) == (d, m)
+                   and q.variant == "planner"), variant, together).predicted.compute_time_s
+               * 1e3, "host_memory_slowdown": float(host.get("slowdown", 1.0))}
         rows.append(row)
         print(row, flush=True)
     return rows
+
+
+def twin(models: str, steps: int) -> list[list[dict[str, Any]]]:
+    """Each process's rows when two processes, pinned to cores 0 and 1 with XLA's pools at
+    one thread, run `measure` at once: the same programs with both cores busy, as the
+    gloo cluster's two processes run a 2-device step."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        procs = [subprocess.Popen([sys.executable, __file__, "--models", models, "--steps",
+                                   str(steps), "--twin-worker", str(core), f"{d}/{core}.json"],
+                                  env=dict(os.environ, NPROC="1")) for core in (0, 1)]
+        if any(q.wait() for q in procs):
+            raise SystemExit("a twin process failed")
+        return [json.loads(Path(f"{d}/{core}.json").read_text()) for core in (0, 1)]
 
 
 def stream_worker(core: int, seconds: float) -> None:
@@ -130,12 +159,21 @@ def markdown(rec: dict[str, Any]) -> str:
              "the program on two simulated devices run one after the other on that core (a "
              "step's whole work). **Predicted**: compute per device, model with the cluster "
              "calibration of `measured_cpu.json` (one core a process).", "",
+             "Both cores (**measured**): two processes, pinned to cores 0 and 1 at one XLA "
+             "thread each, run the same programs at once, as the cluster's two processes "
+             "run a 2-device step; predicted with the memory-side figures slowed by the "
+             "host's measured slowdown (`Cluster.co_running`, from the calibration's "
+             "`host_memory`).", "",
              "| model | layout | devices | measured wall ms | per device ms | predicted "
-             "compute per device ms |", "|---|---|---|---|---|---|"]
+             "compute per device ms | both cores: per device ms (core 0, core 1) | "
+             "predicted, both cores | host slowdown |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
         lines.append(f"| {r['model']} | {r['layout']} | {r['devices']} | "
                      f"{r['measured_wall_ms']:.1f} | {r['measured_per_device_ms']:.1f} | "
-                     f"{r['predicted_compute_per_device_ms']:.1f} |")
+                     f"{r['predicted_compute_per_device_ms']:.1f} | "
+                     + ", ".join(f"{x:.1f}" for x in r["twin_per_device_ms"])
+                     + f" | {r['predicted_together_ms']:.1f} | "
+                     f"{r['host_memory_slowdown']:.2f} |")
     c = rec["streams"]
     lines += ["", f"Copies of 64 MiB (numpy, **measured**): one core alone "
               f"{c['alone_GBps']:.1f} GB/s; cores 0 and 1 at once (two processes) "
@@ -148,10 +186,17 @@ def main() -> None:
     p.add_argument("--models", default="alexnet")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--stream-worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--twin-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stream_worker:
         return stream_worker(int(args.stream_worker[0]), float(args.stream_worker[1]))
+    if args.twin_worker:
+        os.sched_setaffinity(0, {int(args.twin_worker[0])})
+        rows = [r for m in args.models.split(",") for r in measure(m, args.steps)]
+        return Path(args.twin_worker[1]).write_text(json.dumps(rows))
     rows = [r for m in args.models.split(",") for r in measure(m, args.steps)]
+    for r, *pair in zip(rows, *twin(args.models, args.steps), strict=True):
+        r["twin_per_device_ms"] = [q["measured_per_device_ms"] for q in pair]
     streams = stream_contention()
     rec = {"command": "NPROC=" + os.environ.get("NPROC", "") + " python benchmarks/one_core.py "
            + " ".join(sys.argv[1:]),

@@ -10,7 +10,7 @@ from .cache import PlanCache
 from .calibrate import Calibration, calibrate, load_calibration
 from .constraints import logical_constraints
 from .energy import EnergyMeter, EnergyReading, measure_energy
-from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
+from .hardware import Cluster, DeviceSpec, HostMemory, builtin_device_names, device_spec
 from .objective import Objective
 from .options import PlanOptions
 from .plan import Candidate, ParamPlacement, Plan
@@ -30,6 +30,7 @@ __all__ = [
     "measure_energy",
     "Candidate",
     "Cluster",
+    "HostMemory",
     "DeviceSpec",
     "Objective",
     "ParamPlacement",

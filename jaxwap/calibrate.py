@@ -12,8 +12,8 @@ process measures its own device, the links are timed by all-reduces over all the
 devices (gloo between CPU processes), and the processes agree on the median of their
 figures so that every process plans with the same profile.
 
-A CPU cluster's processes of one host also stream alone and all at once: how much they
-slow each other's memory-bound work (`Cluster.host_memory_slowdown`). Every figure is
+A CPU cluster's processes of one host also run memory-side work alone and all at once:
+how much they slow each other's (`hardware.HostMemory`). Every figure is
 measured on the device named; what could not be (power without NVML, links with one
 device) keeps the built-in profile's value, and the notes say so."""
 
@@ -48,6 +48,7 @@ from .progress import Progress
 # 2: num_processes, measurements["link"] what was timed; 4: link latency and collective
 # overhead from collectives inside a program (older records are calibrated afresh)
 CALIBRATION_FORMAT = 4
+HOST_KINDS = ("stream", "layout", "fresh")   # `hardware.HostMemory`'s kinds of work
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     dense = probes.matmul_training(dev, fast, dense_sizes, bar)
     # a CPU cluster's processes of one host share its memory (an accelerator has its own):
     # the bandwidth is each one's alone, not what chance overlap left it
-    host = cpu_probes.host_memory(dev, bw_bytes) if on_cpu and procs > 1 else (0, nan, nan)
-    bandwidth = host[1] if host[0] else (
+    host = cpu_probes.host_memory(dev, bw_bytes) if on_cpu and procs > 1 else (0, {}, {})
+    bandwidth = 2.0 * bw_bytes / host[1]["stream"] if host[0] else (
         probes.bandwidth if on_cpu else accel_probes.stream_bandwidth)(dev, bw_bytes)
     relayout = probes.layout_change(dev, ([256, 2048] if quick else [64, 256, 1024, 2048])
                                     if on_cpu else [4096, 8192, 16384])  # past launches
@@ -264,9 +265,10 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "small_input_conv_flops": small_conv,
            "link_bandwidth": link["bandwidth_Bps"] if link else nan,
            "all_reduce_s": in_program[0], "all_gather_s": in_program[1],
-           "link_buffer_latency_s": buffer_latency, "host_devices": host[0],
-           "host_alone_Bps": host[1], "host_together_Bps": host[2],
-           "host_slowdown": max(host[1] / host[2], 1.0) if host[0] else nan,
+           "link_buffer_latency_s": buffer_latency, "host_devices": host[0] or nan,
+           **{f"host_{k}@{kind}": v for kind in HOST_KINDS for k, v in (
+               ("alone_s", host[1].get(kind, nan)), ("together_s", host[2].get(kind, nan)),
+               ("slowdown", max(host[2][kind] / host[1][kind], 1.0) if host[0] else nan))},
            "idle_watts": power[0] if power else nan, "loaded_watts": power[1] if power else nan,
            "memory_watts": power[2] if power and power[2] is not None else nan,
            # tables as one figure per entry, so processes agree on each by its median
@@ -338,9 +340,11 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,
            "topology": topology, "per_process": per_process,
-           "host_memory": None if math.isnan(fig["host_slowdown"]) else {"devices": round(
-               fig["host_devices"]) * len(local), "slowdown": fig["host_slowdown"],
-               "alone_Bps": fig["host_alone_Bps"], "together_Bps": fig["host_together_Bps"]}}
+           "host_memory": None if math.isnan(fig["host_devices"]) else {
+               "devices": round(fig["host_devices"]) * len(local),
+               **{kind: fig[f"host_slowdown@{kind}"] for kind in HOST_KINDS},
+               **{f"{k}@{kind}": fig[f"host_{k}@{kind}"] for kind in HOST_KINDS
+                  for k in ("alone_s", "together_s")}}}
     cal = Calibration(spec, dev.device_kind, dev.platform, len(devs), jax.__version__,
                       driver_version(), raw, tuple(notes_), procs)
     # in a cluster process 0 writes, and then (a barrier) only a process whose directory

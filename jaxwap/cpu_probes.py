@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .launch import all_processes
 from .probes import _repeated, _stream, in_program
 
 # (rows contracted, K, N): a dense layer's kernel gradient at CI and mid sizes
@@ -67,46 +67,83 @@ def pooling(device: Any, shape: tuple[int, ...] = (8, 32, 32, 32)) -> tuple[floa
     return per_tap, max(grad, 0.0) / float(np.prod(shape))
 
 
-def host_memory(device: Any, nbytes: int, calls: int = 30) -> tuple[int, float, float]:
-    """(processes on this one's host, bytes/s alone, bytes/s with all of them at once) of
-    `probes.bandwidth`'s in-place elementwise op on `nbytes`, `calls` calls each: the
-    processes of one host (by hostname) stream one after another while the rest wait at
-    a barrier, then all at once; each array is in place and its op compiled before the
-    barrier, so only the streaming overlaps. A collective: every process of the cluster
-    calls it. On this project's 2-core VM two processes each streamed 64 MiB copies at
-    13.4-13.8 GB/s where one alone got 19.9, and a 2-device program computed up to 1.5x
-    its one-core time with both cores busy; calibration's own bandwidth probe, the
-    processes left to overlap by chance, read 26 to 50 GB/s. Alone on its host: (1, the
-    figure, the figure)."""
+def _host_work(device: Any, nbytes: int) -> dict[str, Callable[[], Any]]:
+    """One call each of the memory-side work `host_memory` times, set up (arrays placed,
+    ops compiled): an in-place elementwise op over `nbytes` (streaming), an in-place one
+    reading its operand transposed (a layout change) over an n x n array of about a
+    sixteenth of that, one writing a fresh output of a quarter of it (scratch)."""
+    n = 1 << max(int(np.log2(nbytes // 64)) // 2, 6)
+    ops = {"stream": (_stream, (nbytes // 4,)), "layout": (lambda y, v: y * 0.9 + 0.1 * v.T,
+                                                          (n, n)),
+           "fresh": (_stream, (nbytes // 16,))}
+    out = {}
+    for kind, (fn, shape) in ops.items():
+        x = jax.device_put(jnp.ones(shape, jnp.float32), device)
+        if kind == "fresh":
+            f = jax.jit(fn)
+            out[kind] = lambda f=f, x=x: f(x).block_until_ready()
+        else:
+            f = jax.jit(fn, donate_argnums=0)
+            rest = (x,) if kind == "layout" else ()
+            box = [f(jax.device_put(jnp.ones(shape, jnp.float32), device), *rest)]
+
+            def call(f: Any = f, box: list[Any] = box, rest: tuple[Any, ...] = rest) -> Any:
+                box[0] = f(box[0], *rest)
+                box[0].block_until_ready()
+            out[kind] = call
+        out[kind]()
+    return out
+
+
+def host_memory(device: Any, nbytes: int, seconds: float = 0.5
+                ) -> tuple[int, dict[str, float], dict[str, float]]:
+    """(processes on this one's host, seconds a call alone, seconds a call with all of
+    them at once) of each kind of memory-side work (`_host_work`): the processes of one
+    host (by hostname) run it one after another while the rest wait, then all at once,
+    each kind for `seconds`. Each window starts at one moment of the host's clock, agreed
+    after a barrier, so the work overlaps whatever the barrier's skew. A collective:
+    every process of the cluster calls it. On this project's 2-core VM two processes
+    streamed at 26 GB/s each where one alone got 46, and a 2-device program computed up to
+    1.5x its one-core time with both cores busy (calibration's own bandwidth probe, the
+    processes left to overlap by chance, read 22 to 50 GB/s). Alone on its host: (1,
+    alone, alone)."""
     import socket
     import time
     import zlib
 
     from jax.experimental import multihost_utils
 
+    def gathered(v: float) -> np.ndarray:
+        return np.asarray(multihost_utils.process_allgather(np.array([v]))).ravel()
+
     me = jax.process_index()
-    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    hosts = np.asarray(multihost_utils.process_allgather(np.array([host], np.int64))).ravel()
+    host = float(zlib.crc32(socket.gethostname().encode()) & 0xFFFF)
+    hosts = gathered(host)
     mine = np.flatnonzero(hosts == host)
     turns = max(int(np.sum(hosts == h)) for h in set(hosts.tolist()))
-    f = jax.jit(_stream, donate_argnums=0)
-    box = [f(jax.device_put(jnp.ones(nbytes // 4, jnp.float32), device))]
-    box[0].block_until_ready()
+    work = _host_work(device, nbytes)
 
-    def rate() -> float:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            box[0] = f(box[0])
-        box[0].block_until_ready()
-        return 2.0 * (nbytes // 4) * 4 * calls / (time.perf_counter() - t0)
+    def window(run: bool) -> dict[str, float]:
+        """Seconds a call of each kind, timed from one agreed moment (the latest clock
+        reading of this host's processes after a barrier, plus 0.2 s), where `run`."""
+        start = float(gathered(time.time())[mine].max()) + 0.2
+        out = {}
+        for kind, call in work.items():
+            while run and time.time() < start:
+                time.sleep(1e-3)
+            calls, end = 0, start + seconds
+            while run and time.time() < end:
+                call()
+                calls += 1
+            out[kind] = (time.time() - start) / max(calls, 1)
+            start = end + 0.05
+        return out
 
-    alone = float("nan")
+    alone: dict[str, float] = {}
     for turn in range(turns):   # every process takes part in every barrier
-        all_processes(True)
-        if turn < len(mine) and mine[turn] == me:
-            alone = rate()
-    all_processes(True)
-    together = rate() if len(mine) > 1 else alone
+        got = window(turn < len(mine) and mine[turn] == me)
+        alone = got if turn < len(mine) and mine[turn] == me else alone
+    together = window(True) if len(mine) > 1 else alone
     return len(mine), alone, together
 
 

@@ -74,9 +74,11 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         f"hardware: {hw.num_devices} x {hw.device.name} "
         f"({si(dev.peak_flops, 'flop/s')} bf16, {si(dev.memory_bandwidth, 'B/s')}, "
         f"{si(dev.memory_bytes, 'B')}), {hw.describe_links()}" + (
-            f"; {hw.host_devices} devices share a host's memory: "
-            f"{hw.memory_slowdown_when_using(plan.num_devices):.2f}x the memory-bound time "
-            f"on this mesh" if hw.host_memory_slowdown > 1.0 else ""),
+            f"; {hw.host_memory.devices} devices share a host's memory: streaming "
+            f"{hw.host_memory.slowdown('stream', plan.num_devices):.2f}x, layout changes "
+            f"{hw.host_memory.slowdown('layout', plan.num_devices):.2f}x, fresh memory "
+            f"{hw.host_memory.slowdown('fresh', plan.num_devices):.2f}x as long on this mesh"
+            if hw.host_memory else ""),
         f"devices: {list(plan.device_ids)}   batch: {plan.batch_size}   memory budget: "
         f"{si(plan.memory_budget_bytes, 'B')} per device",
         f"step: {plan.step.describe()}" + _memory_summary(plan),

@@ -24,6 +24,41 @@ if TYPE_CHECKING:  # the record only: calibration sits above hardware in the lay
     from .calibrate import Calibration
 
 @dataclass(frozen=True)
+class HostMemory:
+    """What `devices` devices in a row (processes of one host, a device each) do to each
+    other's memory-side work when all of them run it at once: each kind takes that many
+    times as long as one device alone (`jaxwap.calibrate` times each alone, in turn, and
+    all at once on a CPU cluster): `stream`, an elementwise op at the bandwidth (and
+    reductions); `layout`, a transposing one (layout changes); `fresh`, one writing a
+    fresh output (scratch memory whose pages the OS maps). Accelerators' memories are
+    their own: no record. With j of them at once each kind takes max(1, j x slowdown /
+    devices) times as long: a shared resource whose whole is devices / slowdown devices'
+    worth."""
+
+    devices: int
+    stream: float
+    layout: float
+    fresh: float
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.devices) or self.devices < 1:
+            raise ValueError(f"HostMemory devices must be a positive int, got {self.devices!r}")
+        for kind in ("stream", "layout", "fresh"):
+            v = getattr(self, kind)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                    or not 1.0 <= v < np.inf:
+                raise ValueError(f"HostMemory {kind} slowdown must be a finite number >= 1, "
+                                 f"got {v!r}")
+
+    def slowdown(self, kind: str, n: int) -> float:
+        """How many times as long `kind` work takes on each of a mesh of n devices."""
+        return max(1.0, min(n, self.devices) * float(getattr(self, kind)) / self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """N identical devices, in nodes, joined by links.
 
@@ -45,11 +80,9 @@ class Cluster:
     on one host): a mesh of n of them runs at `num_devices / n` times the per-device
     figures, since the devices left out leave their share to those used.
 
-    `host_devices` devices in a row (processes of one host, one device each) share one
-    memory system: with all of them running at once, memory-bound work takes
-    `host_memory_slowdown` times as long as with one alone (`jaxwap.calibrate` measures
-    both on a CPU cluster; 1 where each device has memory of its own, as accelerators'
-    HBM). A mesh of n devices prices its memory-bound work on `co_running(n)`.
+    `host_memory` says how devices that share a host's memory slow each other's
+    memory-side work (`HostMemory`; None where each device has memory of its own, as
+    accelerators' HBM). A mesh of n devices prices its work on `co_running(n)`.
     """
 
     device: DeviceSpec
@@ -60,33 +93,19 @@ class Cluster:
     devices_per_node: int | None
     inter_node_bandwidth: float
     inter_node_latency: float
-    host_devices: int
-    host_memory_slowdown: float
+    host_memory: HostMemory | None
 
     def __init__(self, device: str | DeviceSpec, num_devices: int,
                  link_bandwidth: float | None = None,
                  link_latency: float | None = None, shared_compute: bool = False, *,
                  devices_per_node: int | None = None,
                  inter_node_bandwidth: float | None = None,
-                 inter_node_latency: float | None = None, host_devices: int = 1,
-                 host_memory_slowdown: float = 1.0) -> None:
+                 inter_node_latency: float | None = None,
+                 host_memory: HostMemory | None = None) -> None:
         spec = device_spec(device)
-        if not _is_int(host_devices) or host_devices < 1:
-            raise ValueError(f"Cluster host_devices must be a positive int, got {host_devices!r}")
-        if isinstance(host_memory_slowdown, bool) or not isinstance(
-                host_memory_slowdown, (int, float, np.floating, np.integer)) \
-                or not 1.0 <= host_memory_slowdown < np.inf:
-            raise ValueError(f"Cluster host_memory_slowdown must be a finite number >= 1, "
-                             f"got {host_memory_slowdown!r}")
-        if not _is_int(num_devices) or num_devices < 1:
-            raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
-        if devices_per_node is not None:
-            if not _is_int(devices_per_node) or devices_per_node < 1:
-                raise ValueError(f"Cluster devices_per_node must be a positive int or None, "
-                                 f"got {devices_per_node!r}")
-            if num_devices % devices_per_node:
-                raise ValueError(f"Cluster devices_per_node={devices_per_node} does not divide "
-                                 f"num_devices={num_devices}: nodes must be whole")
+        if host_memory is not None and not isinstance(host_memory, HostMemory):
+            raise ValueError(f"Cluster host_memory must be a HostMemory or None, got "
+                             f"{host_memory!r}")
         figures = (("link_bandwidth", link_bandwidth, spec.link_bandwidth, True),
                    ("link_latency", link_latency, spec.link_latency_s, False),
                    ("inter_node_bandwidth", inter_node_bandwidth, spec.network_bandwidth, True),
@@ -103,8 +122,7 @@ class Cluster:
         object.__setattr__(self, "shared_compute", bool(shared_compute))
         object.__setattr__(self, "devices_per_node",
                            None if devices_per_node is None else int(devices_per_node))
-        object.__setattr__(self, "host_devices", int(host_devices))
-        object.__setattr__(self, "host_memory_slowdown", float(host_memory_slowdown))
+        object.__setattr__(self, "host_memory", host_memory)
 
     @property
     def num_nodes(self) -> int:
@@ -128,37 +146,28 @@ class Cluster:
         """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
         return self.num_devices / n if self.shared_compute else 1.0
 
-    def memory_slowdown_when_using(self, n: int) -> float:
-        """How many times as long memory-bound work takes on each device of a mesh of n,
-        its first min(n, host_devices) running at once on one host's memory system: a
-        shared bus, each of j devices streaming at once getting the host's bandwidth over
-        j where that is below what one alone gets. `host_memory_slowdown` (measured with
-        all host_devices at once) puts the host's bandwidth at host_devices / slowdown
-        devices' worth."""
-        if self.host_memory_slowdown == 1.0 or self.host_devices <= 1:
-            return 1.0
-        j = min(n, self.host_devices)
-        return max(1.0, j * self.host_memory_slowdown / self.host_devices)
-
     def co_running(self, n: int) -> Cluster:
-        """This cluster as a mesh of n of its devices sees it: its device's memory-side
-        figures (bandwidth, and the measured per-byte costs of layout changes,
-        reductions and fresh memory) slowed by `memory_slowdown_when_using(n)`; itself
-        where nothing is shared."""
-        slow = self.memory_slowdown_when_using(n)
-        if slow == 1.0:
+        """This cluster as a mesh of n of its devices sees it, running together: its
+        device's memory-side figures slowed as `host_memory` says (the bandwidth and
+        reductions as streaming work, layout changes as transposing work, fresh memory as
+        such); itself where nothing is shared or nothing slows."""
+        host, dev = self.host_memory, self.device
+        if host is None:
             return self
-        dev = self.device
+        stream, layout, fresh = (host.slowdown(k, n) for k in ("stream", "layout", "fresh"))
+        if stream == layout == fresh == 1.0:
+            return self
 
-        def slowed(table: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
-            return tuple((b, c * slow) for b, c in table)
+        def slowed(table: tuple[tuple[float, float], ...], by: float
+                   ) -> tuple[tuple[float, float], ...]:
+            return tuple((b, c * by) for b, c in table)
 
         spec = dataclasses.replace(
-            dev, memory_bandwidth=dev.memory_bandwidth / slow,
-            layout_change_cost=slowed(dev.layout_change_cost),
-            reduction_cost=slowed(dev.reduction_cost),
-            fresh_memory_cost=slowed(dev.fresh_memory_cost))
-        return dataclasses.replace(self, device=spec, host_memory_slowdown=1.0)
+            dev, memory_bandwidth=dev.memory_bandwidth / stream,
+            reduction_cost=slowed(dev.reduction_cost, stream),
+            layout_change_cost=slowed(dev.layout_change_cost, layout),
+            fresh_memory_cost=slowed(dev.fresh_memory_cost, fresh))
+        return dataclasses.replace(self, device=spec, host_memory=None)
 
     def describe_links(self) -> str:
         """The links in words, for `explain()`."""
@@ -177,9 +186,7 @@ class Cluster:
                 "inter_node_bandwidth": self.inter_node_bandwidth,
                 "inter_node_latency": self.inter_node_latency,
                 # only where set: records and cache keys of other clusters stay as they were
-                **({"host_devices": self.host_devices,
-                    "host_memory_slowdown": self.host_memory_slowdown}
-                   if self.host_memory_slowdown != 1.0 else {})}
+                **({"host_memory": self.host_memory.to_dict()} if self.host_memory else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Cluster:
@@ -188,8 +195,7 @@ class Cluster:
                    devices_per_node=d.get("devices_per_node"),
                    inter_node_bandwidth=d.get("inter_node_bandwidth"),
                    inter_node_latency=d.get("inter_node_latency"),
-                   host_devices=d.get("host_devices", 1),
-                   host_memory_slowdown=d.get("host_memory_slowdown", 1.0))
+                   host_memory=HostMemory(**d["host_memory"]) if d.get("host_memory") else None)
 
 
 def _is_int(x: Any) -> bool:
@@ -245,11 +251,11 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
         local = sum(1 for d in devices if d.process_index == devices[0].process_index)
         spec = _host_share(spec, devices, calibrated=cal is not None)
         # processes of one host share its memory: what the calibration measured of it
-        host = (cal.measurements.get("host_memory") if cal is not None else None) or {}
+        host = cal.measurements.get("host_memory") if cal is not None else None
         return Cluster(spec, len(devices), nodes.get("link_bandwidth"),
                        nodes.get("link_latency"), shared_compute=local > 1,
-                       host_devices=int(host.get("devices", 1)),
-                       host_memory_slowdown=float(host.get("slowdown", 1.0)),
+                       host_memory=HostMemory(host["devices"], host["stream"], host["layout"],
+                                              host["fresh"]) if host else None,
                        **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
     return Cluster(spec, len(devices), nodes.get("link_bandwidth"), nodes.get("link_latency"),
                    **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
@@ -329,5 +335,5 @@ def device_memory_limit(device: Any) -> int | None:
     return int(limit) if limit else None
 
 
-__all__ = ["Cluster", "DeviceSpec", "builtin_device_names", "builtin_for_kind",
+__all__ = ["Cluster", "DeviceSpec", "HostMemory", "builtin_device_names", "builtin_for_kind",
            "detect_cluster", "device_memory_limit", "device_spec"]

@@ -17,7 +17,8 @@ import pytest
 from models import collectives_reproduced
 
 from jaxwap.calibrate import Calibration, load_calibration
-from jaxwap.hardware import detect_cluster
+from jaxwap.hardware import HostMemory, detect_cluster
+from jaxwap.probes import cpu_bandwidth_bytes
 from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
 
 HERE = Path(__file__).parent
@@ -67,14 +68,20 @@ def test_two_process_cluster_calibration_measures_the_link(tmp_path):
     assert cals[0].spec == cals[1].spec
     per = cals[0].measurements["per_process"]
     assert len(per["link_bandwidth"]) == 2 and all(v > 0 for v in per["link_bandwidth"])
-    # both processes on this host: each streamed alone, in turn, and then both at once
+    # both processes on this host: each ran the memory-side work alone, in turn, and then
+    # both at once; a slowdown is each process's together over alone (their median)
     host = cals[0].measurements["host_memory"]
-    assert host["devices"] == 2 and host["alone_Bps"] > 0 and host["together_Bps"] > 0
-    # the median of each process's own ratio, never below 1 (no speed-up from company)
-    own = per["host_slowdown"]
-    assert all(v >= 1.0 for v in own) and host["slowdown"] == pytest.approx(sum(own) / 2)
+    assert host["devices"] == 2
+    for kind in ("stream", "layout", "fresh"):
+        assert host[f"alone_s@{kind}"] > 0 and host[f"together_s@{kind}"] > 0
+        own = per[f"host_slowdown@{kind}"]
+        assert all(v >= 1.0 for v in own) and host[kind] == pytest.approx(sum(own) / 2)
+    # the calibrated bandwidth is the stream's alone, not what chance overlap left it
+    alone = per["host_alone_s@stream"]
+    assert cals[0].spec.memory_bandwidth == pytest.approx(
+        sum(2 * cpu_bandwidth_bytes() / t for t in alone) / 2, rel=1e-5)
     cluster, _ = detect_cluster([_Dev(0, 0), _Dev(1, 1)], cals[0])
-    assert cluster.host_devices == 2 and cluster.host_memory_slowdown == host["slowdown"]
+    assert cluster.host_memory == HostMemory(2, host["stream"], host["layout"], host["fresh"])
     # a one-process load does not pick up the cluster's record
     assert load_calibration(jax.devices()[0], tmp_path / "process0", 1) is None
 
