@@ -18,8 +18,8 @@ from models import collectives_reproduced
 
 from jaxwap.calibrate import Calibration, load_calibration
 from jaxwap.hardware import HostMemory, detect_cluster
-from jaxwap.probes import cpu_bandwidth_bytes
 from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
+from jaxwap.probes import cpu_bandwidth_bytes
 
 HERE = Path(__file__).parent
 
