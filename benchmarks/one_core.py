@@ -63,10 +63,10 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
     cluster = jaxwap.Cluster(cal.spec, 2)
     # ... and the same with both cores' processes running at once: the memory-side
     # figures slowed as the calibration measured the host (`Cluster.co_running`)
-    host = cal.measurements.get("host_memory") or {}
-    together = jaxwap.Cluster(jaxwap.Cluster(
-        cal.spec, 2, host_devices=int(host.get("devices", 1)),
-        host_memory_slowdown=float(host.get("slowdown", 1.0))).co_running(2).device, 2)
+    host = cal.measurements.get("host_memory")
+    host = jaxwap.HostMemory.from_dict(host) if host else None
+    together = jaxwap.Cluster(jaxwap.Cluster(cal.spec, 2, host_memory=host)
+                              .co_running(2).device, 2)
     w = zoo.small(model)
     planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
         hardware=cluster, verify=0, cache=False))
@@ -99,7 +99,7 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
                "predicted_together_ms": variant_candidate(both.graph, next(
                    q for q in both.search.results if (q.d, q.m) == (d, m)
                    and q.variant == "planner"), variant, together).predicted.compute_time_s
-               * 1e3, "host_memory_slowdown": float(host.get("slowdown", 1.0))}
+               * 1e3, "host_memory": host.to_dict() if host else None}
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -166,14 +166,16 @@ def markdown(rec: dict[str, Any]) -> str:
              "`host_memory`).", "",
              "| model | layout | devices | measured wall ms | per device ms | predicted "
              "compute per device ms | both cores: per device ms (core 0, core 1) | "
-             "predicted, both cores | host slowdown |", "|---|---|---|---|---|---|---|---|---|"]
+             "predicted, both cores |", "|---|---|---|---|---|---|---|---|"]
     for r in rec["rows"]:
         lines.append(f"| {r['model']} | {r['layout']} | {r['devices']} | "
                      f"{r['measured_wall_ms']:.1f} | {r['measured_per_device_ms']:.1f} | "
                      f"{r['predicted_compute_per_device_ms']:.1f} | "
                      + ", ".join(f"{x:.1f}" for x in r["twin_per_device_ms"])
-                     + f" | {r['predicted_together_ms']:.1f} | "
-                     f"{r['host_memory_slowdown']:.2f} |")
+                     + f" | {r['predicted_together_ms']:.1f} |")
+    hosts = {r["model"]: r["host_memory"] for r in rec["rows"]}
+    lines += ["", "The host's slowdowns each prediction took (the calibration's "
+              "`host_memory`): " + "; ".join(f"{m} {h}" for m, h in hosts.items()) + "."]
     c = rec["streams"]
     lines += ["", f"Copies of 64 MiB (numpy, **measured**): one core alone "
               f"{c['alone_GBps']:.1f} GB/s; cores 0 and 1 at once (two processes) "

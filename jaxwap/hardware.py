@@ -57,6 +57,11 @@ class HostMemory:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HostMemory:
+        """From its record, or a calibration's `host_memory` (which keeps more)."""
+        return cls(int(d["devices"]), float(d["stream"]), float(d["layout"]), float(d["fresh"]))
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -195,7 +200,8 @@ class Cluster:
                    devices_per_node=d.get("devices_per_node"),
                    inter_node_bandwidth=d.get("inter_node_bandwidth"),
                    inter_node_latency=d.get("inter_node_latency"),
-                   host_memory=HostMemory(**d["host_memory"]) if d.get("host_memory") else None)
+                   host_memory=HostMemory.from_dict(d["host_memory"]) if d.get("host_memory")
+                   else None)
 
 
 def _is_int(x: Any) -> bool:
@@ -254,8 +260,7 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
         host = cal.measurements.get("host_memory") if cal is not None else None
         return Cluster(spec, len(devices), nodes.get("link_bandwidth"),
                        nodes.get("link_latency"), shared_compute=local > 1,
-                       host_memory=HostMemory(host["devices"], host["stream"], host["layout"],
-                                              host["fresh"]) if host else None,
+                       host_memory=HostMemory.from_dict(host) if host else None,
                        **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
     return Cluster(spec, len(devices), nodes.get("link_bandwidth"), nodes.get("link_latency"),
                    **{k: v for k, v in nodes.items() if not k.startswith("link")}), note
