@@ -113,12 +113,13 @@ def host_memory(device: Any, nbytes: int, seconds: float = 0.5
 
     from jax.experimental import multihost_utils
 
-    def gathered(v: float) -> np.ndarray:
-        return np.asarray(multihost_utils.process_allgather(np.array([v]))).ravel()
+    def gathered(*v: int) -> np.ndarray:   # [processes, len(v)]; int32 travels exactly
+        return np.asarray(multihost_utils.process_allgather(np.array(v, np.int32))
+                          ).reshape(-1, len(v))
 
     me = jax.process_index()
-    host = float(zlib.crc32(socket.gethostname().encode()) & 0xFFFF)
-    hosts = gathered(host)
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    hosts = gathered(host)[:, 0]
     mine = np.flatnonzero(hosts == host)
     turns = max(int(np.sum(hosts == h)) for h in set(hosts.tolist()))
     work = _host_work(device, nbytes)
@@ -126,7 +127,9 @@ def host_memory(device: Any, nbytes: int, seconds: float = 0.5
     def window(run: bool) -> dict[str, float]:
         """Seconds a call of each kind, timed from one agreed moment (the latest clock
         reading of this host's processes after a barrier, plus 0.2 s), where `run`."""
-        start = float(gathered(time.time())[mine].max()) + 0.2
+        now = time.time_ns() // 1000   # whole seconds and microseconds: int32 each
+        clock = gathered(now // 10**6, now % 10**6)[mine].astype(np.int64)
+        start = float((clock[:, 0] * 10**6 + clock[:, 1]).max()) * 1e-6 + 0.2
         out = {}
         for kind, call in work.items():
             while run and time.time() < start:

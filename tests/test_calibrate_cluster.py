@@ -73,7 +73,8 @@ def test_two_process_cluster_calibration_measures_the_link(tmp_path):
     host = cals[0].measurements["host_memory"]
     assert host["devices"] == 2
     for kind in ("stream", "layout", "fresh"):
-        assert host[f"alone_s@{kind}"] > 0 and host[f"together_s@{kind}"] > 0
+        # a call of each (256 MiB streamed at the most) takes well under its 0.5 s window
+        assert 0 < host[f"alone_s@{kind}"] < 0.25 and 0 < host[f"together_s@{kind}"] < 0.5
         own = per[f"host_slowdown@{kind}"]
         assert all(v >= 1.0 for v in own) and host[kind] == pytest.approx(sum(own) / 2)
     # the calibrated bandwidth is the stream's alone, not what chance overlap left it
