@@ -40,7 +40,7 @@ from . import accel_probes, conv_probes, cpu_probes, probes
 from .comm import ring_fit
 from .device import BACKEND_FLAGS, efficiency_table
 from .dirs import default_cache_dir, driver_version
-from .hardware import DeviceSpec, builtin_for_kind
+from .hardware import HOST_KINDS, DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median, start_distributed
 from .power_limit import measured_power_profile
 from .progress import Progress
@@ -48,7 +48,6 @@ from .progress import Progress
 # 2: num_processes, measurements["link"] what was timed; 4: link latency and collective
 # overhead from collectives inside a program (older records are calibrated afresh)
 CALIBRATION_FORMAT = 4
-HOST_KINDS = ("stream", "layout", "fresh")   # `hardware.HostMemory`'s kinds of work
 
 
 @dataclass(frozen=True)

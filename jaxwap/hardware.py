@@ -23,6 +23,10 @@ from .units import si
 if TYPE_CHECKING:  # the record only: calibration sits above hardware in the layers
     from .calibrate import Calibration
 
+# the kinds of memory-side work `HostMemory` keeps a slowdown for (its fields, in order)
+HOST_KINDS = ("stream", "layout", "fresh")
+
+
 @dataclass(frozen=True)
 class HostMemory:
     """What `devices` devices in a row (processes of one host, a device each) do to each
@@ -43,7 +47,7 @@ class HostMemory:
     def __post_init__(self) -> None:
         if not _is_int(self.devices) or self.devices < 1:
             raise ValueError(f"HostMemory devices must be a positive int, got {self.devices!r}")
-        for kind in ("stream", "layout", "fresh"):
+        for kind in HOST_KINDS:
             v = getattr(self, kind)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
                     or not 1.0 <= v < np.inf:
@@ -60,7 +64,7 @@ class HostMemory:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HostMemory:
         """From its record, or a calibration's `host_memory` (which keeps more)."""
-        return cls(int(d["devices"]), float(d["stream"]), float(d["layout"]), float(d["fresh"]))
+        return cls(int(d["devices"]), *(float(d[kind]) for kind in HOST_KINDS))
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,15 @@ class Cluster:
                  inter_node_latency: float | None = None,
                  host_memory: HostMemory | None = None) -> None:
         spec = device_spec(device)
+        if not _is_int(num_devices) or num_devices < 1:
+            raise ValueError(f"Cluster num_devices must be a positive int, got {num_devices!r}")
+        if devices_per_node is not None:
+            if not _is_int(devices_per_node) or devices_per_node < 1:
+                raise ValueError(f"Cluster devices_per_node must be a positive int or None, "
+                                 f"got {devices_per_node!r}")
+            if num_devices % devices_per_node:
+                raise ValueError(f"Cluster devices_per_node={devices_per_node} does not divide "
+                                 f"num_devices={num_devices}: nodes must be whole")
         if host_memory is not None and not isinstance(host_memory, HostMemory):
             raise ValueError(f"Cluster host_memory must be a HostMemory or None, got "
                              f"{host_memory!r}")
@@ -159,7 +172,7 @@ class Cluster:
         host, dev = self.host_memory, self.device
         if host is None:
             return self
-        stream, layout, fresh = (host.slowdown(k, n) for k in ("stream", "layout", "fresh"))
+        stream, layout, fresh = (host.slowdown(k, n) for k in HOST_KINDS)
         if stream == layout == fresh == 1.0:
             return self
 
@@ -340,5 +353,5 @@ def device_memory_limit(device: Any) -> int | None:
     return int(limit) if limit else None
 
 
-__all__ = ["Cluster", "DeviceSpec", "HostMemory", "builtin_device_names", "builtin_for_kind",
-           "detect_cluster", "device_memory_limit", "device_spec"]
+__all__ = ["HOST_KINDS", "Cluster", "DeviceSpec", "HostMemory", "builtin_device_names",
+           "builtin_for_kind", "detect_cluster", "device_memory_limit", "device_spec"]

@@ -13,6 +13,7 @@ import jaxwap
 
 PUBLIC = {
     "AutoShardedStep", "Calibration", "Candidate", "Cluster", "DeviceSpec", "EnergyMeter",
+    "HostMemory",
     "EnergyReading", "Measurement", "Objective", "ParamPlacement", "Plan", "PlanCache",
     "PlanOptions", "Prediction", "STRATEGY_FAMILIES", "StepVariant", "Strategy", "TrainStep",
     "__version__",
