@@ -91,7 +91,6 @@ def worker(args: argparse.Namespace) -> None:
     why = start_distributed(coordinator, nproc, pid, timeout_s=60)
     if why is not None:
         raise SystemExit(f"process {pid}: jax.distributed did not start: {why}")
-    import time
 
     import jax
     import numpy as np
@@ -154,13 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     def run() -> None:   # its own name: the trace's steps are this function's calls
         step()
 
-    for _ in range(3):
-        run()
-    walls = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        run()
-        walls.append(time.perf_counter() - t0)
+    walls = zoo.wall_times(run, args.steps)
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(args.traced):

@@ -85,13 +85,7 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
 
         run = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
 
-        for _ in range(3):
-            run()
-        walls = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            run()
-            walls.append(time.perf_counter() - t0)
+        walls = zoo.wall_times(run, steps)
         row = {"model": f"{model}-small", "layout": f"{variant}@{d}x{m}", "devices": d * m,
                "measured_wall_ms": statistics.median(walls) * 1e3,
                "measured_per_device_ms": statistics.median(walls) * 1e3 / (d * m),

@@ -41,7 +41,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -206,13 +205,7 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
         out = jax.block_until_ready(f(*state))
         state[: len(state) - 1] = out[:-1]   # the batch comes last; the rest is state
 
-    for _ in range(2):
-        run()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        run()
-        walls.append(time.perf_counter() - t0)
+    walls = zoo.wall_times(run, steps, warm=2)
     by_kind, ops = profile_step(run, 3, bodies)
     predicted = predicted_by_kind(planned.graph, times)
     predicted["layout (copy, reverse, transpose)"] += one.layout_change_time_s

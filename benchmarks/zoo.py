@@ -50,6 +50,7 @@ import dataclasses
 import importlib.util
 import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -196,6 +197,19 @@ def step_runner(compiled: Any, out_treedef: Any, state: list[Any], n_batch: int
             jax.tree_util.tree_unflatten(out_treedef, out)[:-1])
         return out
     return run
+
+
+def wall_times(run: Callable[[], Any], steps: int, warm: int = 3) -> list[float]:
+    """Seconds of each of `steps` calls of `run` (each blocking until its step is done),
+    after `warm` calls untimed (compilation, first-touch memory)."""
+    for _ in range(warm):
+        run()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        walls.append(time.perf_counter() - t0)
+    return walls
 
 
 def _last_name(path: Any) -> str:
