@@ -55,7 +55,10 @@ class HostMemory:
                                  f"got {v!r}")
 
     def slowdown(self, kind: str, n: int) -> float:
-        """How many times as long `kind` work takes on each of a mesh of n devices."""
+        """How many times as long `kind` work takes on each of a mesh of n devices (one
+        alone: 1, as measured, whatever the slowdown of all of them)."""
+        if n <= 1:
+            return 1.0
         return max(1.0, min(n, self.devices) * float(getattr(self, kind)) / self.devices)
 
     def to_dict(self) -> dict[str, Any]:

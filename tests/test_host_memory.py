@@ -30,6 +30,8 @@ def test_a_shared_host_slows_each_kind_by_how_many_devices_run_at_once():
     assert [four.slowdown("stream", n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 2.0]
     assert [four.slowdown("fresh", n) for n in (1, 2, 4)] == [1.0, 1.5, 3.0]
     assert four.slowdown("layout", 4) == 1.0
+    # one device runs alone as measured, even where all at once took more than k times
+    assert HostMemory(2, stream=3.0, layout=1.0, fresh=1.0).slowdown("stream", 1) == 1.0
     two = Cluster(SPEC, 2, host_memory=HOST)
     assert two.co_running(1) is two
     slowed = two.co_running(2).device
