@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import zoo
     from jax.profiler import ProfileData
-    from layouts import variant_candidate
+    from layouts import mesh_candidate
     from op_profile import fused_bodies, op_events, xla_kind
 
     import jaxwap
@@ -118,9 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     w = zoo.small(model)
     planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
         hardware=cluster, verify=0, cache=False))
-    r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
-             and r.variant == "planner")
-    cand = variant_candidate(planned.graph, r, variant, cluster)
+    cand = mesh_candidate(planned, d, m, variant, cluster)
     pred = cand.predicted
     predicted = {"step_s": pred.step_time_s, "compute_s": pred.compute_time_s,
                  "comm_s": pred.exposed_comm_time_s + pred.tp_comm_time_s,

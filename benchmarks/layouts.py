@@ -8,6 +8,7 @@ itself finds on that mesh with `PlanOptions(strategies=...)`: the same `solve.so
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jaxwap
 from jaxwap.constraints import LayoutRules
@@ -32,3 +33,12 @@ def variant_candidate(graph: Graph | None, r: MeshResult, variant: str,
     return dataclasses.replace(solve_mesh(graph, cluster, r.d, r.m, budget,
                                           allowed=LayoutRules(allowed)),
                                variant=variant)
+
+
+def mesh_candidate(planned: Any, d: int, m: int, variant: str,
+                   cluster: jaxwap.Cluster) -> MeshResult:
+    """`variant_candidate` on the (d, m) mesh of a planning's search (`make_plan`'s result):
+    the candidate the benchmarks time there, as `measured.py` made it."""
+    r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
+             and r.variant == "planner")
+    return variant_candidate(planned.graph, r, variant, cluster)

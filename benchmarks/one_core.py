@@ -48,7 +48,7 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
     import jax
     import numpy as np
     import zoo
-    from layouts import variant_candidate
+    from layouts import mesh_candidate
 
     import jaxwap
     from jaxwap.calibrate import Calibration
@@ -74,9 +74,7 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
         hardware=together, verify=0, cache=False))
     rows = []
     for d, m, variant in RUNS:
-        r = next(r for r in planned.search.results if (r.d, r.m) == (d, m)
-                 and r.variant == "planner")
-        cand = variant_candidate(planned.graph, r, variant, cluster)
+        cand = mesh_candidate(planned, d, m, variant, cluster)
         _, cs = compile_candidate(w.step, planned.layout, cand, devices[: d * m], cluster)
         data = w.synthetic(0)
         state = [jax.device_put(np.asarray(x), s) for x, s in
@@ -90,10 +88,9 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
                "measured_wall_ms": statistics.median(walls) * 1e3,
                "measured_per_device_ms": statistics.median(walls) * 1e3 / (d * m),
                "predicted_compute_per_device_ms": cand.predicted.compute_time_s * 1e3,
-               "predicted_together_ms": variant_candidate(both.graph, next(
-                   q for q in both.search.results if (q.d, q.m) == (d, m)
-                   and q.variant == "planner"), variant, together).predicted.compute_time_s
-               * 1e3, "host_memory": host.to_dict() if host else None}
+               "predicted_together_ms": mesh_candidate(both, d, m, variant, together)
+               .predicted.compute_time_s * 1e3,
+               "host_memory": host.to_dict() if host else None}
         rows.append(row)
         print(row, flush=True)
     return rows

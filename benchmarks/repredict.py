@@ -8,7 +8,7 @@ cost model can be judged first against the steps already measured. Each row is p
 again with the profile its set-up calibrated just before it (kept in the record), on the
 devices the set-up had (one process of one device, or processes of one device each: the
 cluster `hardware.detect_cluster` makes for them, from stand-in devices), and its
-candidate is remade as `measured.py` made it (`layouts.variant_candidate`). The analytic
+candidate is remade as `measured.py` made it (`layouts.mesh_candidate`). The analytic
 prediction is remade; with ``--compiled`` the XLA-fed one too for the one-device rows of
 the single set-up (compiled here, on this machine's one CPU device, as `measured.py`
 compiled them: `verify.compile_candidate`, then `cost.with_compiled`); the cluster's
@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={most}"
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import zoo
-    from layouts import variant_candidate
+    from layouts import mesh_candidate
 
     import jaxwap
     from jaxwap.calibrate import Calibration
@@ -78,9 +78,7 @@ def main(args: argparse.Namespace) -> int:
                 if row["setup"] != name or row["model"] != w.name:
                     continue
                 d, m = map(int, row["mesh"].split("x"))
-                r = next(r for r in planned.search.results
-                         if (r.d, r.m) == (d, m) and r.variant == "planner")
-                cand = variant_candidate(planned.graph, r, row["variants"][0], cluster)
+                cand = mesh_candidate(planned, d, m, row["variants"][0], cluster)
                 now = cand.predicted.step_time_s
                 errors.append(abs(now / row["measured_s"] - 1))
                 moved += now != row["predicted_s"]

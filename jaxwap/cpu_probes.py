@@ -144,8 +144,10 @@ def host_memory(device: Any, nbytes: int, seconds: float = 0.5
 
     alone: dict[str, float] = {}
     for turn in range(turns):   # every process takes part in every barrier
-        got = window(turn < len(mine) and mine[turn] == me)
-        alone = got if turn < len(mine) and mine[turn] == me else alone
+        mine_now = turn < len(mine) and mine[turn] == me
+        got = window(mine_now)
+        if mine_now:
+            alone = got
     together = window(True) if len(mine) > 1 else alone
     return len(mine), alone, together
 
