@@ -2,10 +2,10 @@
 
 The cost model (`cost.py`) and the pipeline's (`pipeline_cost.py`) price what a step
 does; this adds it up: compute, the communication that blocks, the part of the gradient
-reduction and of host transfers the step cannot hide, and the energy each phase draws
-(`power.step_energy`) under the board's default power limit or a chosen one. A prediction
-keeps its parts, so the same step can be re-assembled under another limit
-(`at_power_limit`) without pricing it again.
+reduction and of host transfers the step cannot hide, the host's call of the step, and
+the energy each phase draws (`power.step_energy`) under the board's default power limit
+or a chosen one. A prediction keeps its parts, so the same step can be re-assembled under
+another limit (`at_power_limit`) without pricing it again.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class StepParts:
     bound_work: float = 0.0     # their work at the full rate (how hard they drive it)
     fresh: float = 0.0          # not in `compute`: scratch memory mapped afresh each step
     relayout: float = 0.0       # of `compute` and `busy`: arrays moved into another layout
+    call: float = 0.0           # not in `compute`: the host's call of the step (`call_time`)
 
 
 def exposed_comm(grad_comm: float, tail: float, batched_time: float,
@@ -60,6 +61,14 @@ def exposed_host(one_way: float, batched_time: float) -> float:
     forward and backward passes run (prefetch), but the new state goes out after the
     update, at the end of the step, with nothing left to overlap it."""
     return max(one_way - batched_time, 0.0) + one_way
+
+
+def call_time(cluster: Cluster, buffers: int, n: int) -> float:
+    """Seconds the host takes to call a step over a mesh of n devices that passes
+    `buffers` arrays in and out (`DeviceSpec.call_cost`): each process calls it on its
+    own devices of the mesh (a node's, one process to a node), all at once."""
+    a, b, c = cluster.device.call_cost
+    return a + cluster.devices_in_node(n) * (b + c * buffers)
 
 
 def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
@@ -81,9 +90,9 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
     batched = parts.batched_time + (stretch * parts.batched_time / active if active > 0 else 0.0)
     comm = exposed_comm(parts.grad_comm, parts.tail_comm, batched, dev.overlaps_collectives)
     host = exposed_host(parts.host_one_way, batched)
-    step = compute + parts.blocking + comm + host
+    step = compute + parts.blocking + comm + host + parts.call
     side = max(parts.compute - parts.bubble - parts.busy, 0.0) + parts.fresh + parts.blocking \
-        + comm + host
+        + comm + host + parts.call
     got = step_energy(profile, dev.idle_watts, PhaseTimes(
         parts.bound, parts.bound_work, memory, side, parts.bubble), power_limit)
     # devices of one shared pool (simulated CPU devices) draw the share of those left out
@@ -103,7 +112,8 @@ def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,
         bubble_time_s=parts.bubble, send_time_s=parts.sends,
         compute_bound_time_s=parts.bound, compute_bound_work_s=parts.bound_work,
         power_limit_w=power_limit, power_stretch_s=stretch,
-        fresh_memory_time_s=parts.fresh, layout_change_time_s=parts.relayout)
+        fresh_memory_time_s=parts.fresh, layout_change_time_s=parts.relayout,
+        call_time_s=parts.call)
 
 
 def parts_of(pred: Prediction) -> StepParts:
@@ -122,7 +132,7 @@ def parts_of(pred: Prediction) -> StepParts:
         loop_flops_ratio=pred.loop_flops_ratio, bubble=pred.bubble_time_s,
         sends=pred.send_time_s, bound=pred.compute_bound_time_s,
         bound_work=pred.compute_bound_work_s, fresh=pred.fresh_memory_time_s,
-        relayout=pred.layout_change_time_s)
+        relayout=pred.layout_change_time_s, call=pred.call_time_s)
 
 
 def at_power_limit(pred: Prediction, cluster: Cluster, batch: int,
@@ -131,5 +141,5 @@ def at_power_limit(pred: Prediction, cluster: Cluster, batch: int,
     return assemble(cluster, pred.num_devices, batch, parts_of(pred), power_limit)
 
 
-__all__ = ["BACKWARD_SHARE", "StepParts", "assemble", "at_power_limit", "exposed_comm",
+__all__ = ["BACKWARD_SHARE", "StepParts", "assemble", "at_power_limit", "call_time", "exposed_comm",
            "exposed_host", "parts_of"]

@@ -3,7 +3,8 @@
 Datasheet peaks flatter every device. `calibrate()` times what the cost model's
 parameters stand for, on the real device: matmuls of several sizes and dtypes (peak
 flop/s, efficiency curve), a large elementwise op (memory bandwidth), a chain of tiny
-matmuls (per-kernel overhead), all-reduces across the devices (link bandwidth and
+matmuls (per-kernel overhead), calls of a program passing many arrays (the host's
+dispatch of a step), all-reduces across the devices (link bandwidth and
 latency), where NVML answers idle and loaded power, and more (`calibrate_full`). Cached
 per device kind, driver, jax version and process count; `hardware=None` planning uses it.
 
@@ -19,13 +20,10 @@ device) keeps the built-in profile's value, and the notes say so."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import sys
-import traceback
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,13 +39,17 @@ from .comm import ring_fit
 from .device import BACKEND_FLAGS, efficiency_table
 from .dirs import default_cache_dir, driver_version
 from .hardware import HOST_KINDS, DeviceSpec, builtin_for_kind
-from .launch import all_processes, process_median, start_distributed
+from .launch import all_processes, process_median
 from .power_limit import measured_power_profile
 from .progress import Progress
 
 # 2: num_processes, measurements["link"] what was timed; 4: link latency and collective
-# overhead from collectives inside a program (older records are calibrated afresh)
-CALIBRATION_FORMAT = 4
+# overhead from collectives inside a program; 5: the host's call of a step (older records
+# are calibrated afresh)
+CALIBRATION_FORMAT = 5
+
+# the host's call of a step (`DeviceSpec.call_cost`): per call, per device, per array
+CALL_KEYS = ("call_s", "call_device_s", "call_array_s")
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                                     if on_cpu else [4096, 8192, 16384])  # past launches
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
+    call = probes.step_call(local)
     bar.step("kernel overhead")
     # the curve as the model will use it, on this process's own figures, for what is
     # measured against it (convolutions)
@@ -256,6 +259,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
+           **dict(zip(CALL_KEYS, call, strict=True)),
            "narrow_conv_efficiency": narrow, "transposed_matmul_efficiency": transposed,
            "window_tap_s": pool_tap, "window_grad_s": pool_grad,
            "conv_overhead_s": conv_overhead,
@@ -306,7 +310,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
-        kernel_overhead_s=fig["kernel_overhead_s"],
+        kernel_overhead_s=fig["kernel_overhead_s"], call_cost=tuple(fig[k] for k in CALL_KEYS),
         efficiency_half_flops=fig["efficiency_half_flops"],
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
@@ -334,7 +338,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "bandwidth_Bps": fig["memory_bandwidth"], **{k: fig[k] for k in (
                "kernel_overhead_s", "conv_efficiency", "narrow_conv_efficiency",
                "transposed_matmul_efficiency", "conv_overhead_s", "transcendental_s",
-               "small_input_conv_flops", "window_tap_s", "window_grad_s")},
+               "small_input_conv_flops", "window_tap_s", "window_grad_s", *CALL_KEYS)},
            "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
            "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,
@@ -355,90 +359,3 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         if there is None or there.spec != cal.spec:
             _save(cal, path)
     return cal
-
-
-def add_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `jaxwap calibrate` to a command line's subparsers (`add_subparsers()`'s
-    result) and return its parser. Its options are defined here once: `main` below and
-    the full command line (`jaxwap.cli`) both build the command from this. The parsed
-    arguments carry `run`, the command's implementation."""
-    c = subparsers.add_parser("calibrate", help="measure the device profile and cache it",
-                              description="Measure this machine's device profile (matmul "
-                              "rates, memory bandwidth, kernel overhead, links, power) and "
-                              "cache it; planning for the devices present then uses it.")
-    c.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
-    c.add_argument("--fresh", action="store_true", help="ignore a cached calibration")
-    c.add_argument("--no-power-limits", action="store_true",
-                   help="never set a GPU's power limit (the power-limit curve is then the "
-                        "built-in profile's)")
-    c.add_argument("--coordinator", metavar="HOST:PORT", help="a cluster: process 0's address")
-    c.add_argument("--num-processes", type=int, metavar="N", help="processes in the cluster")
-    c.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
-    c.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="give up on the cluster after this long (default 60)")
-    c.set_defaults(run=lambda args: run(args, c))
-    return c
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`jaxwap calibrate [options]` (`add_command`): measure, cache and print the profile.
-    `argv` starts with "calibrate", as on the command line; the whole command line is
-    `jaxwap.cli.main`, this entry point is for calibration alone (a cluster's workers)."""
-    p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
-    add_command(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(argv)
-    return args.run(args)
-
-
-def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
-    """The calibrate command on parsed `args` (see `add_command`); `p` reports misuse.
-
-    With a coordinator, this process first joins a jax.distributed cluster (run the same
-    command once per process); when the cluster cannot start within the timeout it says
-    why and calibrates its own devices instead (exit status 0)."""
-    cluster = (args.coordinator, args.num_processes, args.process_id)
-    notes: list[str] = []
-    started = False
-    if any(v is not None for v in cluster):
-        if any(v is None for v in cluster):
-            p.error("--coordinator, --num-processes and --process-id go together")
-        try:  # before any other jax use
-            reason = start_distributed(args.coordinator, args.num_processes,
-                                       args.process_id, args.timeout,
-                                       heartbeat_timeout_s=max(10, math.ceil(args.timeout)))
-        except ValueError as e:
-            p.error(str(e))
-        where = (f"process {args.process_id} of {args.num_processes}, coordinator "
-                 f"{args.coordinator}, timeout {args.timeout:g} s")
-        if reason is None:
-            started = True
-        else:
-            print(f"jaxwap calibrate: jax.distributed did not start ({where}): {reason}. "
-                  f"Falling back to this process's own devices.", file=sys.stderr, flush=True)
-            notes.append(f"fell back to one process: jax.distributed did not start "
-                         f"({where}): {reason}")
-    try:
-        cal = calibrate_full(quick=args.quick, use_cache=not args.fresh, notes=notes,
-                             set_power_limits=not args.no_power_limits)
-    except Exception:
-        if not started:
-            raise
-        # a peer died mid-way: at exit jax would wait for it (the shutdown barrier) until
-        # the heartbeat timeout and then abort; say why and leave now instead
-        traceback.print_exc()
-        print("jaxwap calibrate: the cluster failed after it started (did a process die?); "
-              "leaving now rather than waiting for it", file=sys.stderr, flush=True)
-        os._exit(1)
-    prefix = f"process {jax.process_index()}: " if cal.num_processes > 1 else ""
-    s = cal.spec
-    print(prefix + f"{s.name}: {s.peak_flops / 1e12:.3g} Tflop/s bf16, "
-          f"{(s.peak_flops_f32 or 0) / 1e12:.3g} Tflop/s f32, "
-          f"{s.memory_bandwidth / 1e9:.3g} GB/s, kernel {s.kernel_overhead_s * 1e6:.1f} us, "
-          f"half-efficiency at {s.efficiency_half_flops or 0:.3g} flop, links "
-          f"{s.link_bandwidth / 1e9:.3g} GB/s / {s.link_latency_s * 1e6:.1f} us, "
-          f"{s.idle_watts:.0f}-{s.max_watts:.0f} W (measured on {cal.num_devices} x "
-          f"{cal.device_kind} in {cal.num_processes} process(es))")
-    for n in cal.notes:
-        print(prefix + "note:", n)
-    print(prefix + "saved:", calibration_path(jax.local_devices()[0], None, cal.num_processes))
-    return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .api import plan as plan_step
-from .calibrate import add_command as add_calibrate
+from .calibrate_cli import add_command as add_calibrate
 from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
 from .objective import KINDS, Objective
 from .options import PlanOptions

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .assemble import StepParts, assemble
+from .assemble import StepParts, assemble, call_time
 from .comm import (
     all_reduce_latency,
     batch_reduce_comm,
@@ -367,6 +367,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
         bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked),
         fresh=cluster.device.fresh_memory_s(scratch),
+        call=call_time(cluster, graph.buffers, d * m),
         relayout=mc.base_relayout + (sum(mc.param_relayout[j][s] for j, s in picked)
                                      if mc.param_relayout else 0.0))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)
@@ -406,7 +407,7 @@ def with_compiled(pred: Prediction, figs: CompiledFigures, cluster: Cluster,
         comm_bytes=figs.comm_bytes, memory=figs.memory_bytes,
         flops=figs.flops / pred.loop_flops_ratio, loop_flops_ratio=pred.loop_flops_ratio,
         bound=pred.compute_bound_time_s * scale, bound_work=pred.compute_bound_work_s * scale,
-        fresh=cluster.device.fresh_memory_s(figs.temp_bytes))
+        fresh=cluster.device.fresh_memory_s(figs.temp_bytes), call=pred.call_time_s)
     return assemble(cluster, pred.num_devices, batch_size, parts, pred.power_limit_w)
 
 

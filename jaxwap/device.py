@@ -160,6 +160,9 @@ class DeviceSpec:
       link_buffer_latency_s: latency a combined collective pays for each buffer it
         carries. NCCL groups the buffers of XLA's combined all-reduce (0); XLA:CPU's gloo
         collectives reduce each buffer apart, at about a round trip each. Calibrated.
+      call_cost: (a, b, c) seconds the host takes to call a step over d of its devices
+        passing n arrays in and out, a + b d + c n d (jax's dispatch: 0.6 us an array on
+        this project's CPU). Calibrated; the built-ins have none (0, 0, 0), no term.
       combines_collectives: whether the backend combines a step's all-gathers and makes a
         reduce-scatter of an all-reduce each device slices (XLA:GPU's collective passes;
         the sharded layouts' textbook prices, unverified on a GPU). XLA:CPU does neither:
@@ -222,6 +225,7 @@ class DeviceSpec:
     reduction_cost: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
+    call_cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
     combines_collectives: bool = True
     overlaps_collectives: bool = True
     relayouts_conv_grads: bool = False
@@ -241,18 +245,15 @@ class DeviceSpec:
                                    ("efficiency_half_flops", 0.0, True),
                                    ("kernel_overhead_s", 0.0, False),
                                    ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
-                                   ("host_bandwidth", 0.0, True),
-                                   ("conv_efficiency", 0.0, True),
+                                   ("host_bandwidth", 0.0, True), ("conv_efficiency", 0.0, True),
                                    ("narrow_conv_efficiency", 0.0, True),
                                    ("transposed_matmul_efficiency", 0.0, True),
                                    ("small_input_conv_flops", 0.0, True),
                                    ("link_buffer_latency_s", 0.0, False),
                                    ("collective_overhead_s", 0.0, False),
                                    ("conv_overhead_s", 0.0, False),
-                                   ("transcendental_s", 0.0, False),
-                                   ("window_tap_s", 0.0, False),
-                                   ("window_grad_s", 0.0, False),
-                                   ("network_bandwidth", 0.0, True),
+                                   ("transcendental_s", 0.0, False), ("window_tap_s", 0.0, False),
+                                   ("window_grad_s", 0.0, False), ("network_bandwidth", 0.0, True),
                                    ("network_latency_s", 0.0, False)):
             v = getattr(self, field)
             if v is not None and not (v > low if strict else v >= low):
@@ -264,6 +265,11 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
                                  f"value >= 0) pairs, got {getattr(self, field)!r}")
             object.__setattr__(self, field, tuple(sorted(pairs)))
+        call = tuple(float(v) for v in self.call_cost)
+        if len(call) != 3 or min(call) < 0:
+            raise ValueError(f"DeviceSpec {self.name!r}: call_cost must be three seconds "
+                             f">= 0 (a call, per device, per array), got {self.call_cost!r}")
+        object.__setattr__(self, "call_cost", call)
         if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
             raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
                              f"in (0, 1], got {self.matmul_efficiency!r}")
@@ -339,6 +345,8 @@ class DeviceSpec:
         d["power"] = None if self.power is None else self.power.to_dict()
         for field in _TABLES:
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
+        if not any(self.call_cost):   # as before the term: plan-cache keys unchanged
+            del d["call_cost"]
         return d
 
     @classmethod

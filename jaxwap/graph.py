@@ -189,6 +189,9 @@ class Graph:
     # them, 0 for other ops: priced by `DeviceSpec.reduction_cost` where it has one;
     # left out, none
     reduced: np.ndarray | None = field(default=None)
+    # arrays a call of the step passes and gets back (argument and result leaves): what
+    # the host handles per device each call (`DeviceSpec.call_cost`); left out, 0
+    buffers: int = 0
     # [ops] the batched operands a kernel-gradient convolution reads, which a backend
     # copies into another layout first (`reductions.conv_grad_relayouts`,
     # `DeviceSpec.relayouts_conv_grads`); left out, none
@@ -328,6 +331,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         fsdp_gathers=fsdp_gathers(prog, kinds, split[0], in_roles, out_roles,
                                   len(params)).per_pass,
         conv_relayout_bytes=conv_bytes, conv_relayout_moves=conv_moves,
+        buffers=len(in_roles) + len(out_roles),
         fixed_bytes=unbatched_bytes(prog, kinds, costs.bytes, flow.batched),
         tp_granule={pair: g for pair, g in zip(model_split.pairs, model_split.granule,
                                                strict=True) if g > 0},

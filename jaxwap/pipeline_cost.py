@@ -69,7 +69,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .assemble import StepParts, assemble
+from .assemble import StepParts, assemble, call_time
 from .comm import all_gather, all_reduce, fsdp_comm, send, tp_chain_cost
 from .cost import op_model_split
 from .graph import Graph
@@ -205,7 +205,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         bubble=bubble, sends=sends + io_t,
         bound=stage.compute_bound_time_s * ratio + delta_bound,
         bound_work=stage.compute_bound_work_s * ratio + delta_work,
-        relayout=stage.layout_change_time_s * ratio)
+        relayout=stage.layout_change_time_s * ratio, call=call_time(cluster, graph.buffers, n))
     return assemble(cluster, n, batch, parts)
 
 

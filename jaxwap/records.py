@@ -104,8 +104,8 @@ class Prediction:
     """The model's figures for one step of one candidate (per device unless stated).
 
     step time = compute + tensor-parallel (blocking) communication + the exposed part of
-    the gradient reduction + the exposed part of host transfers; `cost.assemble` is the
-    one place that adds them up.
+    the gradient reduction + the exposed part of host transfers + the host's call;
+    `assemble.assemble` is the one place that adds them up.
     """
 
     step_time_s: float
@@ -149,6 +149,8 @@ class Prediction:
     # of compute and busy: arrays the backend moves into another layout (the model's: an
     # all-reduced transposed gradient, `reductions.relayouts`; fed XLA's, those it made)
     layout_change_time_s: float = 0.0
+    # the host's call of the step: jax's dispatch of its arrays (`assemble.call_time`)
+    call_time_s: float = 0.0
 
     @property
     def flops_as_xla_counts(self) -> float:

@@ -148,8 +148,8 @@ def test_explain_of_a_file_that_is_no_plan(tmp_path: Path,
 
 
 def test_calibrate_main_keeps_its_own_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
-    """tests/calibrate_worker.py runs `jaxwap.calibrate.main(["calibrate", ...])`."""
-    from jaxwap.calibrate import main
+    """tests/calibrate_worker.py runs `jaxwap.calibrate_cli.main(["calibrate", ...])`."""
+    from jaxwap.calibrate_cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--coordinator", "localhost:1"])

@@ -1,0 +1,100 @@
+"""The host's call of a step (jax's dispatch of its arrays): measured by the calibration,
+priced once per step on each device a process calls, kept by every prediction that is
+re-assembled from another's parts, and absent (no term, the old records) where a profile
+has none."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from models import abstract_setup
+
+import jaxwap
+from jaxwap import probes
+from jaxwap.assemble import at_power_limit, call_time
+from jaxwap.cost import with_compiled
+from jaxwap.device import DeviceSpec
+from jaxwap.hardware import Cluster
+from jaxwap.planner import make_plan
+from jaxwap.verify import compile_candidate
+
+SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
+                  idle_watts=5, max_watts=50, kernel_overhead_s=1e-6)
+CALL = (5e-6, 3e-6, 6e-7)
+
+
+def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
+    step, params, opt, batch = abstract_setup([64, 64, 10], 32, 16)
+    cluster = Cluster(spec, devices, **kw)
+    planned = make_plan(step, (params, opt, batch), {}, params=None,
+                        options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+    return step, planned, cluster
+
+
+def test_the_probe_times_more_arrays_as_a_longer_call():
+    """On the 8 simulated devices: three figures >= 0, and a call of 64 arrays on one
+    device takes longer than a call of one (the per-array figure is what the model
+    prices per leaf)."""
+    a, b, c = probes.step_call(jax.devices(), arrays=64, repeats=31)
+    assert min(a, b, c) >= 0 and c > 0
+    assert a + b + 2 * 64 * c > a + b + 2 * c
+
+
+def test_a_step_pays_its_call_per_array_and_per_device_a_process_calls():
+    """`Graph.buffers` is the step's argument and result leaves; the one-device
+    candidate's step is longer by a + b + c x buffers exactly, and a mesh of 4 devices
+    of one process (no nodes) pays the per-device part 4 times, where 4 processes of one
+    device each (devices_per_node=1) each pay one device's."""
+    step, plain, _ = _one_device(SPEC, 4)
+    _, priced, cluster = _one_device(dataclasses.replace(SPEC, call_cost=CALL), 4)
+    args = abstract_setup([64, 64, 10], 32, 16)[1:]
+    leaves = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(step, *args)))
+    assert priced.graph.buffers == plain.graph.buffers == leaves
+    def key(r):
+        return r.d, r.m, r.variant, tuple(s.name for s in r.strategies)
+
+    was = {key(r): r.predicted for r in plain.search.results}
+    # the same candidates priced (a list may keep fewer alternatives: it keeps the close)
+    assert {key(r) for r in priced.search.results} <= was.keys()
+    assert {r.d * r.m for r in priced.search.results} == {1, 2, 4}
+    for r in priced.search.results:
+        want = CALL[0] + r.d * r.m * (CALL[1] + CALL[2] * priced.graph.buffers)
+        assert r.predicted.call_time_s == pytest.approx(want)
+        assert r.predicted.step_time_s - was[key(r)].step_time_s == pytest.approx(want, rel=1e-6)
+    nodes = Cluster(dataclasses.replace(SPEC, call_cost=CALL), 4, devices_per_node=1)
+    assert call_time(nodes, 100, 4) == pytest.approx(CALL[0] + CALL[1] + CALL[2] * 100)
+    assert call_time(cluster, 100, 4) == pytest.approx(CALL[0] + 4 * (CALL[1] + CALL[2] * 100))
+
+
+def test_the_call_survives_reassembly_and_xla_figures():
+    """Under another power limit and fed XLA's figures the step keeps its call."""
+    step, planned, cluster = _one_device(dataclasses.replace(SPEC, call_cost=CALL))
+    r = next(r for r in planned.search.results if r.d == r.m == 1)
+    assert r.predicted.call_time_s > 0
+    again = at_power_limit(r.predicted, cluster, 32, None)
+    assert again.call_time_s == r.predicted.call_time_s
+    assert again.step_time_s == pytest.approx(r.predicted.step_time_s)
+    figs, _ = compile_candidate(step, planned.layout, r, jax.devices()[:1], cluster)
+    assert with_compiled(r.predicted, figs, cluster, 32).call_time_s == r.predicted.call_time_s
+
+
+def test_call_cost_is_recorded_only_where_measured_and_bad_values_are_named():
+    priced = dataclasses.replace(SPEC, call_cost=[1e-6, 0, 2e-7])   # a JSON list
+    assert priced.call_cost == (1e-6, 0.0, 2e-7)
+    assert DeviceSpec.from_dict(priced.to_dict()) == priced
+    # a profile without the term keeps the record (and the plan cache's key) it had
+    assert "call_cost" not in SPEC.to_dict()
+    assert DeviceSpec.from_dict(SPEC.to_dict()) == SPEC
+    with pytest.raises(ValueError, match="call_cost must be three seconds >= 0"):
+        dataclasses.replace(SPEC, call_cost=(1e-6, -1e-7, 0.0))
+    with pytest.raises(ValueError, match="call_cost"):
+        dataclasses.replace(SPEC, call_cost=(1e-6,))
+
+
+def test_explain_names_the_call_where_there_is_one():
+    _, planned, _ = _one_device(dataclasses.replace(SPEC, call_cost=CALL))
+    _, plain, _ = _one_device(SPEC)
+    assert "host's call" in planned.plan.explain()
+    assert "host's call" not in plain.plan.explain()
