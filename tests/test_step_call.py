@@ -34,12 +34,10 @@ def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
 
 
 def test_the_probe_times_more_arrays_as_a_longer_call():
-    """On the 8 simulated devices: three figures >= 0, and a call of 64 arrays on one
-    device takes longer than a call of one (the per-array figure is what the model
-    prices per leaf)."""
+    """On the 8 simulated devices: three figures >= 0, the per-array one (what the model
+    prices per leaf) > 0: a call of 64 arrays takes longer than a call of one."""
     a, b, c = probes.step_call(jax.devices(), arrays=64, repeats=31)
     assert min(a, b, c) >= 0 and c > 0
-    assert a + b + 2 * 64 * c > a + b + 2 * c
 
 
 def test_a_step_pays_its_call_per_array_and_per_device_a_process_calls():
