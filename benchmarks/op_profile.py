@@ -27,7 +27,13 @@ scatters), layout changes XLA inserts that the jaxpr does not have (`copy`, `rev
 their convolutions), and the rest. jaxpr ops and XLA operations are not one to one (XLA fuses
 and rewrites), so the comparison is by kind, not by op.
 
-Writes `benchmarks/results/op_profile_cpu.json` and `op_profile_cpu.md`.
+Each model's slowest fused elementwise operations are listed with the bytes each reads
+and writes (`hlo.operation_bytes`) and the bandwidth that gives; the wall time left
+outside any operation stands beside the host's call of the step the model prices
+(`assemble.call_time`).
+
+Writes `benchmarks/results/op_profile_cpu.json` and `op_profile_cpu.md` (with `--tag T`,
+`op_profile_cpu_T.*`: one pinned core is `taskset -c 0 ... --tag one_core --fresh`).
 """
 
 from __future__ import annotations
@@ -58,11 +64,12 @@ import zoo  # noqa: E402
 import jaxwap  # noqa: E402
 from jaxwap.calibrate import calibrate_full  # noqa: E402
 from jaxwap.hardware import detect_cluster  # noqa: E402
-from jaxwap.hlo import computations  # noqa: E402
+from jaxwap.hlo import computations, operation_bytes  # noqa: E402
 from jaxwap.optime import op_times  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
 
 MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")
+SLOWEST = 8    # fused elementwise operations listed per model, slowest first
 KINDS = ("matmul and convolution", "reduction", "fused elementwise",
          "layout (copy, reverse, transpose)", "other")
 # XLA:CPU's bookkeeping events: not operations of the step
@@ -169,11 +176,11 @@ def shared_out(spans: list[tuple[int, int, str]]) -> dict[str, float]:
 
 
 def profile_step(run: Any, steps: int, bodies: dict[str, str]
-                 ) -> tuple[dict[str, float], float]:
+                 ) -> tuple[dict[str, float], float, dict[str, float]]:
     """Seconds per step of each kind of XLA operation, from a profiler trace of `steps`
     runs (`op_events`: each operation from its start to the end of its last part), each
-    moment shared out among the operations running then (`shared_out`), and how many
-    operations a step runs."""
+    moment shared out among the operations running then (`shared_out`), how many
+    operations a step runs, and each operation's own seconds per step (shared out too)."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as d:
@@ -185,7 +192,9 @@ def profile_step(run: Any, steps: int, bodies: dict[str, str]
             raise RuntimeError(f"jax.profiler.trace wrote no xplane file under {d}")
         ops, _ = op_events(ProfileData.from_file(files[0]))
     shares = shared_out([(s, s + d, xla_kind(name, bodies)) for s, d, name in ops])
-    return {k: shares.get(k, 0.0) / steps for k in KINDS}, len(ops) / steps
+    each = shared_out([(s, s + d, name) for s, d, name in ops])
+    return ({k: shares.get(k, 0.0) / steps for k in KINDS}, len(ops) / steps,
+            {name: t / steps for name, t in each.items()})
 
 
 def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
@@ -198,7 +207,7 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
     one = next(r for r in planned.search.results if (r.d, r.m) == (1, 1)).predicted
     data = w.synthetic(0)
     f = jax.jit(w.step, donate_argnums=tuple(range(len(data) - 1))).lower(*data).compile()
-    bodies = fused_bodies(f.as_text())
+    bodies, moved = fused_bodies(f.as_text()), operation_bytes(f.as_text())
     state = [jax.device_put(x) for x in data]
 
     def run() -> None:
@@ -206,12 +215,18 @@ def measure(name: str, cluster: Any, steps: int) -> dict[str, Any]:
         state[: len(state) - 1] = out[:-1]   # the batch comes last; the rest is state
 
     walls = zoo.wall_times(run, steps, warm=2)
-    by_kind, ops = profile_step(run, 3, bodies)
+    by_kind, ops, each = profile_step(run, 3, bodies)
+    # the slowest fused elementwise operations, with the bytes each reads and writes
+    slow = sorted((n for n in each if xla_kind(n, bodies) == "fused elementwise"),
+                  key=lambda n: -each[n])[:SLOWEST]
     predicted = predicted_by_kind(planned.graph, times)
     predicted["layout (copy, reverse, transpose)"] += one.layout_change_time_s
     predicted["fresh memory (inside the ops that write it)"] = one.fresh_memory_time_s
+    predicted["host's call (outside the operations)"] = one.call_time_s
     return {"model": w.name, "predicted_s": predicted,
             "measured_s": by_kind, "operations_per_step": ops,
+            "slowest_elementwise": [{"operation": n, "s": each[n], "bytes": moved.get(n, 0)}
+                                    for n in slow],
             "predicted_kernels": float(planned.graph.kernels.sum()),
             "predicted_step_s": float(one.step_time_s),
             "measured_step_s": float(np.median(walls))}
@@ -245,12 +260,20 @@ def markdown(record: dict[str, Any]) -> str:
                   f"({row['predicted_step_s'] / row['measured_step_s'] - 1:+.0%}); "
                   f"its {row['operations_per_step']:.0f} XLA operations (the model counts "
                   f"{row['predicted_kernels']:.0f} kernels) sum to "
-                  f"{sum(m.values()) * 1e3:.2f} ms", "",
+                  f"{sum(m.values()) * 1e3:.2f} ms, so "
+                  f"{(row['measured_step_s'] - sum(m.values())) * 1e3:.2f} ms of the wall "
+                  f"time passes outside any operation", "",
                   "| kind | predicted ms | measured ms (XLA profile) |", "|---|---|---|"]
         lines += [f"| {k} | {p.get(k, 0.0) * 1e3:.2f} | "
                   f"{m[k] * 1e3:.2f} |" if k in m else f"| {k} | {p[k] * 1e3:.2f} | - |"
                   for k in (*KINDS, *(k for k in p if k not in KINDS))
                   if p.get(k) or m.get(k)]
+        lines += ["", f"its {len(row['slowest_elementwise'])} slowest fused elementwise "
+                  f"operations (bytes: the operation's result and operands):", "",
+                  "| operation | us per step | MB | GB/s |", "|---|---|---|---|"]
+        lines += [f"| {o['operation']} | {o['s'] * 1e6:.1f} | {o['bytes'] / 1e6:.3f} | "
+                  f"{o['bytes'] / max(o['s'], 1e-12) / 1e9:.1f} |"
+                  for o in row["slowest_elementwise"]]
         lines.append("")
     return "\n".join(lines)
 
@@ -260,6 +283,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", type=int, default=10, help="timed steps for the wall time")
     ap.add_argument("--fresh", action="store_true", help="calibrate again, not from cache")
+    ap.add_argument("--tag", default="", help="write op_profile_cpu_TAG.{json,md} "
+                    "(another placement, say: taskset -c 0 for one pinned core)")
     args = ap.parse_args()
     devices = jax.devices()[:1]
     cal = calibrate_full(devices, progress=False, use_cache=not args.fresh)
@@ -277,14 +302,16 @@ def main() -> None:
             print(f"    {k:36s} {p * 1e3:9.2f} {m * 1e3:9.2f}")
     record = {"command": "python benchmarks/op_profile.py " + " ".join(sys.argv[1:]),
               "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
-              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores",
+              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
+                     f"{len(os.sched_getaffinity(0))}",
               "basis": "predicted = jaxwap's per-op model with the profile calibrated here; "
                        "measured = XLA:CPU's per-operation times from jax.profiler",
               "profile": cluster.device.to_dict(), "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "op_profile_cpu.json").write_text(json.dumps(record, indent=1) + "\n")
-    (RESULTS / "op_profile_cpu.md").write_text(markdown(record) + "\n")
-    print(f"wrote {RESULTS / 'op_profile_cpu.md'}")
+    stem = "op_profile_cpu" + (f"_{args.tag}" if args.tag else "")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(record) + "\n")
+    print(f"wrote {RESULTS / stem}.md")
 
 
 if __name__ == "__main__":

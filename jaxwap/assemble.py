@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .hardware import Cluster
 from .power import PhaseTimes, step_energy
 from .records import Prediction
@@ -65,10 +67,15 @@ def exposed_host(one_way: float, batched_time: float) -> float:
 
 def call_time(cluster: Cluster, buffers: int, n: int) -> float:
     """Seconds the host takes to call a step over a mesh of n devices that passes
-    `buffers` arrays in and out (`DeviceSpec.call_cost`): each process calls it on its
-    own devices of the mesh (a node's, one process to a node), all at once."""
-    a, b, c = cluster.device.call_cost
-    return a + cluster.devices_in_node(n) * (b + c * buffers)
+    `buffers` arrays in and out (`DeviceSpec.call_cost`, linear in devices between its
+    rows, held past them): each process calls it on its own devices of the mesh (a
+    node's, one process to a node), all at once. 0 without a measured cost."""
+    rows = cluster.device.call_cost
+    if not rows:
+        return 0.0
+    devices, fixed, per_array = (np.asarray(v, float) for v in zip(*rows, strict=True))
+    here = cluster.devices_in_node(n)
+    return float(np.interp(here, devices, fixed) + buffers * np.interp(here, devices, per_array))
 
 
 def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,

@@ -48,8 +48,6 @@ from .progress import Progress
 # are calibrated afresh)
 CALIBRATION_FORMAT = 5
 
-# the host's call of a step (`DeviceSpec.call_cost`): per call, per device, per array
-CALL_KEYS = ("call_s", "call_device_s", "call_array_s")
 
 
 @dataclass(frozen=True)
@@ -259,7 +257,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "efficiency_half_flops": half, "memory_bandwidth": bandwidth,
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
-           **dict(zip(CALL_KEYS, call, strict=True)),
+           **{f"call_s@{d}": a for d, a, _ in call},
+           **{f"call_array_s@{d}": c for d, _, c in call},
            "narrow_conv_efficiency": narrow, "transposed_matmul_efficiency": transposed,
            "window_tap_s": pool_tap, "window_grad_s": pool_grad,
            "conv_overhead_s": conv_overhead,
@@ -307,10 +306,12 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@",
         "reduce_s_per_byte@"))
     mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
+    call_cost = tuple((round(d), a, c) for (d, a), (_, c) in zip(*(_table(fig, t) for t in (
+        "call_s@", "call_array_s@")), strict=True))
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
-        kernel_overhead_s=fig["kernel_overhead_s"], call_cost=tuple(fig[k] for k in CALL_KEYS),
+        kernel_overhead_s=fig["kernel_overhead_s"], call_cost=call_cost,
         efficiency_half_flops=fig["efficiency_half_flops"],
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
@@ -338,7 +339,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "bandwidth_Bps": fig["memory_bandwidth"], **{k: fig[k] for k in (
                "kernel_overhead_s", "conv_efficiency", "narrow_conv_efficiency",
                "transposed_matmul_efficiency", "conv_overhead_s", "transcendental_s",
-               "small_input_conv_flops", "window_tap_s", "window_grad_s", *CALL_KEYS)},
+               "small_input_conv_flops", "window_tap_s", "window_grad_s")},
+           "call_cost": call_cost,
            "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
            "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,

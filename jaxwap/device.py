@@ -160,9 +160,9 @@ class DeviceSpec:
       link_buffer_latency_s: latency a combined collective pays for each buffer it
         carries. NCCL groups the buffers of XLA's combined all-reduce (0); XLA:CPU's gloo
         collectives reduce each buffer apart, at about a round trip each. Calibrated.
-      call_cost: (a, b, c) seconds the host takes to call a step over d of its devices
-        passing n arrays in and out, a + b d + c n d (jax's dispatch: 0.6 us an array on
-        this project's CPU). Calibrated; the built-ins have none (0, 0, 0), no term.
+      call_cost: ((devices, seconds, seconds per array), ...): jax's call of a step over
+        that many of a process's devices with n arrays in and out takes seconds + n x per
+        array, linear in devices between rows. Calibrated; the built-ins have none.
       combines_collectives: whether the backend combines a step's all-gathers and makes a
         reduce-scatter of an all-reduce each device slices (XLA:GPU's collective passes;
         the sharded layouts' textbook prices, unverified on a GPU). XLA:CPU does neither:
@@ -225,7 +225,7 @@ class DeviceSpec:
     reduction_cost: tuple[tuple[float, float], ...] = ()
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
-    call_cost: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    call_cost: tuple[tuple[int, float, float], ...] = ()
     combines_collectives: bool = True
     overlaps_collectives: bool = True
     relayouts_conv_grads: bool = False
@@ -265,10 +265,10 @@ class DeviceSpec:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be (size > 0, "
                                  f"value >= 0) pairs, got {getattr(self, field)!r}")
             object.__setattr__(self, field, tuple(sorted(pairs)))
-        call = tuple(float(v) for v in self.call_cost)
-        if len(call) != 3 or min(call) < 0:
-            raise ValueError(f"DeviceSpec {self.name!r}: call_cost must be three seconds "
-                             f">= 0 (a call, per device, per array), got {self.call_cost!r}")
+        call = tuple(sorted((int(d), float(a), float(c)) for d, a, c in self.call_cost))
+        if any(d < 1 or a < 0 or c < 0 for d, a, c in call):
+            raise ValueError(f"DeviceSpec {self.name!r}: call_cost must be (devices >= 1, "
+                             f"seconds >= 0, seconds per array >= 0) rows, got {self.call_cost!r}")
         object.__setattr__(self, "call_cost", call)
         if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
             raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
@@ -345,7 +345,7 @@ class DeviceSpec:
         d["power"] = None if self.power is None else self.power.to_dict()
         for field in _TABLES:
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
-        if not any(self.call_cost):   # as before the term: plan-cache keys unchanged
+        if not self.call_cost:   # as before the term: plan-cache keys unchanged
             del d["call_cost"]
         return d
 

@@ -54,6 +54,24 @@ def _shape_bytes(shape: str) -> int:
     return total
 
 
+_NAMED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\([^=]*?\)|\S+)\s+[\w\-]+\((.*)$")
+
+
+def operation_bytes(hlo_text: str) -> dict[str, int]:
+    """{instruction: bytes} each instruction of the program reads and writes as a kernel
+    of its own: its result's and its operands' (by their results' shapes). An XLA:CPU
+    operation event carries its instruction's name, so this gives each operation's
+    bandwidth in a profile (`benchmarks/op_profile.py`)."""
+    shapes, operands = {}, {}
+    for line in hlo_text.splitlines():
+        m = _NAMED.match(_COMMENT.sub("", line))
+        if m:
+            shapes[m.group(1)] = _shape_bytes(m.group(2))
+            operands[m.group(1)] = re.findall(r"%([\w.\-]+)", m.group(3).split("calls=")[0])
+    return {name: shapes[name] + sum(shapes.get(a, 0) for a in args)
+            for name, args in operands.items()}
+
+
 def _iota_ids(spec: str) -> tuple[np.ndarray, list[int] | None]:
     """XLA's iota device lists: `[G,S]<=[dims]T(perm)` or `[dims]T(perm)` / `[dims]`:
     iota(prod dims) reshaped to dims and transposed, then (first form) reshaped to [G,S]."""
@@ -303,4 +321,4 @@ def compiled_figures(compiled: Any, mesh_shape: tuple[int, int], cluster: Cluste
 
 
 __all__ = ["axes_of", "compiled_figures", "computations", "layout_changes", "library_calls",
-           "parse_collectives", "replica_groups"]
+           "operation_bytes", "parse_collectives", "replica_groups"]

@@ -6,6 +6,7 @@ has none."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import pytest
@@ -22,7 +23,8 @@ from jaxwap.verify import compile_candidate
 
 SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
                   idle_watts=5, max_watts=50, kernel_overhead_s=1e-6)
-CALL = (5e-6, 3e-6, 6e-7)
+# 6 us and 0.6 us an array on one device, 40 us and 3 us an array on 8 of them
+CALL = ((1, 6e-6, 6e-7), (8, 4e-5, 3e-6))
 
 
 def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
@@ -33,18 +35,19 @@ def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
     return step, planned, cluster
 
 
-def test_the_probe_times_more_arrays_as_a_longer_call():
-    """On the 8 simulated devices: three figures >= 0, the per-array one (what the model
-    prices per leaf) > 0: a call of 64 arrays takes longer than a call of one."""
-    a, b, c = probes.step_call(jax.devices(), arrays=64, repeats=31)
-    assert min(a, b, c) >= 0 and c > 0
+def test_the_probe_times_one_device_and_all_and_each_array_costs():
+    """On the 8 simulated devices: a row for one device and one for all 8, every figure
+    >= 0 and each array > 0 (what the model prices per leaf)."""
+    rows = probes.step_call(jax.devices(), arrays=64, repeats=31)
+    assert [d for d, _, _ in rows] == [1, 8]
+    assert all(a >= 0 and c > 0 for _, a, c in rows)
 
 
 def test_a_step_pays_its_call_per_array_and_per_device_a_process_calls():
-    """`Graph.buffers` is the step's argument and result leaves; the one-device
-    candidate's step is longer by a + b + c x buffers exactly, and a mesh of 4 devices
-    of one process (no nodes) pays the per-device part 4 times, where 4 processes of one
-    device each (devices_per_node=1) each pay one device's."""
+    """`Graph.buffers` is the step's argument and result leaves; each candidate's step is
+    longer by the call of its mesh's devices exactly (linear in devices between the
+    rows: a mesh of 4 of one process's devices between 1 and 8), and 4 processes of one
+    device each (devices_per_node=1) each pay one device's call."""
     step, plain, _ = _one_device(SPEC, 4)
     _, priced, cluster = _one_device(dataclasses.replace(SPEC, call_cost=CALL), 4)
     args = abstract_setup([64, 64, 10], 32, 16)[1:]
@@ -58,12 +61,17 @@ def test_a_step_pays_its_call_per_array_and_per_device_a_process_calls():
     assert {key(r) for r in priced.search.results} <= was.keys()
     assert {r.d * r.m for r in priced.search.results} == {1, 2, 4}
     for r in priced.search.results:
-        want = CALL[0] + r.d * r.m * (CALL[1] + CALL[2] * priced.graph.buffers)
+        f = (r.d * r.m - 1) / 7   # of the way from the 1-device row to the 8-device one
+        want = 6e-6 + f * 34e-6 + priced.graph.buffers * (6e-7 + f * 24e-7)
         assert r.predicted.call_time_s == pytest.approx(want)
         assert r.predicted.step_time_s - was[key(r)].step_time_s == pytest.approx(want, rel=1e-6)
     nodes = Cluster(dataclasses.replace(SPEC, call_cost=CALL), 4, devices_per_node=1)
-    assert call_time(nodes, 100, 4) == pytest.approx(CALL[0] + CALL[1] + CALL[2] * 100)
-    assert call_time(cluster, 100, 4) == pytest.approx(CALL[0] + 4 * (CALL[1] + CALL[2] * 100))
+    assert call_time(nodes, 100, 4) == pytest.approx(6e-6 + 100 * 6e-7)
+    assert call_time(cluster, 100, 4) == pytest.approx(6e-6 + 3 / 7 * 34e-6
+                                                       + 100 * (6e-7 + 3 / 7 * 24e-7))
+    # past the last row it holds; no rows, no term
+    assert call_time(Cluster(nodes.device, 16), 100, 16) == pytest.approx(4e-5 + 100 * 3e-6)
+    assert call_time(Cluster(SPEC, 4), 100, 4) == 0.0
 
 
 def test_the_call_survives_reassembly_and_xla_figures():
@@ -79,16 +87,16 @@ def test_the_call_survives_reassembly_and_xla_figures():
 
 
 def test_call_cost_is_recorded_only_where_measured_and_bad_values_are_named():
-    priced = dataclasses.replace(SPEC, call_cost=[1e-6, 0, 2e-7])   # a JSON list
-    assert priced.call_cost == (1e-6, 0.0, 2e-7)
-    assert DeviceSpec.from_dict(priced.to_dict()) == priced
+    priced = dataclasses.replace(SPEC, call_cost=[[8, 4e-5, 3e-6], [1, 6e-6, 6e-7]])  # JSON
+    assert priced.call_cost == CALL    # rows as tuples, by device count
+    assert DeviceSpec.from_dict(json.loads(json.dumps(priced.to_dict()))) == priced
     # a profile without the term keeps the record (and the plan cache's key) it had
     assert "call_cost" not in SPEC.to_dict()
     assert DeviceSpec.from_dict(SPEC.to_dict()) == SPEC
-    with pytest.raises(ValueError, match="call_cost must be three seconds >= 0"):
-        dataclasses.replace(SPEC, call_cost=(1e-6, -1e-7, 0.0))
+    with pytest.raises(ValueError, match="call_cost must be .devices >= 1"):
+        dataclasses.replace(SPEC, call_cost=((1, 1e-6, -1e-7),))
     with pytest.raises(ValueError, match="call_cost"):
-        dataclasses.replace(SPEC, call_cost=(1e-6,))
+        dataclasses.replace(SPEC, call_cost=((0, 1e-6, 1e-7),))
 
 
 def test_explain_names_the_call_where_there_is_one():

@@ -1,0 +1,144 @@
+"""The host's call of a step on this machine, measured, beside what the model prices.
+
+    .venv/bin/python benchmarks/step_call.py                    # one device, then 8 simulated
+    taskset -c 0 .venv/bin/python benchmarks/step_call.py --tag one_core
+
+jax's dispatch of a compiled program (parsing its arguments, the donation, making its
+results, per device) is paid once per step and is not inside any operation, so the
+calibration's in-program probes leave it out. `jaxwap.calibrate` measures it with
+`probes.step_call` (seconds + n x seconds per array for n arrays in and out, on one
+device and on all of a process's: `DeviceSpec.call_cost`). This times the same kind of
+program, one that hands its donated arguments back, directly at several array counts, on
+one device and on 8 simulated CPU devices (a fresh process with
+`--xla_force_host_platform_device_count=8`), beside what the probe makes of its two
+calls there; and gives each CI-sized zoo model's arrays in and out (`Graph.buffers`) and
+the call the one-device probe prices for it.
+
+Writes `benchmarks/results/step_call_cpu.json` and `.md` (`--tag T`: `step_call_cpu_T.*`).
+Every figure is **measured** on this CPU, except the zoo's call, **predicted** from the
+probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+COUNTS = (1, 8, 32, 108, 256)
+
+
+def timed(devices: int) -> dict[str, Any]:
+    """In this process (which must have `devices` CPU devices): median seconds of a call
+    with each count of arrays replicated on the first `devices`, and the probe's rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxwap import probes
+    from jaxwap.compile import make_mesh
+
+    devs = jax.devices()[:devices]
+    sharding = NamedSharding(make_mesh(1, devices, devs), P())
+    out = {}
+    for n in COUNTS:
+        xs = [jax.device_put(jnp.full((16,), i, jnp.float32), sharding) for i in range(n)]
+        call = jax.jit(lambda *a: a, donate_argnums=tuple(range(n)))
+        xs = list(call(*xs))
+        times = []
+        for _ in range(301):
+            t0 = time.perf_counter()
+            xs = list(jax.block_until_ready(call(*xs)))
+            times.append(time.perf_counter() - t0)
+        out[str(n)] = float(np.median(times[1:]))
+    rows = probes.step_call(devs)
+    a, c = rows[-1][1:]    # the probe's row for all of them
+    return {"devices": devices, "call_s": out, "probe": rows,
+            "probe_s": {str(n): a + c * 2 * n for n in COUNTS}}
+
+
+def zoo_calls(rows: list[list[float]]) -> list[dict[str, Any]]:
+    """Each CI-sized zoo model's arrays in and out, and the call one device prices."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import dataclasses
+
+    import zoo
+
+    import jaxwap
+    from jaxwap.assemble import call_time
+    from jaxwap.planner import make_plan
+
+    spec = dataclasses.replace(jaxwap.device_spec("cpu"), call_cost=rows)
+    cluster = jaxwap.Cluster(spec, 1)
+    rows = []
+    for name in ("alexnet", "vgg16", "resnet50", "gpt2"):
+        w = zoo.small(name)
+        planned = make_plan(w.step, w.args, {}, params=w.params,
+                            options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
+        rows.append({"model": w.name, "arrays": planned.graph.buffers,
+                     "call_s": call_time(cluster, planned.graph.buffers, 1)})
+    return rows
+
+
+def markdown(record: dict[str, Any]) -> str:
+    lines = [f"The host's call of a program that hands back its donated arguments, "
+             f"**measured** on this machine's CPU ({record['cpu']}), {record['date_utc']} "
+             f"UTC, median of 300 calls each; beside it what the calibration's probe "
+             f"(`probes.step_call`, in the same process) makes of its two calls, 1 and 64 "
+             f"arrays. Command: `{record['command']}`.", "",
+             "| devices | " + " | ".join(f"{n} arrays in and out" for n in COUNTS) + " |",
+             "|---|" + "---|" * len(COUNTS)]
+    for r in record["runs"]:
+        lines.append(f"| {r['devices']} measured | " + " | ".join(
+            f"{r['call_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
+        lines.append(f"| {r['devices']} probe | " + " | ".join(
+            f"{r['probe_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
+    rows = "; ".join(f"{d} device(s) {a * 1e6:.2f} us + {c * 1e6:.3f} us an array"
+                     for d, a, c in record["runs"][-1]["probe"])
+    lines += ["", f"The probe's rows in the 8-device process (`DeviceSpec.call_cost`): {rows}.",
+              "",
+              "Each CI-sized zoo model's step, one device (**predicted** from the "
+              "one-device probe):", "", "| model | arrays in and out | call |", "|---|---|---|"]
+    lines += [f"| {z['model']} | {z['arrays']} | {z['call_s'] * 1e3:.3f} ms |"
+              for z in record["zoo"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if args.worker:
+        print(json.dumps(timed(args.worker)))
+        return
+    runs = [timed(1)]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    got = subprocess.run([sys.executable, __file__, "--worker", "8"], env=env, check=True,
+                         capture_output=True, text=True)
+    runs.append(json.loads(got.stdout.strip().splitlines()[-1]))
+    record = {"command": "python benchmarks/step_call.py " + " ".join(sys.argv[1:]),
+              "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
+                     f"{len(os.sched_getaffinity(0))}",
+              "runs": runs, "zoo": zoo_calls(runs[0]["probe"])}
+    stem = "step_call_cpu" + (f"_{args.tag}" if args.tag else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(record))
+    print(markdown(record))
+
+
+if __name__ == "__main__":
+    main()
