@@ -62,13 +62,26 @@ def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
     of the host's thread pool (about 50 us each on a 2-core CPU, far more than a small
     matmul). The two are timed in turn, not one after the other, so the machine's drift
     falls on both alike (`benchmarks/calibration_spread.py`)."""
-    one, many = jax.jit(make(1)), jax.jit(make(reps + 1))
-    t1: list[float] = []
-    tr: list[float] = []
-    for _ in range(repeats):   # interleaved, so the machine's drift falls on both alike
-        time_it(lambda: jax.block_until_ready(one(*args)), 1, t1)
-        time_it(lambda: jax.block_until_ready(many(*args)), 1, tr)
-    return max((float(np.median(tr)) - float(np.median(t1))) / reps, 1e-9)
+    return in_programs([(make, args, reps)], repeats)[0]
+
+
+def in_programs(chains: Sequence[tuple[Callable[[int], Callable[..., Any]], Sequence[Any], int]],
+                repeats: int = 7) -> list[float]:
+    """`in_program` of several (make, args, reps) at once, every chain timed once in each
+    of `repeats` rounds: a spell of the machine's drift falls on all of them alike, not on
+    whichever was being timed (on this project's 2-core VM, dense layers timed size by
+    size read 1.3-2.1x apart across five calibrations at one size, 1.05-1.3x timed in
+    rounds)."""
+    progs = [(jax.jit(make(1)), jax.jit(make(reps + 1)), args, reps)
+             for make, args, reps in chains]
+    t1: list[list[float]] = [[] for _ in progs]
+    tr: list[list[float]] = [[] for _ in progs]
+    for _ in range(repeats):
+        for i, (one, many, args, _) in enumerate(progs):
+            time_it(lambda one=one, args=args: jax.block_until_ready(one(*args)), 1, t1[i])
+            time_it(lambda many=many, args=args: jax.block_until_ready(many(*args)), 1, tr[i])
+    return [max((float(np.median(b)) - float(np.median(a))) / reps, 1e-9)
+            for a, b, (_, _, _, reps) in zip(t1, tr, progs, strict=True)]
 
 
 def operand(device: Any, shape: tuple[int, ...], dtype: Any, fan_in: float = 1.0) -> Any:
@@ -128,18 +141,22 @@ def _dense_layers(r: int) -> Callable[[Any, Any, Any], Any]:
 def matmul_training(device: Any, dtype: Any, sizes: Sequence[int],
                     progress: Progress) -> list[tuple[float, float]]:
     """(flops, seconds) per matmul of dense layers in a training step (`_dense_layers`,
-    timed `in_program`): for each n of `sizes`, 4n tokens through n/4 -> n -> n/4
-    features, so each matmul is 2n^3 flops, as the square of that size, in the shapes
-    and transposes of a real step (a weight gradient contracts the tokens). Operands of fan-in
-    k and n (`operand`) keep the values' scale. Launches are included."""
-    out = []
+    timed `in_programs`, every size in each of 15 rounds): for each n of `sizes`, 4n
+    tokens through n/4 -> n -> n/4 features, so each matmul is 2n^3 flops, as the square
+    of that size, in the shapes and transposes of a real step (a weight gradient contracts
+    the tokens). Operands of fan-in k and n (`operand`) keep the values' scale. Launches
+    are included."""
+    chains, works = [], []
     for n in sizes:
         t, k = 4 * n, max(n // 4, 8)
         x, a, b = (operand(device, (t, k), dtype), operand(device, (k, n), dtype, k),
                    operand(device, (n, k), dtype, n))
         work = 2.0 * t * k * n
-        reps = int(min(16, max(2, 4.0 * float(sizes[-1]) ** 3 // (6 * work))))
-        out.append((work, in_program(_dense_layers, (x, a, b), reps) / 6))
+        chains.append((_dense_layers, (x, a, b),
+                       int(min(16, max(2, 4.0 * float(sizes[-1]) ** 3 // (6 * work))))))
+        works.append(work)
+    out = [(w, s / 6) for w, s in zip(works, in_programs(chains, repeats=15), strict=True)]
+    for n in sizes:
         progress.step(f"dense layer {n}")
     return out
 
