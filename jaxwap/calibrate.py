@@ -306,8 +306,8 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         "small_conv_flops@", "fresh_s_per_byte@", "layout_s_per_byte@", "dense_matmul_s@",
         "reduce_s_per_byte@"))
     mm_eff = efficiency_table(dense, fig["main_peak_flops"], fig["kernel_overhead_s"])
-    call_cost = tuple((round(d), a, c) for (d, a), (_, c) in zip(*(_table(fig, t) for t in (
-        "call_s@", "call_array_s@")), strict=True))
+    call_cost = tuple((round(d), a, c) for (d, a), (_, c) in zip(
+        _table(fig, "call_s@"), _table(fig, "call_array_s@"), strict=True))
     spec = dataclasses.replace(
         base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
