@@ -27,7 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,29 +37,14 @@ COUNTS = (1, 8, 32, 108, 256)
 
 def timed(devices: int) -> dict[str, Any]:
     """In this process (which must have `devices` CPU devices): median seconds of a call
-    with each count of arrays replicated on the first `devices`, and the probe's rows."""
+    with each count of arrays replicated on the first `devices` (`probes.call_seconds`,
+    300 calls each), and the probe's rows."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jaxwap import probes
-    from jaxwap.compile import make_mesh
 
     devs = jax.devices()[:devices]
-    sharding = NamedSharding(make_mesh(1, devices, devs), P())
-    out = {}
-    for n in COUNTS:
-        xs = [jax.device_put(jnp.full((16,), i, jnp.float32), sharding) for i in range(n)]
-        call = jax.jit(lambda *a: a, donate_argnums=tuple(range(n)))
-        xs = list(call(*xs))
-        times = []
-        for _ in range(301):
-            t0 = time.perf_counter()
-            xs = list(jax.block_until_ready(call(*xs)))
-            times.append(time.perf_counter() - t0)
-        out[str(n)] = float(np.median(times[1:]))
+    out = {str(n): probes.call_seconds(devs, n, repeats=300) for n in COUNTS}
     rows = probes.step_call(devs)
     a, c = rows[-1][1:]    # the probe's row for all of them
     return {"devices": devices, "call_s": out, "probe": rows,

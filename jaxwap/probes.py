@@ -70,8 +70,8 @@ def in_programs(chains: Sequence[tuple[Callable[[int], Callable[..., Any]], Sequ
     """`in_program` of several (make, args, reps) at once, every chain timed once in each
     of `repeats` rounds: a spell of the machine's drift falls on all of them alike, not on
     whichever was being timed (on this project's 2-core VM, dense layers timed size by
-    size read 1.3-2.1x apart across five calibrations at one size, 1.05-1.3x timed in
-    rounds)."""
+    size read 1.15-1.96x apart at one size across 12 curves in 3 processes, 1.10-1.36x
+    timed in rounds: `benchmarks/calibration_spread.py --dense`)."""
     progs = [(jax.jit(make(1)), jax.jit(make(reps + 1)), args, reps)
              for make, args, reps in chains]
     t1: list[list[float]] = [[] for _ in progs]
@@ -273,29 +273,34 @@ def kernel_overhead(device: Any, chain: int = 64) -> float:
     return in_program(_repeated(lambda v: jnp.tanh(v @ v)), (x,), chain - 1, repeats=9)
 
 
+def call_seconds(devices: Sequence[Any], arrays: int, repeats: int = 101) -> float:
+    """Median seconds the host takes to call a compiled program over `devices` that hands
+    back its `arrays` donated arguments (16 floats each, replicated): a call with no
+    kernel to run, so jax's dispatch alone (`step_call`)."""
+    sharding = NamedSharding(make_mesh(1, len(devices), list(devices)), P())
+    xs = [jax.device_put(jnp.full((16,), i, jnp.float32), sharding) for i in range(arrays)]
+    call = jax.jit(lambda *a: a, donate_argnums=tuple(range(arrays)))
+    xs = list(call(*xs))
+
+    def once() -> None:
+        xs[:] = jax.block_until_ready(call(*xs))
+    return time_it(once, repeats)
+
+
 def step_call(devices: Sequence[Any], arrays: int = 64, repeats: int = 101
               ) -> list[tuple[int, float, float]]:
     """[(d, seconds, seconds per array)]: the host's call of a compiled program over d of
     `devices` (this process's own; d = 1 and all of them) passing n arrays in and as many
     out takes seconds + 2n x per array: jax's dispatch of a training step, which
     `in_program` leaves out and a step pays once (parsing its arguments, the donation,
-    making its results, on each device). Timed on a program that hands its donated
-    arguments back (no kernel runs) at n = 1 and `arrays`. On this project's CPU: about 5
-    us and 0.6 us an array on one device; 8 simulated devices about 100 us and 3 us."""
+    making its results, on each device). Timed by `call_seconds` at n = 1 and `arrays`.
+    On this project's CPU: about 5 us and 0.6 us an array on one device; 8 simulated
+    devices about 45-75 us and 4-6 us an array (`benchmarks/step_call.py`)."""
     out = []
     for d in sorted({1, len(devices)}):
-        sharding = NamedSharding(make_mesh(1, d, list(devices[:d])), P())
-        times = []
-        for n in (1, arrays):
-            xs = [jax.device_put(jnp.full((16,), i, jnp.float32), sharding) for i in range(n)]
-            call = jax.jit(lambda *a: a, donate_argnums=tuple(range(n)))
-            xs = list(call(*xs))
-
-            def once(call: Any = call, xs: list[Any] = xs) -> None:
-                xs[:] = jax.block_until_ready(call(*xs))
-            times.append(time_it(once, repeats))
-        per_array = max(times[1] - times[0], 0.0) / (2 * (arrays - 1))
-        out.append((d, max(times[0] - 2 * per_array, 0.0), per_array))
+        one, many = (call_seconds(devices[:d], n, repeats) for n in (1, arrays))
+        per_array = max(many - one, 0.0) / (2 * (arrays - 1))
+        out.append((d, max(one - 2 * per_array, 0.0), per_array))
     return out
 
 
