@@ -144,9 +144,8 @@ def worker(args: argparse.Namespace) -> None:
     hosts = [np.asarray(x) for x in jax.tree_util.tree_leaves(data)]
     state = [jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i])
              for x, s in zip(hosts, cs.in_shardings, strict=True)]
-    n_batch = len(jax.tree_util.tree_leaves(data[-1]))
 
-    step = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
+    step = zoo.step_runner(cs, planned.layout, state)
 
     def run() -> None:   # its own name: the trace's steps are this function's calls
         step()

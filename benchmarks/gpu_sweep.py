@@ -136,10 +136,9 @@ def model_worker(args: argparse.Namespace) -> None:
             data = w.synthetic(0)
             state = [jax.device_put(x, s) for x, s in
                      zip(jax.tree_util.tree_leaves(data), cs.in_shardings, strict=True)]
-            n_batch = len(jax.tree_util.tree_leaves(data[-1]))   # the batch comes last
             del data
 
-            run = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
+            run = zoo.step_runner(cs, planned.layout, state)
 
             t0 = time.perf_counter()
             run()

@@ -138,9 +138,8 @@ def worker(args: argparse.Namespace) -> None:
         data = w.synthetic(0)
         flat = jax.tree_util.tree_leaves(data)
         state = [global_array(x, s) for x, s in zip(flat, cs.in_shardings, strict=True)]
-        n_batch = len(jax.tree_util.tree_leaves(data[-1]))   # the batch comes last
 
-        return {"run": zoo.step_runner(cs.compiled, layout.out_treedef, state, n_batch),
+        return {"run": zoo.step_runner(cs, layout, state),
                 "compiled_predicted_s": compiled.step_time_s}
 
     def time_interleaved(runs: list[Any]) -> list[dict[str, Any]]:

@@ -79,9 +79,8 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
         data = w.synthetic(0)
         state = [jax.device_put(np.asarray(x), s) for x, s in
                  zip(jax.tree_util.tree_leaves(data), cs.in_shardings, strict=True)]
-        n_batch = len(jax.tree_util.tree_leaves(data[-1]))
 
-        run = zoo.step_runner(cs.compiled, planned.layout.out_treedef, state, n_batch)
+        run = zoo.step_runner(cs, planned.layout, state)
 
         walls = zoo.wall_times(run, steps)
         row = {"model": f"{model}-small", "layout": f"{variant}@{d}x{m}", "devices": d * m,

@@ -65,9 +65,10 @@ def main(args: argparse.Namespace) -> int:
         per_process = setup["devices"] // setup["processes"]
         devices = [StandIn(i, i // per_process) for i in range(setup["devices"])]
         for model, cal in setup["calibrations"].items():
-            if cal.get("format") == 4 and CALIBRATION_FORMAT == 5:
-                # format 4 measured all that 5 does but the host's call of a step, which
-                # its profile then lacks (no term): its rows are predicted as they were
+            if cal.get("format") in (4, 5) and CALIBRATION_FORMAT == 6:
+                # formats 4 and 5 measured all that 6 does but the host's call of a step
+                # (4) and the Python calls of its pytrees, which their profiles then lack
+                # (no term): their rows are predicted as they were
                 cal = dict(cal, format=CALIBRATION_FORMAT)
             try:
                 calibration = Calibration.from_dict(cal)

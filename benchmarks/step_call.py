@@ -16,7 +16,7 @@ the call the one-device probe prices for it.
 
 Writes `benchmarks/results/step_call_cpu.json` and `.md` (`--tag T`: `step_call_cpu_T.*`).
 Every figure is **measured** on this CPU, except the zoo's call, **predicted** from the
-probe.
+probe and the Python calls the planner counts.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def timed(devices: int) -> dict[str, Any]:
             "probe_s": {str(n): a + c * 2 * n for n in COUNTS}}
 
 
-def zoo_calls(rows: list[list[float]]) -> list[dict[str, Any]]:
-    """Each CI-sized zoo model's arrays in and out, and the call one device prices."""
+def zoo_calls(rows: list[list[float]], per_call: float) -> list[dict[str, Any]]:
+    """Each CI-sized zoo model's arrays in and out, the Python calls of its pytree work
+    (`Graph.tree_calls`, counted by the planner) and the call one device prices, at
+    `per_call` seconds each (`pytree_cost.python_call_seconds`)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import dataclasses
 
@@ -62,16 +64,75 @@ def zoo_calls(rows: list[list[float]]) -> list[dict[str, Any]]:
     from jaxwap.assemble import call_time
     from jaxwap.planner import make_plan
 
-    spec = dataclasses.replace(jaxwap.device_spec("cpu"), call_cost=rows)
+    spec = dataclasses.replace(jaxwap.device_spec("cpu"), call_cost=rows,
+                               python_call_s=per_call)
     cluster = jaxwap.Cluster(spec, 1)
     rows = []
     for name in ("alexnet", "vgg16", "resnet50", "gpt2"):
         w = zoo.small(name)
         planned = make_plan(w.step, w.args, {}, params=w.params,
                             options=jaxwap.PlanOptions(hardware=cluster, verify=0, cache=False))
-        rows.append({"model": w.name, "arrays": planned.graph.buffers,
-                     "call_s": call_time(cluster, planned.graph.buffers, 1)})
+        g = planned.graph
+        rows.append({"model": w.name, "arrays": g.buffers, "tree_calls": g.tree_calls,
+                     "tree_s": g.tree_calls * per_call,
+                     "call_s": call_time(cluster, g.buffers, 1, g.tree_calls)})
     return rows
+
+
+def zoo_steps(names: tuple[str, ...] = ("resnet50", "gpt2")) -> list[dict[str, Any]]:
+    """`step_times` of each model."""
+    return [step_times(name) for name in names]
+
+
+def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
+    """A zoo model's one-device step timed three ways in interleaved rounds (median of
+    `calls` calls a round, medians of the rounds): through `auto_shard` as a training
+    loop calls it (its pytrees in and out), through `jax.jit` of the step (donating the
+    state), and inside a program (`probes.in_program`'s difference: one program running
+    the step three times against one running it once, over two), which no call pays. The
+    first two less the third are what a call costs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import zoo
+
+    import jaxwap
+    from jaxwap.probes import time_it
+
+    w = zoo.small(name)
+    data = w.synthetic(0)
+    k = len(data) - 1       # the state's arguments; the batch comes last
+
+    def looped(step: Any) -> Any:
+        state = [jax.tree.map(lambda a: jnp.array(a, copy=True), x) for x in data]
+
+        def run() -> None:
+            got = jax.block_until_ready(step(*state))
+            state[:k] = got[:-1]
+        return run
+
+    def chained(r: int) -> Any:
+        def steps(*a: Any) -> Any:
+            state = a[:k]
+            for _ in range(r):
+                got = w.step(*state, a[k])
+                state = got[:-1]
+            return got
+        return jax.jit(steps, donate_argnums=tuple(range(k)))
+
+    runs = {"auto_shard": looped(jaxwap.auto_shard(w.step, w.params, cache=False)),
+            "jax.jit": looped(jax.jit(w.step, donate_argnums=tuple(range(k)))),
+            "chain 1": looped(chained(1)), "chain 3": looped(chained(3))}
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    for run in runs.values():
+        run()
+    for _ in range(rounds):
+        for n, run in runs.items():
+            times[n].append(time_it(run, calls))
+    med = {n: float(np.median(t)) for n, t in times.items()}
+    return {"model": w.name, "auto_shard_s": med["auto_shard"], "jit_s": med["jax.jit"],
+            "in_program_s": (med["chain 3"] - med["chain 1"]) / 2}
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -91,10 +152,28 @@ def markdown(record: dict[str, Any]) -> str:
                      for d, a, c in record["runs"][-1]["probe"])
     lines += ["", f"The probe's rows in the 8-device process (`DeviceSpec.call_cost`): {rows}.",
               "",
-              "Each CI-sized zoo model's step, one device (**predicted** from the "
-              "one-device probe):", "", "| model | arrays in and out | call |", "|---|---|---|"]
-    lines += [f"| {z['model']} | {z['arrays']} | {z['call_s'] * 1e3:.3f} ms |"
+              f"Each CI-sized zoo model's call, one device (**predicted**: the one-device "
+              f"probe's row for its arrays, plus the Python calls of its pytree work, "
+              f"counted by the planner, at {record['python_call_s'] * 1e9:.0f} ns each, "
+              f"**measured** here by `pytree_cost.python_call_seconds`):", "",
+              "| model | arrays in and out | pytree calls | their time | call |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {z['model']} | {z['arrays']} | {z['tree_calls']} | "
+              f"{z['tree_s'] * 1e3:.3f} ms | {z['call_s'] * 1e3:.3f} ms |"
               for z in record["zoo"]]
+    lines += ["", "Their one-device steps, **measured** in interleaved rounds: as a training "
+              "loop calls `auto_shard`'s step, as it calls `jax.jit` of the step, and "
+              "inside a program (no call: a program of three steps less one of one, over "
+              "two). What a call costs is the first two less the third:", "",
+              "| model | auto_shard ms | jax.jit ms | in a program ms | auto_shard's call "
+              "ms | jax.jit's call ms | priced call ms |", "|---|---|---|---|---|---|---|"]
+    priced = {z["model"]: z["call_s"] for z in record["zoo"]}
+    lines += [f"| {s['model']} | {s['auto_shard_s'] * 1e3:.2f} | {s['jit_s'] * 1e3:.2f} | "
+              f"{s['in_program_s'] * 1e3:.2f} | "
+              f"{(s['auto_shard_s'] - s['in_program_s']) * 1e3:.2f} | "
+              f"{(s['jit_s'] - s['in_program_s']) * 1e3:.2f} | "
+              f"{priced.get(s['model'], float('nan')) * 1e3:.2f} |"
+              for s in record["steps"]]
     return "\n".join(lines) + "\n"
 
 
@@ -107,7 +186,10 @@ def main() -> None:
     if args.worker:
         print(json.dumps(timed(args.worker)))
         return
+    from jaxwap.pytree_cost import python_call_seconds
+
     runs = [timed(1)]
+    per_call = python_call_seconds()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     got = subprocess.run([sys.executable, __file__, "--worker", "8"], env=env, check=True,
                          capture_output=True, text=True)
@@ -116,7 +198,8 @@ def main() -> None:
               "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
               "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
                      f"{len(os.sched_getaffinity(0))}",
-              "runs": runs, "zoo": zoo_calls(runs[0]["probe"])}
+              "runs": runs, "python_call_s": per_call,
+              "zoo": zoo_calls(runs[0]["probe"], per_call), "steps": zoo_steps()}
     stem = "step_call_cpu" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")

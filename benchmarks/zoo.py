@@ -182,19 +182,26 @@ class Workload:
         return (*out, jax.tree.map(data, batch))
 
 
-def step_runner(compiled: Any, out_treedef: Any, state: list[Any], n_batch: int
-                ) -> Callable[..., Any]:
-    """`run()`: one step of a compiled zoo step as a training loop runs it. Every zoo step
-    takes (*state, batch) and returns (*new state, metrics); `state` holds the flat
-    arguments (the batch's `n_batch` leaves last) and each step's new state replaces the
-    old in it, so the next step continues from it (donated buffers are never reused).
-    `run(block=False)` dispatches without waiting for the device. Returns the outputs."""
+def step_runner(cs: Any, layout: Any, state: list[Any]) -> Callable[..., Any]:
+    """`run()`: one step of a compiled zoo step (`CompiledStep` cs, traced as `layout`) as a
+    training loop runs an `auto_shard` step: the arguments in their pytrees, read
+    (`trace.signature`) and placed (`api.call_step`) on each call as `auto_shard`'s call
+    does. Every zoo step takes (*state, batch) and returns (*new state, metrics); `state`
+    holds the flat arguments, already placed, and each step's new state is the next
+    step's arguments (donated buffers are never reused). `run(block=False)` dispatches
+    without waiting for the device. Returns the outputs."""
+    from jaxwap.api import call_step
+    from jaxwap.trace import signature
+
+    args, _ = jax.tree_util.tree_unflatten(layout.args_treedef, state)
+    args = list(args)
+
     def run(block: bool = True) -> Any:
-        out = compiled(*state)
+        _, leaves = signature(args, {})
+        out = call_step(cs, layout, leaves)
         if block:
             jax.block_until_ready(out)
-        state[: len(state) - n_batch] = jax.tree_util.tree_leaves(
-            jax.tree_util.tree_unflatten(out_treedef, out)[:-1])
+        args[:-1] = out[:-1]     # the batch comes last
         return out
     return run
 

@@ -65,17 +65,20 @@ def exposed_host(one_way: float, batched_time: float) -> float:
     return max(one_way - batched_time, 0.0) + one_way
 
 
-def call_time(cluster: Cluster, buffers: int, n: int) -> float:
+def call_time(cluster: Cluster, buffers: int, n: int, tree_calls: int = 0) -> float:
     """Seconds the host takes to call a step over a mesh of n devices that passes
     `buffers` arrays in and out (`DeviceSpec.call_cost`, linear in devices between its
-    rows, held past them): each process calls it on its own devices of the mesh (a
-    node's, one process to a node), all at once. 0 without a measured cost."""
+    rows, held past them) in pytrees whose reading and building make `tree_calls` Python
+    calls (`Graph.tree_calls`, at `DeviceSpec.python_call_s` each): each process calls it
+    on its own devices of the mesh (a node's, one process to a node), all at once. 0
+    without a measured cost."""
     rows = cluster.device.call_cost
     if not rows:
         return 0.0
     devices, fixed, per_array = (np.asarray(v, float) for v in zip(*rows, strict=True))
     here = cluster.devices_in_node(n)
-    return float(np.interp(here, devices, fixed) + buffers * np.interp(here, devices, per_array))
+    return float(np.interp(here, devices, fixed) + buffers * np.interp(here, devices, per_array)
+                 + tree_calls * cluster.device.python_call_s)
 
 
 def assemble(cluster: Cluster, n: int, batch: int, parts: StepParts,

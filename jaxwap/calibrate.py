@@ -42,11 +42,12 @@ from .hardware import HOST_KINDS, DeviceSpec, builtin_for_kind
 from .launch import all_processes, process_median
 from .power_limit import measured_power_profile
 from .progress import Progress
+from .pytree_cost import python_call_seconds
 
 # 2: num_processes, measurements["link"] what was timed; 4: link latency and collective
-# overhead from collectives inside a program; 5: the host's call of a step (older records
-# are calibrated afresh)
-CALIBRATION_FORMAT = 5
+# overhead from collectives inside a program; 5: the host's call of a step; 6: the Python
+# calls of a step's pytrees (older records are calibrated afresh)
+CALIBRATION_FORMAT = 6
 
 
 
@@ -206,6 +207,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     bar.step("memory bandwidth")
     overhead = probes.kernel_overhead(dev)
     call = probes.step_call(local)
+    python_call = python_call_seconds()
     bar.step("kernel overhead")
     # the curve as the model will use it, on this process's own figures, for what is
     # measured against it (convolutions)
@@ -258,7 +260,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
            "main_peak_flops": main["peak_flops"],
            "kernel_overhead_s": overhead, "conv_efficiency": conv_eff,
            **{f"call_s@{d}": a for d, a, _ in call},
-           **{f"call_array_s@{d}": c for d, _, c in call},
+           **{f"call_array_s@{d}": c for d, _, c in call}, "python_call_s": python_call,
            "narrow_conv_efficiency": narrow, "transposed_matmul_efficiency": transposed,
            "window_tap_s": pool_tap, "window_grad_s": pool_grad,
            "conv_overhead_s": conv_overhead,
@@ -312,6 +314,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
         base, name=f"calibrated {dev.device_kind}", peak_flops=fig["peak_flops"],
         peak_flops_f32=fig["peak_flops_f32"], memory_bandwidth=fig["memory_bandwidth"],
         kernel_overhead_s=fig["kernel_overhead_s"], call_cost=call_cost,
+        python_call_s=fig["python_call_s"],
         efficiency_half_flops=fig["efficiency_half_flops"],
         matmul_efficiency=mm_eff, reduction_cost=reduce_cost,
         conv_efficiency=fig["conv_efficiency"], conv_overhead_s=fig["conv_overhead_s"],
@@ -340,7 +343,7 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
                "kernel_overhead_s", "conv_efficiency", "narrow_conv_efficiency",
                "transposed_matmul_efficiency", "conv_overhead_s", "transcendental_s",
                "small_input_conv_flops", "window_tap_s", "window_grad_s")},
-           "call_cost": call_cost,
+           "call_cost": call_cost, "python_call_s": fig["python_call_s"],
            "layout_change_cost": layout_cost, "small_input_conv_rates": rates,
            "fresh_memory_cost": fresh_cost, "link": link,
            "link_buffer_latency_s": fig["link_buffer_latency_s"], "power_w": watts,

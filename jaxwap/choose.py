@@ -53,6 +53,9 @@ class PlanContext:
     step: StepVariant = field(default_factory=StepVariant)
     timing: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # Python calls a call of the step makes on its pytrees (`pytree_cost.tree_calls`),
+    # counted where the profile prices them; every graph of the plan carries it
+    tree_calls: int = 0
 
 
 @dataclass(frozen=True)

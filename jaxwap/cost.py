@@ -367,7 +367,7 @@ def predict(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: Sequence[int]
         bound=mc.base_bound + sum(mc.param_bound[j][s] for j, s in picked),
         bound_work=mc.base_work + sum(mc.param_work[j][s] for j, s in picked),
         fresh=cluster.device.fresh_memory_s(scratch),
-        call=call_time(cluster, graph.buffers, d * m),
+        call=call_time(cluster, graph.buffers, d * m, graph.tree_calls),
         relayout=mc.base_relayout + (sum(mc.param_relayout[j][s] for j, s in picked)
                                      if mc.param_relayout else 0.0))
     return assemble(cluster, d * m, graph.batch_size or 1, parts)

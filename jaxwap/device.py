@@ -1,11 +1,10 @@
 """One accelerator's profile: what the cost model knows about a device.
 
-A `DeviceSpec` describes one accelerator: how fast it computes and moves memory, how
-much memory it has, how much power it draws, what one kernel launch costs, and the slow
-paths a backend takes (generic-loop convolutions, memory the host allocator maps afresh
-each step). Built-ins are vendor datasheet numbers (dense, no sparsity) except
-`efficiency_half_flops` and `kernel_overhead_s`, typical values until calibration
-measures them on the real device. `hardware.Cluster` joins N of them by links.
+How fast one accelerator computes and moves memory, how much memory it has and power it
+draws, what a kernel launch costs, and the slow paths a backend takes (generic-loop
+convolutions, memory the host allocator maps afresh each step). Built-ins are datasheet
+numbers (dense, no sparsity) except `efficiency_half_flops` and `kernel_overhead_s`,
+typical values until calibration measures them. `hardware.Cluster` joins N by links.
 """
 
 from __future__ import annotations
@@ -31,6 +30,13 @@ GB = 1e9
 GiB = 2**30
 
 
+# fields of a DeviceSpec that must be > 0 and >= 0 where given
+_POSITIVE = ("peak_flops_f32", "efficiency_half_flops", "link_bandwidth", "host_bandwidth",
+             "conv_efficiency", "narrow_conv_efficiency", "transposed_matmul_efficiency",
+             "small_input_conv_flops", "network_bandwidth")
+_NON_NEGATIVE = ("kernel_overhead_s", "python_call_s", "link_latency_s",
+                 "link_buffer_latency_s", "collective_overhead_s", "conv_overhead_s",
+                 "transcendental_s", "window_tap_s", "window_grad_s", "network_latency_s")
 # the (size, value) tables of a DeviceSpec
 _TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
            "matmul_efficiency", "reduction_cost")
@@ -163,6 +169,8 @@ class DeviceSpec:
       call_cost: ((devices, seconds, seconds per array), ...): jax's call of a step over
         that many of a process's devices with n arrays in and out takes seconds + n x per
         array, linear in devices between rows. Calibrated; the built-ins have none.
+      python_call_s: seconds per Python function call of a call's work on the step's
+        pytrees (`pytree_cost`: counted per step, `Graph.tree_calls`). Calibrated; 0: none.
       combines_collectives: whether the backend combines a step's all-gathers and makes a
         reduce-scatter of an all-reduce each device slices (XLA:GPU's collective passes;
         the sharded layouts' textbook prices, unverified on a GPU). XLA:CPU does neither:
@@ -226,6 +234,7 @@ class DeviceSpec:
     fresh_memory_cost: tuple[tuple[float, float], ...] = ()
     link_buffer_latency_s: float = 0.0
     call_cost: tuple[tuple[int, float, float], ...] = ()
+    python_call_s: float = 0.0
     combines_collectives: bool = True
     overlaps_collectives: bool = True
     relayouts_conv_grads: bool = False
@@ -241,24 +250,11 @@ class DeviceSpec:
             if not getattr(self, field) > 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be > 0, "
                                  f"got {getattr(self, field)!r}")
-        for field, low, strict in (("peak_flops_f32", 0.0, True),
-                                   ("efficiency_half_flops", 0.0, True),
-                                   ("kernel_overhead_s", 0.0, False),
-                                   ("link_bandwidth", 0.0, True), ("link_latency_s", 0.0, False),
-                                   ("host_bandwidth", 0.0, True), ("conv_efficiency", 0.0, True),
-                                   ("narrow_conv_efficiency", 0.0, True),
-                                   ("transposed_matmul_efficiency", 0.0, True),
-                                   ("small_input_conv_flops", 0.0, True),
-                                   ("link_buffer_latency_s", 0.0, False),
-                                   ("collective_overhead_s", 0.0, False),
-                                   ("conv_overhead_s", 0.0, False),
-                                   ("transcendental_s", 0.0, False), ("window_tap_s", 0.0, False),
-                                   ("window_grad_s", 0.0, False), ("network_bandwidth", 0.0, True),
-                                   ("network_latency_s", 0.0, False)):
-            v = getattr(self, field)
-            if v is not None and not (v > low if strict else v >= low):
+        for field in (*_POSITIVE, *_NON_NEGATIVE):
+            v, strict = getattr(self, field), field in _POSITIVE
+            if v is not None and not (v > 0 if strict else v >= 0):
                 raise ValueError(f"DeviceSpec {self.name!r}: {field} must be "
-                                 f"{'>' if strict else '>='} {low:g}, got {v!r}")
+                                 f"{'>' if strict else '>='} 0, got {v!r}")
         for field in _TABLES:
             pairs = tuple((type(a)(a), float(b)) for a, b in getattr(self, field))
             if any(not (a > 0 and b >= 0) for a, b in pairs):
@@ -288,13 +284,14 @@ class DeviceSpec:
 
     def small_conv_rate(self, width: int, out_width: float = 0.0) -> float | None:
         """Flop/s of a generic-loop convolution over `width` input features: the rate
-        measured at the nearest width (log scale), else `small_input_conv_flops`. With
+        measured at the nearest width (log scale), else `small_input_conv_flops`; with
         `out_width` (its kernel's output features as a device holds them), the geometric
-        mean of the two widths' rates: the loop's rate follows both of its kernel's
-        feature counts (on this project's CPU, 512 -> 256 ran at 1.88 Gflop/s, 256 -> 512
-        at 1.40, where the square rates were 0.92 at 512 and 2.91 at 256; mean 1.64)."""
+        mean of the two widths' rates, as the loop's rate follows both (on this project's
+        CPU 512 -> 256 ran at 1.88 Gflop/s, 256 -> 512 at 1.40; square: 0.92 at 512, 2.91
+        at 256)."""
         if not self.small_input_conv_rates or width <= 0:
             return self.small_input_conv_flops
+
         def at(w: float) -> float:
             return min(self.small_input_conv_rates, key=lambda p: abs(np.log(p[0] / w)))[1]
         return at(width) if out_width <= 0 else float(np.sqrt(at(width) * at(out_width)))
@@ -325,13 +322,11 @@ class DeviceSpec:
         return np.asarray(nbytes, float) * _per_byte(self.reduction_cost, nbytes)
 
     def fresh_memory_s(self, nbytes: float) -> float:
-        """Seconds the step pays for `nbytes` of scratch memory mapped afresh
-        (`fresh_memory_cost`)."""
+        """Seconds the step pays for `nbytes` of scratch memory mapped afresh."""
         return nbytes * _per_byte(self.fresh_memory_cost, nbytes)
 
     def layout_change_s(self, nbytes: float) -> float:
-        """Seconds moving an array of `nbytes` into another layout adds
-        (`layout_change_cost`)."""
+        """Seconds moving an array of `nbytes` into another layout adds."""
         if not self.layout_change_cost:
             return 2.0 * nbytes / self.memory_bandwidth
         return nbytes * _per_byte(self.layout_change_cost, nbytes)
@@ -345,8 +340,9 @@ class DeviceSpec:
         d["power"] = None if self.power is None else self.power.to_dict()
         for field in _TABLES:
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
-        if not self.call_cost:   # as before the term: plan-cache keys unchanged
-            del d["call_cost"]
+        for term in ("call_cost", "python_call_s"):   # as before the terms: plan-cache
+            if not d[term]:                            # keys unchanged
+                del d[term]
         return d
 
     @classmethod

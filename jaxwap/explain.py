@@ -96,7 +96,7 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         f"{'blocking' if plan.step.pipelined else 'tensor-parallel'}; "
         f"{si(pr.comm_bytes, 'B')} sent per device",
         *([f"  host's call     {pr.call_time_s * 1e3:10.3f} ms   jax's dispatch of the "
-           f"step's arrays in and out, on each device"] if pr.call_time_s else []),
+           f"step's arrays in and out, on each device, and its pytrees"] if pr.call_time_s else []),
         f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
         f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
         f"  peak memory     {si(pr.peak_memory_bytes, 'B'):>10} per device"

@@ -137,10 +137,9 @@ class Graph:
     # input in some spatial dim (backends may compute those on a slow generic path)
     conv: np.ndarray
     # bytes of the other partial sums over the batch, all-reduced over the data axis per
-    # step: the loss, metrics, batch-norm statistics and their gradients
+    # step (loss, metrics, batch-norm statistics and their gradients), and how many
     reduce_bytes: float = 0.0
-    # how many such partial sums (each is a buffer of its own all-reduce)
-    reduce_count: float = 0.0
+    reduce_count: float = 0.0     # each a buffer of its own all-reduce
     # [P] the dim of each parameter a scan iterates over (its layers stacked along it, one
     # slice per iteration: a mesh axis that split it would split the loop), -1 if none;
     # left out, every parameter gets -1
@@ -180,8 +179,7 @@ class Graph:
     # [ops] the input feature count of each convolution (`opcost.conv_width`), 0 for other
     # ops: what a backend's generic-loop rate depends on; left out, all 0
     conv_width: np.ndarray | None = field(default=None)
-    # [ops] a convolution's output feature count (`opcost.conv_out_width`); left out, 0
-    conv_out_width: np.ndarray | None = field(default=None)
+    conv_out_width: np.ndarray | None = field(default=None)   # [ops] `opcost.conv_out_width`
     # [ops] the transcendental elements each op evaluates (`opcost.TRANSCENDENTAL`: exp,
     # tanh, ...), priced by `DeviceSpec.transcendental_s`; left out, none
     transcendentals: np.ndarray | None = field(default=None)
@@ -189,9 +187,11 @@ class Graph:
     # them, 0 for other ops: priced by `DeviceSpec.reduction_cost` where it has one;
     # left out, none
     reduced: np.ndarray | None = field(default=None)
-    # arrays a call of the step passes and gets back (argument and result leaves): what
-    # the host handles per device each call (`DeviceSpec.call_cost`); left out, 0
+    # arrays a call passes and gets back (argument and result leaves), what the host
+    # handles per device each call (`DeviceSpec.call_cost`), and the Python calls a call
+    # makes on their pytrees (`pytree_cost.tree_calls`, counted by the planner); left out, 0
     buffers: int = 0
+    tree_calls: int = 0
     # [ops] the batched operands a kernel-gradient convolution reads, which a backend
     # copies into another layout first (`reductions.conv_grad_relayouts`,
     # `DeviceSpec.relayouts_conv_grads`); left out, none

@@ -205,7 +205,8 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         bubble=bubble, sends=sends + io_t,
         bound=stage.compute_bound_time_s * ratio + delta_bound,
         bound_work=stage.compute_bound_work_s * ratio + delta_work,
-        relayout=stage.layout_change_time_s * ratio, call=call_time(cluster, graph.buffers, n))
+        relayout=stage.layout_change_time_s * ratio, call=call_time(cluster, graph.buffers, n,
+                                                                graph.tree_calls))
     return assemble(cluster, n, batch, parts)
 
 

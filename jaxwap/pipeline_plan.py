@@ -67,10 +67,11 @@ class Pipelines:
 
 def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective: Objective,
                    options: PlanOptions, usable: int, budget: float,
-                   rules: LayoutRules | None = None) -> Pipelines:
+                   rules: LayoutRules | None = None, tree_calls: int = 0) -> Pipelines:
     """The best pipelined candidate per stage count for this step (its arguments as
     `layout` holds them: global, abstract), or the reason there are none (not a
-    `make_train_step` step, no layer scan, too few devices, ...)."""
+    `make_train_step` step, no layer scan, too few devices, ...). `tree_calls`: the Python
+    calls a call makes on the step's pytrees (`Graph.tree_calls`)."""
     t0 = time.perf_counter()
     args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
     kwargs = dict(zip(layout.kw_names, kw, strict=True))
@@ -107,7 +108,7 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
     out = []
     for p in counts:
         best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
-                                budget, batch, forced, rules)
+                                budget, batch, forced, rules, tree_calls)
         if best is not None:
             out.append(best)
     if not out:
@@ -193,8 +194,8 @@ def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
 def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
-                     forced: dict[str, int] | None, rules: LayoutRules | None
-                     ) -> MeshResult | None:
+                     forced: dict[str, int] | None, rules: LayoutRules | None,
+                     tree_calls: int = 0) -> MeshResult | None:
     """The best pipelined candidate with p stages: the stage step solved on each (data,
     model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
     every micro-batch count and number of rounds priced."""
@@ -214,7 +215,8 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
     # keep for the backward pass is the difference (the pipeline keeps it for all its
     # micro-batches, p times these rows)
     k = scan.length // p
-    graph = _stage_graph(fn, args, scan, k, B // p, options)
+    graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options),
+                                tree_calls=tree_calls)
     if not (graph.repeat == k).any():
         return None
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)

@@ -32,6 +32,7 @@ from .nofit import nothing_fits, nothing_fits_compiled
 from .options import PlanOptions
 from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
 from .plan import Plan
+from .pytree_cost import tree_calls
 from .records import Measurement, StepVariant
 from .solve import SearchResult, search
 from .trace import ArgLayout, layout_of, trace_layout
@@ -147,7 +148,8 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
     timing = {"trace": time.perf_counter() - t0}
     ctx = PlanContext(layout.params, layout.params_treedef, options.objective, cluster, devs,
-                      budget, layout.inputs.batch_size)
+                      budget, layout.inputs.batch_size,
+                      tree_calls=tree_calls(layout) if cluster.device.python_call_s else 0)
     store = options.store
     key = None
     if store is not None:
@@ -169,7 +171,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         notes.append("constraints pin " + "; ".join(
             f"{path_string(layout.params[j].path)} to {c.describe()}" for j, c in rules.pins))
     pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable, budget,
-                           rules)
+                           rules, tree_calls=ctx.tree_calls)
     timing["pipeline"] = pipes.seconds
     if pipes.reason is not None:
         if options.forced_pipeline is not None:
@@ -281,8 +283,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         nonlocal first_error
         fn_v = _variant_fn(fn, rung) or fn
         ta = time.perf_counter()
-        graph = analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
-                        layout.inputs.roles, layout.outputs.roles, layout.params, B)
+        graph = dataclasses.replace(
+            analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
+                    layout.inputs.roles, layout.outputs.roles, layout.params, B),
+            tree_calls=ctx.tree_calls)
         if rung.is_plain:
             plain_graph.append(graph)
         tb = time.perf_counter()

@@ -25,6 +25,7 @@ from .state import (
     ParamInfo,
     SuffixIndex,
     abstract_entries,
+    abstract_leaf,
     check_params_found,
     classify_leaves,
     param_infos,
@@ -78,6 +79,29 @@ def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
     """(root, key path, leaf) for every leaf of (args, kwargs), roots like `args[2]`."""
     flat, treedef, names = flat_leaves(args, kwargs)
     return [(*_root_path(path, names), leaf) for path, leaf in flat], treedef, names
+
+
+def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """(What a compiled step is reused for: the arguments' structure, shapes, dtypes and
+    weak types; their leaves), from one flatten of them: every call of a step computes it,
+    so a jax array, the common leaf, is read directly (`abstract_leaf` names the path of
+    any other leaf it refuses, which only an error needs)."""
+    names = tuple(sorted(kwargs))
+    leaves, treedef = jax.tree_util.tree_flatten((tuple(args),
+                                                  tuple(kwargs[k] for k in names)))
+
+    def key_of(i: int, leaf: Any) -> tuple[Any, ...]:
+        if isinstance(leaf, jax.Array):
+            return leaf.shape, leaf.dtype, False
+        a = abstract_leaf(leaf, lambda: _leaf_path(args, kwargs, i))
+        return tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False))
+    return (treedef, names, tuple(key_of(i, x) for i, x in enumerate(leaves))), leaves
+
+
+def _leaf_path(args: Sequence[Any], kwargs: dict[str, Any], i: int) -> str:
+    """The path of the i-th argument leaf, as errors name it (`args[0]['w']`)."""
+    root, path, _ = leaf_entries(args, kwargs)[0][i]
+    return f"{root}{jax.tree_util.keystr(tuple(path))}"
 
 
 def own_arrays(leaves: Sequence[Any]) -> dict[int, int]:
@@ -215,4 +239,4 @@ def trace_layout(fn: Callable, layout: ArgLayout) -> Any:
 
 
 __all__ = ["ArgLayout", "find_params", "flat_leaves", "globalize", "is_process_local",
-           "layout_of", "leaf_entries", "trace_layout"]
+           "layout_of", "leaf_entries", "signature", "trace_layout"]

@@ -47,6 +47,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     assert [d for d, _, _ in s.call_cost] == [1, 8]
     assert all(a >= 0 and c > 0 for _, a, c in s.call_cost)
     assert cal.measurements["call_cost"] == s.call_cost
+    assert 0 < s.python_call_s == cal.measurements["python_call_s"]
     assert cal.measurements["matmul_f32"]["seconds"] and cal.num_devices == len(jax.devices())
     assert cal.measurements["link"] is not None  # 8 devices: an all-reduce was timed
     collectives_reproduced(cal)

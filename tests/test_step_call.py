@@ -9,8 +9,9 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
-from models import abstract_setup
+from models import MLP, abstract_setup, setup
 
 import jaxwap
 from jaxwap import probes
@@ -19,12 +20,15 @@ from jaxwap.cost import with_compiled
 from jaxwap.device import DeviceSpec
 from jaxwap.hardware import Cluster
 from jaxwap.planner import make_plan
+from jaxwap.pytree_cost import python_call_seconds
 from jaxwap.verify import compile_candidate
 
 SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
                   idle_watts=5, max_watts=50, kernel_overhead_s=1e-6)
 # 6 us and 0.6 us an array on one device, 40 us and 3 us an array on 8 of them
 CALL = ((1, 6e-6, 6e-7), (8, 4e-5, 3e-6))
+PER_CALL = 1.5e-7   # seconds per Python call of the step's pytree work
+PRICED = dataclasses.replace(SPEC, call_cost=CALL, python_call_s=PER_CALL)
 
 
 def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
@@ -48,21 +52,24 @@ def test_a_step_pays_its_call_per_array_and_per_device_a_process_calls():
     longer by the call of its mesh's devices exactly (linear in devices between the
     rows: a mesh of 4 of one process's devices between 1 and 8), and 4 processes of one
     device each (devices_per_node=1) each pay one device's call."""
-    step, plain, _ = _one_device(SPEC, 4)
-    _, priced, cluster = _one_device(dataclasses.replace(SPEC, call_cost=CALL), 4)
+    step, plain, _ = _one_device(dataclasses.replace(SPEC, call_cost=CALL), 4)
+    _, priced, cluster = _one_device(PRICED, 4)
     args = abstract_setup([64, 64, 10], 32, 16)[1:]
     leaves = len(jax.tree.leaves(args)) + len(jax.tree.leaves(jax.eval_shape(step, *args)))
     assert priced.graph.buffers == plain.graph.buffers == leaves
+    # the pytrees' Python calls are counted where the profile prices them, and only there
+    assert priced.graph.tree_calls > 0 and plain.graph.tree_calls == 0
     def key(r):
         return r.d, r.m, r.variant, tuple(s.name for s in r.strategies)
 
-    was = {key(r): r.predicted for r in plain.search.results}
+    was = {key(r): r.predicted for r in _one_device(SPEC, 4)[1].search.results}
     # the same candidates priced (a list may keep fewer alternatives: it keeps the close)
     assert {key(r) for r in priced.search.results} <= was.keys()
     assert {r.d * r.m for r in priced.search.results} == {1, 2, 4}
     for r in priced.search.results:
         f = (r.d * r.m - 1) / 7   # of the way from the 1-device row to the 8-device one
-        want = 6e-6 + f * 34e-6 + priced.graph.buffers * (6e-7 + f * 24e-7)
+        want = (6e-6 + f * 34e-6 + priced.graph.buffers * (6e-7 + f * 24e-7)
+                + priced.graph.tree_calls * PER_CALL)
         assert r.predicted.call_time_s == pytest.approx(want)
         assert r.predicted.step_time_s - was[key(r)].step_time_s == pytest.approx(want, rel=1e-6)
     nodes = Cluster(dataclasses.replace(SPEC, call_cost=CALL), 4, devices_per_node=1)
@@ -104,3 +111,88 @@ def test_explain_names_the_call_where_there_is_one():
     _, plain, _ = _one_device(SPEC)
     assert "host's call" in planned.plan.explain()
     assert "host's call" not in plain.plan.explain()
+
+
+WORK = 10   # Python calls each flatten of a `_Costly` node makes beyond its own
+
+
+def _helper():
+    return None
+
+
+@jax.tree_util.register_pytree_node_class
+class _Costly:
+    """A custom pytree node whose flatten calls a helper WORK times (as Flax NNX's states
+    and variables run Python for each node)."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def tree_flatten(self):
+        for _ in range(WORK):
+            _helper()
+        return (self.tree,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+
+def _costly_step(state, batch):
+    def loss(p):
+        return jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(state.tree)
+    return _Costly(jax.tree.map(lambda p, g: p - 0.1 * g, state.tree, grads)), value
+
+
+def _plain_step(state, batch):
+    new, value = _costly_step(_Costly(state), batch)
+    return new.tree, value
+
+
+def _plan_in(wrap, step, spec=PRICED):
+    params = {"w": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32),
+             "y": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    return make_plan(step, (wrap(params), batch), {}, params=params, options=jaxwap.PlanOptions(
+        hardware=Cluster(spec, 1), verify=0, cache=False))
+
+
+def test_a_step_in_custom_pytree_nodes_is_priced_their_python_calls():
+    """A call reads the arguments' structure once: a step whose state sits in a node that
+    calls a helper WORK times per flatten is counted at least WORK calls more than the same
+    step in plain dicts, the same count on every planning (a plan can be re-made from
+    it), and priced the count times the profile's seconds per call on top of its arrays'."""
+    costly, plain = _plan_in(_Costly, _costly_step), _plan_in(lambda t: t, _plain_step)
+    assert costly.graph.buffers == plain.graph.buffers
+    assert costly.graph.tree_calls - plain.graph.tree_calls >= WORK
+    assert _plan_in(_Costly, _costly_step).graph.tree_calls == costly.graph.tree_calls
+    one = next(r for r in costly.search.results if r.d == r.m == 1).predicted
+    assert one.call_time_s == pytest.approx(6e-6 + costly.graph.buffers * 6e-7
+                                            + costly.graph.tree_calls * PER_CALL)
+
+
+def test_python_calls_are_priced_by_the_calibrated_figure_and_kept_in_records():
+    """The reference structure's seconds per call is a positive figure; a profile without
+    it counts nothing and keeps its record (and plan-cache key) as before."""
+    assert 0 < python_call_seconds(nodes=16, repeats=5) < 1e-4
+    assert "python_call_s" not in SPEC.to_dict()
+    assert DeviceSpec.from_dict(json.loads(json.dumps(PRICED.to_dict()))) == PRICED
+    assert _plan_in(_Costly, _costly_step, dataclasses.replace(SPEC, call_cost=CALL)
+                    ).graph.tree_calls == 0
+    with pytest.raises(ValueError, match="python_call_s must be >= 0"):
+        dataclasses.replace(SPEC, python_call_s=-1e-9)
+
+
+def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch):
+    """The state a step hands back is on the plan's shardings already: the next call
+    passes it as it is and moves only the new batch (`api.place`), not every leaf."""
+    step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
+    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0)
+    params, opt, _ = wrapped(params, opt, batch)
+    moved = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: moved.append(x) or real(x, *a, **k))
+    again = wrapped(params, opt, batch)
+    assert moved and all(any(x is b for b in jax.tree.leaves(batch)) for x in moved)
+    assert len(jax.tree.leaves(again)) == len(jax.tree.leaves((params, opt))) + 1
