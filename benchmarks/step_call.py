@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/step_call.py                    # one device, then 8 simulated
     taskset -c 0 .venv/bin/python benchmarks/step_call.py --tag one_core
+    PYTHONPATH=<checkout of an earlier commit> .venv/bin/python benchmarks/step_call.py \
+        --steps-only --tag before                               # the steps alone, its code
 
 jax's dispatch of a compiled program (parsing its arguments, the donation, making its
 results, per device) is paid once per step and is not inside any operation, so the
@@ -12,7 +14,10 @@ program, one that hands its donated arguments back, directly at several array co
 one device and on 8 simulated CPU devices (a fresh process with
 `--xla_force_host_platform_device_count=8`), beside what the probe makes of its two
 calls there; and gives each CI-sized zoo model's arrays in and out (`Graph.buffers`) and
-the call the one-device probe prices for it.
+the call the one-device probe prices for it with the Python calls of its pytree work
+(`pytree_cost`). Then ResNet-50-small's and GPT-2-small's one-device steps are timed
+through `auto_shard`, through `jax.jit` and inside a program, whose differences are what
+a call really costs.
 
 Writes `benchmarks/results/step_call_cpu.json` and `.md` (`--tag T`: `step_call_cpu_T.*`).
 Every figure is **measured** on this CPU, except the zoo's call, **predicted** from the
@@ -136,43 +141,47 @@ def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    lines = [f"The host's call of a program that hands back its donated arguments, "
-             f"**measured** on this machine's CPU ({record['cpu']}), {record['date_utc']} "
-             f"UTC, median of 300 calls each; beside it what the calibration's probe "
-             f"(`probes.step_call`, in the same process) makes of its two calls, 1 and 64 "
-             f"arrays. Command: `{record['command']}`.", "",
-             "| devices | " + " | ".join(f"{n} arrays in and out" for n in COUNTS) + " |",
-             "|---|" + "---|" * len(COUNTS)]
-    for r in record["runs"]:
-        lines.append(f"| {r['devices']} measured | " + " | ".join(
-            f"{r['call_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
-        lines.append(f"| {r['devices']} probe | " + " | ".join(
-            f"{r['probe_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
-    rows = "; ".join(f"{d} device(s) {a * 1e6:.2f} us + {c * 1e6:.3f} us an array"
-                     for d, a, c in record["runs"][-1]["probe"])
-    lines += ["", f"The probe's rows in the 8-device process (`DeviceSpec.call_cost`): {rows}.",
-              "",
-              f"Each CI-sized zoo model's call, one device (**predicted**: the one-device "
-              f"probe's row for its arrays, plus the Python calls of its pytree work, "
-              f"counted by the planner, at {record['python_call_s'] * 1e9:.0f} ns each, "
-              f"**measured** here by `pytree_cost.python_call_seconds`):", "",
-              "| model | arrays in and out | pytree calls | their time | call |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {z['model']} | {z['arrays']} | {z['tree_calls']} | "
-              f"{z['tree_s'] * 1e3:.3f} ms | {z['call_s'] * 1e3:.3f} ms |"
-              for z in record["zoo"]]
-    lines += ["", "Their one-device steps, **measured** in interleaved rounds: as a training "
-              "loop calls `auto_shard`'s step, as it calls `jax.jit` of the step, and "
-              "inside a program (no call: a program of three steps less one of one, over "
-              "two). What a call costs is the first two less the third:", "",
+    head = (f"**Measured** on this machine's CPU ({record['cpu']}), {record['date_utc']} UTC. "
+            f"Command: `{record['command']}`.")
+    lines = [head, ""]
+    if record.get("runs"):
+        lines += ["The host's call of a program that hands back its donated arguments, "
+                  "median of 300 calls each; beside it what the calibration's probe "
+                  "(`probes.step_call`, in the same process) makes of its two calls, 1 and "
+                  "64 arrays.", "",
+                  "| devices | " + " | ".join(f"{n} arrays in and out" for n in COUNTS) + " |",
+                  "|---|" + "---|" * len(COUNTS)]
+        for r in record["runs"]:
+            lines.append(f"| {r['devices']} measured | " + " | ".join(
+                f"{r['call_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
+            lines.append(f"| {r['devices']} probe | " + " | ".join(
+                f"{r['probe_s'][str(n)] * 1e6:.1f} us" for n in COUNTS) + " |")
+        rows = "; ".join(f"{d} device(s) {a * 1e6:.2f} us + {c * 1e6:.3f} us an array"
+                         for d, a, c in record["runs"][-1]["probe"])
+        lines += ["", f"The probe's rows in the 8-device process (`DeviceSpec.call_cost`): "
+                  f"{rows}.", "",
+                  f"Each CI-sized zoo model's call, one device (**predicted**: the one-device "
+                  f"probe's row for its arrays, plus the Python calls of its pytree work, "
+                  f"counted by the planner, at {record['python_call_s'] * 1e9:.0f} ns each, "
+                  f"**measured** here by `pytree_cost.python_call_seconds`):", "",
+                  "| model | arrays in and out | pytree calls | their time | call |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {z['model']} | {z['arrays']} | {z['tree_calls']} | "
+                  f"{z['tree_s'] * 1e3:.3f} ms | {z['call_s'] * 1e3:.3f} ms |"
+                  for z in record["zoo"]]
+        lines.append("")
+    priced = {z["model"]: z["call_s"] for z in record.get("zoo", [])}
+    lines += ["One-device steps, **measured** in interleaved rounds: as a training loop calls "
+              "`auto_shard`'s step, as it calls `jax.jit` of the step, and inside a program "
+              "(no call: a program of three steps less one of one, over two). What a call "
+              "costs is the first two less the third:", "",
               "| model | auto_shard ms | jax.jit ms | in a program ms | auto_shard's call "
               "ms | jax.jit's call ms | priced call ms |", "|---|---|---|---|---|---|---|"]
-    priced = {z["model"]: z["call_s"] for z in record["zoo"]}
     lines += [f"| {s['model']} | {s['auto_shard_s'] * 1e3:.2f} | {s['jit_s'] * 1e3:.2f} | "
               f"{s['in_program_s'] * 1e3:.2f} | "
               f"{(s['auto_shard_s'] - s['in_program_s']) * 1e3:.2f} | "
               f"{(s['jit_s'] - s['in_program_s']) * 1e3:.2f} | "
-              f"{priced.get(s['model'], float('nan')) * 1e3:.2f} |"
+              + (f"{priced[s['model']] * 1e3:.2f} |" if s["model"] in priced else "- |")
               for s in record["steps"]]
     return "\n".join(lines) + "\n"
 
@@ -180,26 +189,30 @@ def markdown(record: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tag", default="")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="time the zoo's steps alone (runs on the code of earlier commits)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     if args.worker:
         print(json.dumps(timed(args.worker)))
         return
-    from jaxwap.pytree_cost import python_call_seconds
-
-    runs = [timed(1)]
-    per_call = python_call_seconds()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    got = subprocess.run([sys.executable, __file__, "--worker", "8"], env=env, check=True,
-                         capture_output=True, text=True)
-    runs.append(json.loads(got.stdout.strip().splitlines()[-1]))
     record = {"command": "python benchmarks/step_call.py " + " ".join(sys.argv[1:]),
               "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
               "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
-                     f"{len(os.sched_getaffinity(0))}",
-              "runs": runs, "python_call_s": per_call,
-              "zoo": zoo_calls(runs[0]["probe"], per_call), "steps": zoo_steps()}
+                     f"{len(os.sched_getaffinity(0))}"}
+    if not args.steps_only:
+        from jaxwap.pytree_cost import python_call_seconds
+
+        runs = [timed(1)]
+        per_call = python_call_seconds()
+        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+        got = subprocess.run([sys.executable, __file__, "--worker", "8"], env=env,
+                             check=True, capture_output=True, text=True)
+        runs.append(json.loads(got.stdout.strip().splitlines()[-1]))
+        record.update(runs=runs, python_call_s=per_call,
+                      zoo=zoo_calls(runs[0]["probe"], per_call))
+    record["steps"] = zoo_steps()
     stem = "step_call_cpu" + (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
