@@ -10,7 +10,7 @@ results, per device) is paid once per step and is not inside any operation, so t
 calibration's in-program probes leave it out. `jaxwap.calibrate` measures it with
 `probes.step_call` (seconds + n x seconds per array for n arrays in and out, on one
 device and on all of a process's: `DeviceSpec.call_cost`). This times the same kind of
-program, one that hands its donated arguments back, directly at several array counts, on
+program, one that adds one to its donated arguments, directly at several array counts, on
 one device and on 8 simulated CPU devices (a fresh process with
 `--xla_force_host_platform_device_count=8`), beside what the probe makes of its two
 calls there; and gives each CI-sized zoo model's arrays in and out (`Graph.buffers`) and
@@ -145,7 +145,7 @@ def markdown(record: dict[str, Any]) -> str:
             f"Command: `{record['command']}`.")
     lines = [head, ""]
     if record.get("runs"):
-        lines += ["The host's call of a program that hands back its donated arguments, "
+        lines += ["The host's call of a program that adds one to its donated arguments, "
                   "median of 300 calls each; beside it what the calibration's probe "
                   "(`probes.step_call`, in the same process) makes of its two calls, 1 and "
                   "64 arrays.", "",
