@@ -10,6 +10,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from models import MLP, abstract_setup, setup
 
@@ -185,14 +186,20 @@ def test_python_calls_are_priced_by_the_calibrated_figure_and_kept_in_records():
 
 
 def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch):
-    """The state a step hands back is on the plan's shardings already: the next call
-    passes it as it is and moves only the new batch (`api.place`), not every leaf."""
+    """The state a step hands back is on the plan's shardings already, and a batch made on
+    the one device of a one-device mesh is laid out as the mesh lays it: the next call
+    passes both as they are (`api.call_step`, no `device_put`). A host (numpy) batch is
+    the only thing the call after moves."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
     wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0)
     params, opt, _ = wrapped(params, opt, batch)
     moved = []
     real = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: moved.append(x) or real(x, *a, **k))
-    again = wrapped(params, opt, batch)
-    assert moved and all(any(x is b for b in jax.tree.leaves(batch)) for x in moved)
+    params, opt, _ = wrapped(params, opt, batch)
+    assert moved == []
+    host = jax.tree.map(np.asarray, batch)
+    again = wrapped(params, opt, host)
+    assert len(moved) == len(jax.tree.leaves(host))
+    assert all(any(x is b for b in jax.tree.leaves(host)) for x in moved)
     assert len(jax.tree.leaves(again)) == len(jax.tree.leaves((params, opt))) + 1
