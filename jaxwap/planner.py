@@ -148,8 +148,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
     timing = {"trace": time.perf_counter() - t0}
     ctx = PlanContext(layout.params, layout.params_treedef, options.objective, cluster, devs,
-                      budget, layout.inputs.batch_size,
-                      tree_calls=tree_calls(layout) if cluster.device.python_call_s else 0)
+                      budget, layout.inputs.batch_size)
     store = options.store
     key = None
     if store is not None:
@@ -165,6 +164,8 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
             return Planned(plan, layout, dataclasses.replace(ctx, step=plan.step), fn=_variant_fn(
                 fn, plan.step), cache_key=key)
+    if cluster.device.python_call_s:   # counted for a plan to be made, not one read back
+        ctx = dataclasses.replace(ctx, tree_calls=tree_calls(layout))
     platform = cluster.device.name.split()[0] if described else devs[0].platform
     rules = options.rules(layout.params)
     if rules is not None and rules.pins:

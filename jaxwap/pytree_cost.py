@@ -4,18 +4,17 @@ Every call of an `auto_shard` step reads its arguments' structure (`trace.signat
 one flatten of them) and builds its results' (`out_treedef.unflatten`). Plain containers
 (dicts, lists, tuples) are flattened in C++; a custom pytree node runs Python for each
 node each way, and Flax NNX's states and variables run a good deal of it: on this
-project's 2-core CPU GPT-2-small's 87 leaves make 1,487 calls, 0.42-0.53 ms a call of a
-step of about 4.5 ms (ResNet-50-small's 108 leaves in plain dicts: 551 calls, 0.10-0.12
-ms, most of them `signature`'s own per leaf). The per-array dispatch jax does in C++ is
-`DeviceSpec.call_cost`'s; this is the rest.
+project's 2-core CPU GPT-2-small's 87 leaves make 1,226 calls, 0.23 ms a call of a step
+of about 4.5 ms (ResNet-50-small's 108 leaves in plain dicts: 227 calls, 0.05 ms). The
+per-array dispatch jax does in C++ is `DeviceSpec.call_cost`'s; this is the rest.
 
 The work is counted, not timed, when planning: the Python function calls (and the C
 functions they call) that a call's pytree work makes, on placeholder leaves
 (`tree_calls`), is a fact of the step's pytrees that a plan can be re-made from, where a
 timing would differ on every planning. The calibration prices one call
-(`python_call_seconds`: a reference structure's time over its count, about 260 ns here,
-where NNX's calls took 280-350 ns and plain dicts' 190-230; `DeviceSpec.python_call_s`),
-and a step's call costs its count times that.
+(`python_call_seconds`: a reference structure's time over its count, 170-260 ns here
+across runs; the zoo's own calls took 190-240 ns in a run where it read 200;
+`DeviceSpec.python_call_s`), and a step's call costs its count times that.
 """
 
 from __future__ import annotations
