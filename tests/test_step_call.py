@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from models import MLP, abstract_setup, setup
+from models import MLP, abstract_setup, copy_tree, setup
 
 import jaxwap
 from jaxwap import probes
@@ -185,17 +185,23 @@ def test_python_calls_are_priced_by_the_calibrated_figure_and_kept_in_records():
         dataclasses.replace(SPEC, python_call_s=-1e-9)
 
 
+def _counting_puts(monkeypatch) -> list:
+    moved = []
+    real = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: moved.append(x) or real(x, *a, **k))
+    return moved
+
+
 def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch):
     """The state a step hands back is on the plan's shardings already, and a batch made on
     the one device of a one-device mesh is laid out as the mesh lays it: the next call
     passes both as they are (`api.call_step`, no `device_put`). A host (numpy) batch is
     the only thing the call after moves."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
-    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0)
+    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0, num_devices=1)
     params, opt, _ = wrapped(params, opt, batch)
-    moved = []
-    real = jax.device_put
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: moved.append(x) or real(x, *a, **k))
+    assert wrapped.plan.num_devices == 1
+    moved = _counting_puts(monkeypatch)
     params, opt, _ = wrapped(params, opt, batch)
     assert moved == []
     host = jax.tree.map(np.asarray, batch)
@@ -203,3 +209,23 @@ def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch)
     assert len(moved) == len(jax.tree.leaves(host))
     assert all(any(x is b for b in jax.tree.leaves(host)) for x in moved)
     assert len(jax.tree.leaves(again)) == len(jax.tree.leaves((params, opt))) + 1
+
+
+def test_on_a_sharded_mesh_a_later_call_moves_the_batch_alone(monkeypatch):
+    """On 2 data-parallel devices the returned state passes as it is; the batch, on one
+    device, is moved onto the mesh (split over the data axis) and gives the same step as
+    one device does."""
+    step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
+    one_params, one_opt = copy_tree(params), copy_tree(opt)
+    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0,
+                                mesh_shape={"data": 2, "model": 1})
+    params, opt, _ = wrapped(params, opt, batch)
+    moved = _counting_puts(monkeypatch)
+    params, opt, metrics = wrapped(params, opt, batch)
+    assert len(moved) == len(jax.tree.leaves(batch))
+    assert all(any(x is b for b in jax.tree.leaves(batch)) for x in moved)
+    for _ in range(2):
+        one_params, one_opt, one_metrics = jax.jit(step)(one_params, one_opt, batch)
+    for got, want in zip(jax.tree.leaves((params, metrics)), jax.tree.leaves(
+            (one_params, one_metrics)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
