@@ -99,8 +99,10 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, list[An
     def key_of(i: int, leaf: Any) -> tuple[Any, ...]:
         if arrays[i]:
             return _SHAPE_DTYPE(leaf)
+        # as an array's key, so a numpy batch reuses the plan a jax one made; a weakly
+        # typed leaf (a Python number) is told apart
         a = abstract_leaf(leaf, lambda: _leaf_path(args, kwargs, i))
-        return tuple(a.shape), a.dtype, bool(getattr(a, "weak_type", False))
+        return (tuple(a.shape), a.dtype) + ((True,) if getattr(a, "weak_type", False) else ())
     return (treedef, names, tuple(key_of(i, x) for i, x in enumerate(leaves))), leaves
 
 

@@ -205,7 +205,12 @@ def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch)
     params, opt, _ = wrapped(params, opt, batch)
     assert moved == []
     host = jax.tree.map(np.asarray, batch)
+    plans = []
+    real_plan = jaxwap.api.make_plan
+    monkeypatch.setattr(jaxwap.api, "make_plan", lambda *a, **k: plans.append(1) or
+                        real_plan(*a, **k))
     again = wrapped(params, opt, host)
+    assert plans == []     # the numpy batch of the same shapes reuses the plan
     assert len(moved) == len(jax.tree.leaves(host))
     assert all(any(x is b for b in jax.tree.leaves(host)) for x in moved)
     assert len(jax.tree.leaves(again)) == len(jax.tree.leaves((params, opt))) + 1
