@@ -49,24 +49,25 @@ def _counted(work: Callable[[], Any]) -> int:
     return count
 
 
-def _call_work(layout: ArgLayout) -> Callable[[], Any]:
-    """A call's pytree work on `layout`'s structure: its arguments read as `signature`
-    reads them and its results built, with one jax scalar at every leaf (a real call's
-    leaves are jax arrays, which `signature` reads directly)."""
-    leaf = jnp.zeros((), jnp.float32)
-    args, kw = layout.args_treedef.unflatten([leaf] * layout.args_treedef.num_leaves)
-    named = dict(zip(layout.kw_names, kw, strict=True))
-    results = [leaf] * layout.out_treedef.num_leaves
+def _call_work(args: Any, kwargs: dict[str, Any], out_treedef: Any) -> Callable[[], Any]:
+    """A call's pytree work: its arguments read as `signature` reads them and its results
+    built (`out_treedef`), with one jax scalar at every result leaf."""
+    results = [jnp.zeros((), jnp.float32)] * out_treedef.num_leaves
 
     def work() -> None:
-        signature(args, named)
-        layout.out_treedef.unflatten(results)
+        signature(args, kwargs)
+        out_treedef.unflatten(results)
     return work
 
 
 def tree_calls(layout: ArgLayout) -> int:
-    """Python function calls a call of the step makes on its pytrees (`_call_work`)."""
-    return _counted(_call_work(layout))
+    """Python function calls a call of the step makes on its pytrees (`_call_work`), with
+    one jax scalar at every leaf (a real call's leaves are jax arrays, which `signature`
+    reads directly)."""
+    leaf = jnp.zeros((), jnp.float32)
+    args, kw = layout.args_treedef.unflatten([leaf] * layout.args_treedef.num_leaves)
+    return _counted(_call_work(args, dict(zip(layout.kw_names, kw, strict=True)),
+                               layout.out_treedef))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -113,11 +114,7 @@ def python_call_seconds(nodes: int = 64, repeats: int = 51) -> float:
     tree = {f"n{i}": _Node({"w": _Variable(leaf, kind="param"),
                             "b": _Variable(leaf, kind="param")}, f"n{i}")
             for i in range(nodes)}
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-
-    def work() -> None:
-        signature((tree,), {})
-        treedef.unflatten(leaves)
+    work = _call_work((tree,), {}, jax.tree_util.tree_structure(tree))
     return time_it(work, repeats) / _counted(work)
 
 
