@@ -4,6 +4,7 @@
     taskset -c 0 .venv/bin/python benchmarks/step_call.py --tag one_core
     PYTHONPATH=<checkout of an earlier commit> .venv/bin/python benchmarks/step_call.py \
         --steps-only --tag before                               # the steps alone, its code
+    python benchmarks/step_call.py --device --out DIR           # on a GPU: full-size steps
 
 jax's dispatch of a compiled program (parsing its arguments, the donation, making its
 results, per device) is paid once per step and is not inside any operation, so the
@@ -21,7 +22,9 @@ a call really costs.
 
 Writes `benchmarks/results/step_call_cpu.json` and `.md` (`--tag T`: `step_call_cpu_T.*`).
 Every figure is **measured** on this CPU, except the zoo's call, **predicted** from the
-probe and the Python calls the planner counts.
+probe and the Python calls the planner counts. `--device` times the same three ways the
+full-size steps (bf16, the zoo's batches) on the default backend's first device (a GPU)
+and writes `step_call_<device>.*` under `--out`.
 """
 
 from __future__ import annotations
@@ -84,18 +87,23 @@ def zoo_calls(rows: list[list[float]], per_call: float) -> list[dict[str, Any]]:
     return rows
 
 
-def zoo_steps(names: tuple[str, ...] = ("resnet50", "gpt2")) -> list[dict[str, Any]]:
-    """`step_times` of each model."""
-    return [step_times(name) for name in names]
+def zoo_steps(names: tuple[str, ...] = ("resnet50", "gpt2", "resnet50-depth"),
+              full: bool = False, in_program: bool = True) -> list[dict[str, Any]]:
+    """`step_times` of each model (`full`: the full-size model, else the CI-sized one;
+    `resnet50-depth`: ResNet-50 at its full depth, 8 channels wide on 32-pixel images, whose
+    592 argument leaves are the full model's count on a CPU-sized computation)."""
+    return [step_times(name, full, in_program) for name in names]
 
 
-def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
+def step_times(name: str, full: bool = False, in_program: bool = True, rounds: int = 12,
+               calls: int = 11) -> dict[str, Any]:
     """A zoo model's one-device step timed three ways in interleaved rounds (median of
     `calls` calls a round, medians of the rounds): through `auto_shard` as a training
     loop calls it (its pytrees in and out), through `jax.jit` of the step (donating the
     state), and inside a program (`probes.in_program`'s difference: one program running
     the step three times against one running it once, over two), which no call pays. The
-    first two less the third are what a call costs."""
+    first two less the third are what a call costs (`in_program=False`: the first two
+    alone, in half the rounds)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import jax
     import jax.numpy as jnp
@@ -105,7 +113,9 @@ def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
     import jaxwap
     from jaxwap.probes import time_it
 
-    w = zoo.small(name)
+    w = (zoo.WORKLOADS[name]() if full else
+         zoo.resnet50(batch_size=2, image_size=32, width=8, num_classes=10)
+         if name == "resnet50-depth" else zoo.small(name))
     data = w.synthetic(0)
     k = len(data) - 1       # the state's arguments; the batch comes last
 
@@ -127,8 +137,11 @@ def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
         return jax.jit(steps, donate_argnums=tuple(range(k)))
 
     runs = {"auto_shard": looped(jaxwap.auto_shard(w.step, w.params, cache=False)),
-            "jax.jit": looped(jax.jit(w.step, donate_argnums=tuple(range(k)))),
-            "chain 1": looped(chained(1)), "chain 3": looped(chained(3))}
+            "jax.jit": looped(jax.jit(w.step, donate_argnums=tuple(range(k))))}
+    if in_program:
+        runs.update({"chain 1": looped(chained(1)), "chain 3": looped(chained(3))})
+    else:
+        rounds //= 2
     times: dict[str, list[float]] = {n: [] for n in runs}
     for run in runs.values():
         run()
@@ -136,12 +149,15 @@ def step_times(name: str, rounds: int = 12, calls: int = 11) -> dict[str, Any]:
         for n, run in runs.items():
             times[n].append(time_it(run, calls))
     med = {n: float(np.median(t)) for n, t in times.items()}
-    return {"model": w.name, "auto_shard_s": med["auto_shard"], "jit_s": med["jax.jit"],
-            "in_program_s": (med["chain 3"] - med["chain 1"]) / 2}
+    return {"model": name if name == "resnet50-depth" else w.name,
+            "auto_shard_s": med["auto_shard"], "jit_s": med["jax.jit"],
+            "in_program_s": (med["chain 3"] - med["chain 1"]) / 2 if in_program else None}
 
 
 def markdown(record: dict[str, Any]) -> str:
-    head = (f"**Measured** on this machine's CPU ({record['cpu']}), {record['date_utc']} UTC. "
+    where = (f"one {record['device']} (host: {record['cpu']})" if record.get("device")
+             else f"this machine's CPU ({record['cpu']})")
+    head = (f"**Measured** on {where}, {record['date_utc']} UTC. "
             f"Command: `{record['command']}`.")
     lines = [head, ""]
     if record.get("runs"):
@@ -171,16 +187,18 @@ def markdown(record: dict[str, Any]) -> str:
                   for z in record["zoo"]]
         lines.append("")
     priced = {z["model"]: z["call_s"] for z in record.get("zoo", [])}
-    lines += ["One-device steps, **measured** in interleaved rounds: as a training loop calls "
+    size = "Full-size (the zoo's batches, bf16)" if record.get("device") else "One-device"
+    lines += [f"{size} steps, **measured** in interleaved rounds: as a training loop calls "
               "`auto_shard`'s step, as it calls `jax.jit` of the step, and inside a program "
               "(no call: a program of three steps less one of one, over two). What a call "
               "costs is the first two less the third:", "",
               "| model | auto_shard ms | jax.jit ms | in a program ms | auto_shard's call "
               "ms | jax.jit's call ms | priced call ms |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {s['model']} | {s['auto_shard_s'] * 1e3:.2f} | {s['jit_s'] * 1e3:.2f} | "
-              f"{s['in_program_s'] * 1e3:.2f} | "
-              f"{(s['auto_shard_s'] - s['in_program_s']) * 1e3:.2f} | "
-              f"{(s['jit_s'] - s['in_program_s']) * 1e3:.2f} | "
+              + (f"{s['in_program_s'] * 1e3:.2f} | "
+                 f"{(s['auto_shard_s'] - s['in_program_s']) * 1e3:.2f} | "
+                 f"{(s['jit_s'] - s['in_program_s']) * 1e3:.2f} | "
+                 if s["in_program_s"] is not None else "- | - | - | ")
               + (f"{priced[s['model']] * 1e3:.2f} |" if s["model"] in priced else "- |")
               for s in record["steps"]]
     return "\n".join(lines) + "\n"
@@ -191,9 +209,15 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     ap.add_argument("--steps-only", action="store_true",
                     help="time the zoo's steps alone (runs on the code of earlier commits)")
+    ap.add_argument("--device", action="store_true",
+                    help="the full-size steps alone on the default backend (a GPU)")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="with --device: auto_shard against jax.jit alone (no in-program time)")
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    if not args.device:
+        os.environ["JAX_PLATFORMS"] = "cpu"
     if args.worker:
         print(json.dumps(timed(args.worker)))
         return
@@ -201,6 +225,17 @@ def main() -> None:
               "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
               "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
                      f"{len(os.sched_getaffinity(0))}"}
+    if args.device:
+        import jax
+
+        kind = jax.devices()[0].device_kind
+        record.update(device=kind, jax=jax.__version__,
+                      steps=zoo_steps(("resnet50", "gpt2"), full=True,
+                                      in_program=not args.calls_only))
+        stem = "step_call_" + "".join(c if c.isalnum() else "-" for c in kind.lower()) \
+            + (f"_{args.tag}" if args.tag else "")
+        _write(Path(args.out), stem, record)
+        return
     if not args.steps_only:
         from jaxwap.pytree_cost import python_call_seconds
 
@@ -213,10 +248,13 @@ def main() -> None:
         record.update(runs=runs, python_call_s=per_call,
                       zoo=zoo_calls(runs[0]["probe"], per_call))
     record["steps"] = zoo_steps()
-    stem = "step_call_cpu" + (f"_{args.tag}" if args.tag else "")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (RESULTS / f"{stem}.md").write_text(markdown(record))
+    _write(Path(args.out), "step_call_cpu" + (f"_{args.tag}" if args.tag else ""), record)
+
+
+def _write(out: Path, stem: str, record: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(record))
     print(markdown(record))
 
 

@@ -184,21 +184,22 @@ class Workload:
 
 def step_runner(cs: Any, layout: Any, state: list[Any]) -> Callable[..., Any]:
     """`run()`: one step of a compiled zoo step (`CompiledStep` cs, traced as `layout`) as a
-    training loop runs an `auto_shard` step: the arguments in their pytrees, read
-    (`trace.signature`) and placed (`api.call_step`) on each call as `auto_shard`'s call
-    does. Every zoo step takes (*state, batch) and returns (*new state, metrics); `state`
-    holds the flat arguments, already placed, and each step's new state is the next
-    step's arguments (donated buffers are never reused). `run(block=False)` dispatches
-    without waiting for the device. Returns the outputs."""
-    from jaxwap.api import call_step
+    training loop runs an `auto_shard` step: the arguments in their pytrees, read and
+    placed on each call by the call `auto_shard`'s step makes (`calls.StepCall`). Every zoo
+    step takes (*state, batch) and returns (*new state, metrics); `state` holds the flat
+    arguments, already placed, and each step's new state is the next step's arguments
+    (donated buffers are never reused). `run(block=False)` dispatches without waiting for
+    the device. Returns the outputs."""
+    from jaxwap.calls import StepCall
     from jaxwap.trace import signature
 
     args, _ = jax.tree_util.tree_unflatten(layout.args_treedef, state)
     args = list(args)
+    call = StepCall(cs, layout, signature(args, {})[0])
 
     def run(block: bool = True) -> Any:
-        _, leaves = signature(args, {})
-        out = call_step(cs, layout, leaves)
+        _, leaves = call.leaves_of(args, {})
+        out = call(leaves)
         if block:
             jax.block_until_ready(out)
         args[:-1] = out[:-1]     # the batch comes last

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
+from .calls import StepCall, place
 from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
 from .measure import measure_finalists
 from .options import PlanOptions, split_options
@@ -27,109 +26,7 @@ from .planner import Planned, make_plan, record_measurements
 from .power_limit import PowerLimitGuard
 from .records import mesh_dims, mesh_stages
 from .state import classify_leaves
-from .trace import ArgLayout, flat_leaves, globalize, is_process_local, signature
-
-
-def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any:
-    """Put one argument leaf on its sharding. With several processes, host data cannot be
-    `device_put` onto devices of other processes: a process-local batch slice becomes its
-    rows of the global array, and state (the same on every process) is sliced per device."""
-    if jax.process_count() == 1 or not is_process_local(leaf):
-        return jax.device_put(leaf, sharding)
-    local = np.asarray(leaf)
-    if local.shape != tuple(aval.shape):
-        return _from_process_slices(local, sharding, tuple(aval.shape))
-    return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index])
-
-
-def own_buffers(placed: list[Any], given: Sequence[Any], donated: Sequence[int],
-                shs: Sequence[NamedSharding]) -> None:
-    """Give every donated leaf of `placed` a buffer of its own, in place: XLA refuses to
-    donate one buffer twice, or one that another argument also reads, and the same array
-    passed at two leaves (an EMA started as `ema = params`, one zeros array reused at two
-    paths) is that. A repeat (the same object given, or placed: `device_put` onto an
-    array's own sharding returns it, and places two copies of one array over the same
-    device's buffer) is copied; the first use is donated, as any donated argument is."""
-    if not donated or (all(map(operator.is_, placed, given))
-                       and len(set(map(id, placed))) == len(placed)):
-        return     # every leaf passed as it was given, no two the same: nothing repeats
-    seen: set[int] = set()
-    donating = set(donated)
-    for i, (x, y) in enumerate(zip(given, placed, strict=True)):
-        if i not in donating:
-            seen.update((id(x), id(y)))
-    for i in donated:
-        ids = (id(given[i]), id(placed[i]))
-        if seen.isdisjoint(ids):
-            seen.update(ids)
-        else:
-            placed[i] = jax.device_put(placed[i], shs[i], may_alias=False)
-
-
-def call_step(ex: CompiledStep, layout: ArgLayout, leaves: Sequence[Any]) -> Any:
-    """One call of a compiled step on the argument leaves a call was given (`signature`):
-    each placed on its sharding (`place`), donated ones on buffers of their own
-    (`own_buffers`), and the results rebuilt as the step returns them. What every call of
-    an `auto_shard` step runs once it has its plan; the benchmarks time steps through it.
-    A leaf already on its sharding (the state a step handed back) is passed as it is:
-    `device_put`'s Python path costs about 20 us a leaf on this project's CPU, 1.9 ms a
-    step for GPT-2-small's 87 leaves, a third of its step."""
-    shs, placed = ex.in_shardings, list(leaves)
-    there = map(operator.eq, (getattr(x, "sharding", None) for x in leaves), shs)
-    donated = set(ex.donated)
-    for i in [i for i, yes in enumerate(there) if not yes]:  # the state a step returned is
-        leaf = leaves[i]
-        if i in donated or not _laid_out_alike(leaf, shs[i]):
-            placed[i] = place(leaf, shs[i], layout.inputs.avals[i])
-    own_buffers(placed, leaves, ex.donated, shs)
-    return jax.tree_util.tree_unflatten(layout.out_treedef, ex.compiled(*placed))
-
-
-def _laid_out_alike(leaf: Any, sharding: NamedSharding) -> bool:
-    """Whether a jax array is laid out on its devices as `sharding` lays it out (a batch
-    made on the one device of a one-device mesh: `SingleDeviceSharding` there), so the
-    compiled step takes it as it is where `device_put` would copy it (0.1-0.4 ms a step
-    for ResNet-50-small's batch on this project's CPU). Only for arguments the step does not
-    donate: a donated one must be a buffer of the step's own (`own_buffers`)."""
-    return isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
-
-
-@functools.lru_cache(maxsize=256)
-def _rows_held(sharding: NamedSharding, shape: tuple[int, ...]) -> int:
-    """How many rows (leading-dim entries) of a `shape` array this process's devices hold
-    under `sharding` (cached: every step places its batch)."""
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        rows.update(range(*(index[0] if index else slice(None)).indices(shape[0])))
-    return len(rows)
-
-
-def _from_process_slices(local: np.ndarray, sharding: NamedSharding,
-                         shape: tuple[int, ...]) -> jax.Array:
-    """The global array of a batch leaf that each process passes its own slice of (in
-    process order), on `sharding`. Where the sharding gives each process as many rows as it
-    passed (a data axis that spans the processes) those are its rows. Where it holds more
-    on a process (a mesh whose data axis stays inside a process, e.g. tensor parallelism
-    across the processes: the batch is replicated there), the slices first make an array
-    split by process over the same devices, which then moves onto `sharding` (a collective
-    in which every process receives the others' rows)."""
-    if _rows_held(sharding, shape) == local.shape[0]:
-        return jax.make_array_from_process_local_data(sharding, local, shape)
-    devices = sorted(sharding.mesh.devices.flat, key=lambda d: (d.process_index, d.id))
-    processes = len({d.process_index for d in devices})
-    if len(devices) % processes:
-        raise ValueError(f"a batch slice per process needs as many devices in each of the "
-                         f"{processes} processes of the mesh; it has {len(devices)} devices")
-    by_process = Mesh(np.array(devices).reshape(processes, -1), ("process", "local"))
-    split = jax.make_array_from_process_local_data(
-        NamedSharding(by_process, PartitionSpec("process")), local, shape)
-    return _reshard(sharding)(split)
-
-
-@functools.lru_cache(maxsize=64)
-def _reshard(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-    """A compiled identity that moves an array onto `sharding` (cached per sharding)."""
-    return jax.jit(lambda x: x, out_shardings=sharding)
+from .trace import flat_leaves, globalize, signature
 
 
 class AutoShardedStep:
@@ -147,6 +44,8 @@ class AutoShardedStep:
         self._plans: dict[Any, Planned] = {}
         self._measured: set[Any] = set()
         self._execs: dict[Any, CompiledStep] = {}
+        self._calls: dict[Any, StepCall] = {}
+        self._last: StepCall | None = None     # the call that served the last step
         self._current: Planned | None = None
         # plan for the hardware described even where its devices are not present
         # (`jaxwap.plan`); a step that runs plans for the devices it runs on
@@ -263,15 +162,26 @@ class AutoShardedStep:
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key, leaves = signature(args, kwargs)
-        key, planned = self._planned(args, kwargs, key=key)
-        ex = self._compile(key, planned)
-        self._power_limit(planned)
+        # a step's arguments like the last step's are served by the same call unread
+        last = self._last
+        key, leaves = last.leaves_of(args, kwargs) if last else signature(args, kwargs)
+        if key is None:
+            call = last
+            self._current = call.planned
+        else:
+            key, planned = self._planned(args, kwargs, key=key)
+            if key not in self._calls:
+                self._calls[key] = StepCall(self._compile(key, planned), planned.layout, key,
+                                            planned)
+            call = self._calls[key]
+        self._power_limit(call.planned)
         try:
-            return call_step(ex, planned.layout, leaves)
+            out = call(leaves)
         except BaseException:
             self.close()   # never leave a GPU capped behind a failed step
             raise
+        self._last = call
+        return out
 
     # ------------------------------------------------------------------ power limit
     def _power_limit(self, planned: Planned) -> None:

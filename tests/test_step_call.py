@@ -195,7 +195,7 @@ def _counting_puts(monkeypatch) -> list:
 def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch):
     """The state a step hands back is on the plan's shardings already, and a batch made on
     the one device of a one-device mesh is laid out as the mesh lays it: the next call
-    passes both as they are (`api.call_step`, no `device_put`). A host (numpy) batch is
+    passes both as they are (`calls.StepCall`, no `device_put`). A host (numpy) batch is
     the only thing the call after moves."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
     wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0, num_devices=1)
@@ -234,3 +234,77 @@ def test_on_a_sharded_mesh_a_later_call_moves_the_batch_alone(monkeypatch):
     for got, want in zip(jax.tree.leaves((params, metrics)), jax.tree.leaves(
             (one_params, one_metrics)), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _counting_signatures(monkeypatch):
+    """Every `trace.signature` a step's call makes (the plan's key read from the
+    arguments: what a call like the last one skips)."""
+    from jaxwap import calls
+
+    made = []
+    real = calls.signature
+    monkeypatch.setattr(calls, "signature", lambda *a: made.append(1) or real(*a))
+    monkeypatch.setattr(jaxwap.api, "signature", lambda *a: made.append(1) or real(*a))
+    return made
+
+
+def test_a_call_like_the_last_is_served_without_reading_the_key_and_matches_jit(monkeypatch):
+    """After a step has run, calls whose arguments have its structure, shapes and dtypes
+    (the state it returned, a fresh batch each time) are served by the same call without
+    `signature`, and give the steps `jax.jit` gives. A batch of another size reads its key
+    and plans again; one of the first size afterwards is served again unread."""
+    step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
+    ref_params, ref_opt = copy_tree(params), copy_tree(opt)
+    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0,
+                                mesh_shape={"data": 2, "model": 1})
+    params, opt, _ = wrapped(params, opt, batch)
+    ref_params, ref_opt, _ = jax.jit(step)(ref_params, ref_opt, batch)
+    made = _counting_signatures(monkeypatch)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        fresh = {"x": jnp.asarray(rng.standard_normal((8, 8), np.float32)),
+                 "y": jnp.asarray(rng.integers(0, 4, 8), jnp.int32)}
+        params, opt, metrics = wrapped(params, opt, fresh)
+        ref_params, ref_opt, ref_metrics = jax.jit(step)(ref_params, ref_opt, fresh)
+    assert made == []
+    for got, want in zip(jax.tree.leaves((params, opt, metrics)),
+                         jax.tree.leaves((ref_params, ref_opt, ref_metrics)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    plans = []
+    real_plan = jaxwap.api.make_plan
+    monkeypatch.setattr(jaxwap.api, "make_plan", lambda *a, **k: plans.append(1) or
+                        real_plan(*a, **k))
+    small = jax.tree.map(lambda a: a[:4], batch)
+    params, opt, _ = wrapped(params, opt, small)
+    assert len(made) == 1 and plans == [1]
+    made.clear()
+    params, opt, _ = wrapped(params, opt, batch)
+    assert len(made) == 1 and plans == [1]      # its key read once, its plan reused
+    made.clear()
+    wrapped(params, opt, batch)
+    assert made == []
+
+
+def test_a_served_call_still_places_an_argument_moved_off_its_sharding(monkeypatch):
+    """A call like the last one whose state the loop put on another device (a checkpoint
+    restored onto device 1, say) is placed back on the plan's shardings, not passed as
+    the last call found its arguments, and steps as `jax.jit` does."""
+    step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
+    ref_params, ref_opt = copy_tree(params), copy_tree(opt)
+    wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0,
+                                mesh_shape={"data": 2, "model": 1})
+    for _ in range(2):
+        params, opt, _ = wrapped(params, opt, batch)
+        ref_params, ref_opt, _ = jax.jit(step)(ref_params, ref_opt, batch)
+    elsewhere = jax.device_put(params, jax.devices()[5])
+    assert all(x.sharding.device_set == {jax.devices()[5]} for x in jax.tree.leaves(elsewhere))
+    made = _counting_signatures(monkeypatch)
+    params, opt, metrics = wrapped(elsewhere, opt, batch)
+    assert made == []       # served as the last call was
+    ref_params, ref_opt, ref_metrics = jax.jit(step)(ref_params, ref_opt, batch)
+    mesh = set(wrapped.mesh.devices.flat)
+    assert len(mesh) == 2
+    assert all(x.sharding.device_set == mesh for x in jax.tree.leaves(params))
+    for got, ref in zip(jax.tree.leaves((params, opt, metrics)),
+                        jax.tree.leaves((ref_params, ref_opt, ref_metrics)), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
