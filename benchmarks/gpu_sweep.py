@@ -344,6 +344,8 @@ def repredict(args: argparse.Namespace) -> None:
     cluster, dropped = builtin, []
     if rec.get("calibration"):
         spec, dropped = recorded_spec(rec["calibration"])
+        if args.drop_call:    # what the host's call adds: the same profile without it
+            spec = dataclasses.replace(spec, call_cost=(), python_call_s=0.0)
         cluster = jaxwap.Cluster(spec, 1)
     for row in rec["rows"]:
         name = row["model"].removesuffix("-small")
@@ -360,8 +362,9 @@ def repredict(args: argparse.Namespace) -> None:
         "note": "predicted columns re-made by the model at this commit from the recorded "
                 "calibration (backend flags the current built-in's"
                 + (f"; left out, not in the model now: {', '.join(dropped)}" if dropped else "")
+                + ("; the host's call left out (--drop-call)" if args.drop_call else "")
                 + "); measured and compiled columns and the XLA-fed column are the run's"}
-    stem = Path(args.out) / src.stem
+    stem = Path(args.out) / (src.stem + ("_nocall" if args.drop_call else ""))
     stem.with_suffix(".json").write_text(json.dumps(rec, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(rec))
     plot(rec["rows"], stem.with_suffix(".png"))
@@ -462,6 +465,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="predict a recorded run's rows again with the model as it is now "
                         "(no device needed); writes under --out")
     # internal: one child's job
+    p.add_argument("--drop-call", action="store_true",
+                   help="with --repredict: the calibrated profile without the host's call "
+                        "(call_cost, python_call_s), written as <stem>_nocall.*")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--calibrate-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--calibration", help=argparse.SUPPRESS)

@@ -8,7 +8,6 @@ puts the previous one back (a fake NVML stands in for the driver).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import math
 
@@ -18,6 +17,7 @@ import pytest
 
 import jaxwap
 from jaxwap import Cluster
+from jaxwap.calls import StepCall
 from jaxwap.hardware import DeviceSpec, device_spec
 from jaxwap.power import H100_SXM, VOLTAGE_KNEE, PhaseTimes, PowerProfile, step_energy
 from tests.models import MLP, abstract_setup, setup
@@ -191,16 +191,15 @@ def test_apply_restores_after_a_step_raises_and_on_garbage_collection(monkeypatc
     step, params, opt, batch = _applied_step(monkeypatch, nvml)
     params, opt, _ = step(params, opt, batch)
     assert nvml.limits != before
-    ex = next(iter(step._execs.values()))
-    broken = dataclasses.replace(ex, compiled=lambda *a: 1 / 0)
-    step._execs = {k: broken for k in step._execs}
+    real = StepCall.__call__
+    monkeypatch.setattr(StepCall, "__call__", lambda self, leaves: 1 / 0)  # the step raises
     with pytest.raises(ZeroDivisionError):
         step(params, opt, batch)
     assert nvml.limits == before
-    step._execs = {k: ex for k in step._execs}
+    monkeypatch.setattr(StepCall, "__call__", real)
     step(params, opt, batch)
     assert nvml.limits != before
-    del step, ex, broken
+    del step
     gc.collect()
     assert nvml.limits == before
 
