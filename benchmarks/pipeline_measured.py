@@ -13,7 +13,8 @@ cost it. `jaxwap.plan` (objective "throughput", pipelining weighed beside every 
 candidate) plans it at batch 16, 64 and 256 until it chooses a pipeline (the largest
 batch if it never does); there its best pipelined and best non-pipelined candidates
 are compiled through `verify.compile_candidate` (what `auto_shard` runs), run as a
-training loop on synthetic data and timed (median after a warm-up). Writes
+training loop on synthetic data through the call `auto_shard`'s step makes
+(`zoo.step_runner`: the arguments in their pytrees) and timed (median after a warm-up). Writes
 `benchmarks/results/pipeline_measured_cpu.{json,md}`.
 """
 
@@ -79,6 +80,9 @@ def worker(args: argparse.Namespace) -> None:
     from jaxwap.records import STAGE
     from jaxwap.verify import compile_candidate
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zoo
+
     pid = jax.process_index()
     devices = jax.devices()
     shared = Path(args.workdir)
@@ -127,13 +131,7 @@ def worker(args: argparse.Namespace) -> None:
         flat = jax.tree_util.tree_leaves(args_)
         state = [jax.make_array_from_callback(np.shape(x), s, lambda idx, x=x: np.asarray(x)[idx])
                  for x, s in zip(flat, cs.in_shardings, strict=True)]
-        n_batch = len(jax.tree_util.tree_leaves(batch))
-
-        def run(cs: Any = cs, state: list[Any] = state, keep: int = len(state) - n_batch
-                ) -> None:
-            out = jax.block_until_ready(cs.compiled(*state))
-            state[:keep] = list(out[:keep])
-
+        run = zoo.step_runner(cs, planned.layout, state)   # the call auto_shard's step makes
         for _ in range(2):
             run()
         times = []
