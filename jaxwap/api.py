@@ -80,6 +80,9 @@ class AutoShardedStep:
                 place, compiler_options=self.options.compiler_options)
             planned = record_measurements(planned, measured, seconds, self.options.store)
             self._plans[key] = planned
+            # a program compiled before (lower_and_compile) may be another candidate's
+            self._execs.pop(key, None)
+            self._calls.pop(key, None)
         self._current = planned
         return key, planned
 
