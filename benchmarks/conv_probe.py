@@ -6,7 +6,7 @@
 The cost model prices an accelerator's convolutions at a share of the matmul rate by
 their work (`DeviceSpec.conv_efficiency_curve`, from `conv_probes.ACCEL_CONV_SHAPES`; before
 it one share for all) and a network's first layer at another (`narrow_conv_efficiency`,
-from `accel_probes.NARROW_CONVS` at batch 64). On an H200, VGG-16's convolutions ran at
+from `conv_probes.NARROW_CONVS` at batch 64). On an H200, VGG-16's convolutions ran at
 about 0.85 of the matmul rate in a profiler trace and ResNet-50's (1x1 layers, small maps)
 at 0.46, and the first layers at 0.05 where the probe gave 0.029. This times each family
 alone, at two batches, so the question "does a 1x1 or a small map run slower, and does the

@@ -22,12 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .conv_probes import conv_flops
-from .probes import _repeated, _stream, in_program, operand, time_it
+from .probes import _repeated, _stream, in_program, operand
 
-#: a CNN's first layers over RGB at a training batch, 3 -> 64 channels: (batch, map,
-#: window, stride) of VGG's, ResNet's stem and AlexNet's
-NARROW_CONVS = ((64, 224, 3, 1), (64, 224, 7, 2), (64, 224, 11, 4))
 #: seconds of load before a power window opens: clocks and board power settle
 SETTLE_S = 0.5
 #: seconds each power window lasts at least (NVML's counter moves in steps of ~10-100 ms)
@@ -55,28 +51,6 @@ def stream_bandwidth(device: Any, nbytes: int) -> float:
     inside the timing."""
     x = operand(device, (nbytes // 4,), jnp.float32)
     return 2.0 * nbytes / in_program(_repeated(_passes), (x,), 8)
-
-
-def narrow_conv_efficiency(device: Any, dtype: Any, matmul_s: Callable[[float], float]
-                           ) -> float:
-    """The share of the matmul rate (`matmul_s`: seconds of one matmul of w flops in
-    `dtype`, its launch included) that NARROW_CONVS reach, forward and kernel gradient
-    (a first layer's input needs none), work-weighted: `DeviceSpec.narrow_conv_efficiency`.
-    """
-    as_matmul = measured = 0.0
-    for b, h, win, stride in NARROW_CONVS:
-        x = operand(device, (b, h, h, 3), dtype)
-        w = operand(device, (win, win, 3, 64), dtype, win * win * 3)
-
-        def loss(w: Any, x: Any, s: int = stride) -> Any:
-            y = jax.lax.conv_general_dilated(x, w, (s, s), "SAME",
-                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
-            return jnp.sum(y * y)
-
-        f = jax.jit(jax.value_and_grad(loss))
-        measured += time_it(lambda f=f, w=w, x=x: jax.block_until_ready(f(w, x)))
-        as_matmul += 2 * matmul_s(conv_flops(f, w, x) / 2)
-    return min(as_matmul / measured, 1.0)
 
 
 def power_loads(device: Any, n: int, nbytes: int, chain: int = 16
@@ -128,5 +102,5 @@ def power(devices: Sequence[Any], compute: Callable[[], Any],
             streamed.avg_power_w / n if streamed else None, loaded.source)
 
 
-__all__ = ["NARROW_CONVS", "POWER_WINDOW_S", "SETTLE_S", "narrow_conv_efficiency", "power",
+__all__ = ["POWER_WINDOW_S", "SETTLE_S", "power",
            "power_loads", "stream_bandwidth", "warm_up"]

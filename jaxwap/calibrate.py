@@ -223,8 +223,10 @@ def calibrate_full(devices: Sequence[Any] | None = None, *, progress: bool = Tru
     conv_eff, small_conv, small_by_width = conv_probes.conv_rates(
         dev, lambda w: matmul_s(w) + overhead, quick,
         *(() if on_cpu else (conv_probes.ACCEL_CONV_SHAPES, fast)))
-    narrow = float("nan") if on_cpu else accel_probes.narrow_conv_efficiency(
-        dev, fast, lambda w: matmul_s(w) + overhead)
+    narrow = conv_probes.narrow_conv_efficiency(
+        dev, jnp.float32 if on_cpu else fast, lambda w: matmul_s(w) + overhead,
+        conv_probes.CPU_NARROW_CONVS[:1 if quick else None] if on_cpu
+        else conv_probes.NARROW_CONVS)
     tiny_s, tiny_flops = conv_probes.tiny_conv(dev)
     transposed = cpu_probes.transposed_matmul_efficiency(dev) if on_cpu else float("nan")
     pool_tap, pool_grad = cpu_probes.pooling(dev) if on_cpu else (0.0, 0.0)

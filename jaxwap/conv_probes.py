@@ -2,9 +2,9 @@
 
 Convolutions with their gradients against the matmul curve (their share of its rate, one
 work-weighted figure), over maps smaller than their window (a backend's generic loop, per
-width), and a chain of tiny ones (what each costs whatever its size). A network's first
-layers, which an accelerator runs far below this, are `accel_probes.narrow_conv_efficiency`.
-`calibrate.py` runs them.
+width), a chain of tiny ones (what each costs whatever its size), and a network's first
+layers over RGB, which both an accelerator and XLA:CPU run far below the rest
+(`narrow_conv_efficiency`). `calibrate.py` runs them.
 """
 
 from __future__ import annotations
@@ -106,6 +106,37 @@ def conv_rates(device: Any, matmul_s: Callable[[float], float], quick: bool,
 
 
 
+#: a CNN's first layers over RGB at a training batch, 3 -> 64 channels: (batch, map,
+#: window, stride) of VGG's, ResNet's stem and AlexNet's; on a CPU at its scale (64 px)
+NARROW_CONVS = ((64, 224, 3, 1), (64, 224, 7, 2), (64, 224, 11, 4))
+CPU_NARROW_CONVS = ((16, 64, 3, 1), (16, 64, 7, 2), (16, 64, 11, 4))
+
+
+def narrow_conv_efficiency(device: Any, dtype: Any, matmul_s: Callable[[float], float],
+                           shapes: Sequence[tuple[int, int, int, int]] = NARROW_CONVS
+                           ) -> float:
+    """The share of the matmul rate (`matmul_s`: seconds of one matmul of w flops in
+    `dtype`, its launch included) that the first layers `shapes` reach, forward and kernel
+    gradient (a first layer's input needs none), work-weighted:
+    `DeviceSpec.narrow_conv_efficiency`. cuDNN on an H200 ran them at 0.03-0.07; XLA:CPU on
+    this project's VM ran ResNet-50-small's 7x7 stem (16 x 32 x 32 x 3) at 21 Gflop/s
+    forward and 44 its kernel gradient, on one core whose matmuls reach 108."""
+    as_matmul = measured = 0.0
+    for b, h, win, stride in shapes:
+        x = operand(device, (b, h, h, 3), dtype)
+        w = operand(device, (win, win, 3, 64), dtype, win * win * 3)
+
+        def loss(w: Any, x: Any, s: int = stride) -> Any:
+            y = jax.lax.conv_general_dilated(x, w, (s, s), "SAME",
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
+            return jnp.sum(y * y)
+
+        f = jax.jit(jax.value_and_grad(loss))
+        measured += time_it(lambda f=f, w=w, x=x: jax.block_until_ready(f(w, x)))
+        as_matmul += 2 * matmul_s(conv_flops(f, w, x) / 2)
+    return min(as_matmul / measured, 1.0)
+
+
 def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     """(seconds, flops) of one tiny 3x3 convolution inside a program, a dependent chain
     of them (`in_program`): its work is a few microseconds, so the rest is what each
@@ -116,5 +147,6 @@ def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     return in_program(chained, (x, w), chain - 1, repeats=9), conv_flops(_conv, x, w)
 
 
-__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "QUEUED", "SMALL_INPUT_CONVS", "conv_flops",
-           "conv_rates", "conv_timings", "tiny_conv"]
+__all__ = ["ACCEL_CONV_SHAPES", "CONV_SHAPES", "CPU_NARROW_CONVS", "NARROW_CONVS", "QUEUED",
+           "SMALL_INPUT_CONVS", "conv_flops", "conv_rates", "conv_timings",
+           "narrow_conv_efficiency", "tiny_conv"]

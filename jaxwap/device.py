@@ -114,8 +114,9 @@ class DeviceSpec:
       narrow_conv_efficiency: the share of the matmul rate a convolution over fewer than 8
         input channels reaches (`opcost.conv_kind` 3: a CNN's first layer), where it is far
         below `conv_efficiency` (cuDNN on an H200 here: AlexNet's 11x11 first layer at
-        about 17 Tflop/s forward, 44 its kernel gradient); None: as any convolution.
-        Calibrated on accelerators.
+        about 17 Tflop/s forward, 44 its kernel gradient; XLA:CPU here ResNet-50-small's
+        7x7 stem at 21 and 44 Gflop/s on a core whose matmuls reach 108); None: as any
+        convolution. Calibrated (`conv_probes.narrow_conv_efficiency`).
       transposed_matmul_efficiency: the share of its matmul rate a matmul contracting
         both operands over a dim that is not their last reaches (`opcost.transposed_matmul`:
         a dense layer's kernel gradient), where the backend runs those on a slower path

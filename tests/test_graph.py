@@ -222,7 +222,8 @@ def test_fused_elementwise_and_reduction_move_what_xla_fusions_move():
 def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
     """A convolution over 3 input channels (forward, and its kernel gradient, whose lhs
     batch the channels become) is kind 3 and takes `narrow_conv_efficiency`; the next
-    layer's are plain convolutions; without the figure (a CPU) narrow ones price as any."""
+    layer's are plain convolutions; without the figure (a built-in profile) narrow ones
+    price as any."""
     from jaxwap.device import DeviceSpec
     from jaxwap.hardware import Cluster
     from jaxwap.optime import op_times

@@ -25,6 +25,8 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     # convolutions timed apart: their share of the matmul rate, and (XLA:CPU) the generic
     # loop a window larger than its input takes, well below it
     assert 0 < s.conv_efficiency <= 1
+    # a first layer over RGB (3 input channels) timed apart, on a CPU as on accelerators
+    assert s.narrow_conv_efficiency is not None and 0 < s.narrow_conv_efficiency <= 1
     assert s.small_input_conv_flops is None or 0 < s.small_input_conv_flops < s.peak_flops_f32
     # the per-width rates back the median; each convolution's fixed cost; the fresh
     # memory table at the quick sizes either side of glibc's 32 MiB mapping threshold
