@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .compile import CompiledStep
-from .trace import ArgLayout, is_process_local, signature
+from .trace import SHAPE_DTYPE, ArgLayout, flat_arguments, is_process_local, signature
 
 
 def place(leaf: Any, sharding: NamedSharding, aval: jax.ShapeDtypeStruct) -> Any:
@@ -74,7 +74,7 @@ class StepCall:
 
     def __init__(self, compiled: CompiledStep, layout: ArgLayout, key: Any,
                  planned: Any = None) -> None:
-        self.compiled, self.layout, self.key, self.planned = compiled, layout, key, planned
+        self.compiled, self.layout, self.planned = compiled, layout, planned
         self._treedef, self._names, self._entries = key
         n = len(self._entries)
         # per argument: the aval last seen there, and the sharding object last found right
@@ -89,18 +89,16 @@ class StepCall:
         """(None, leaves) where the arguments have the structure, shapes and dtypes of this
         call's key and are all jax arrays of types it has run with (the key `signature`
         would give is this call's, unread), else `signature(args, kwargs)`."""
-        names = tuple(sorted(kwargs)) if kwargs else ()
-        leaves, treedef = jax.tree_util.tree_flatten((tuple(args),
-                                                      tuple(kwargs[k] for k in names)))
+        flat = leaves, treedef, names = flat_arguments(args, kwargs)
         if treedef == self._treedef and names == self._names \
                 and self._types.issuperset(map(type, leaves)):
             avals = list(map(_AVAL, leaves))
             changed = list(_differ(avals, self._avals))
-            if all(_SHAPE_DTYPE(avals[i]) == self._entries[i] for i in changed):
+            if all(SHAPE_DTYPE(avals[i]) == self._entries[i] for i in changed):
                 for i in changed:
                     self._avals[i] = avals[i]
                 return None, leaves
-        return signature(args, kwargs)
+        return signature(args, kwargs, flat)
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
         ex = self.compiled
@@ -136,7 +134,6 @@ def _differ(xs: Sequence[Any], ys: Sequence[Any]) -> Iterator[int]:
 
 
 _AVAL = operator.attrgetter("aval")
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 _SHARDING_NAME, _NONE = itertools.repeat("sharding"), itertools.repeat(None)
 _UNSET = object()     # no sharding found right yet (a numpy leaf's is None)
 

@@ -83,22 +83,33 @@ def leaf_entries(args: Sequence[Any], kwargs: dict[str, Any]
     return [(*_root_path(path, names), leaf) for path, leaf in flat], treedef, names
 
 
-def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
-    """(What a compiled step is reused for: the arguments' structure, shapes, dtypes and
-    weak types; their leaves), from one flatten of them: every call of a step computes it,
-    so a jax array, the common leaf, is read directly (`abstract_leaf` names the path of
-    any other leaf it refuses, which only an error needs)."""
-    names = tuple(sorted(kwargs))
+def flat_arguments(args: Sequence[Any], kwargs: dict[str, Any]
+                   ) -> tuple[list[Any], Any, tuple[str, ...]]:
+    """(leaves, treedef, keyword names) of a call's arguments: one flatten of the
+    positional arguments and of the keyword ones in sorted name order."""
+    names = tuple(sorted(kwargs)) if kwargs else ()
     leaves, treedef = jax.tree_util.tree_flatten((tuple(args),
                                                   tuple(kwargs[k] for k in names)))
+    return leaves, treedef, names
+
+
+def signature(args: Sequence[Any], kwargs: dict[str, Any],
+              flat: tuple[list[Any], Any, tuple[str, ...]] | None = None
+              ) -> tuple[Any, list[Any]]:
+    """(What a compiled step is reused for: the arguments' structure, shapes, dtypes and
+    weak types; their leaves), from one flatten of them (`flat_arguments`, or `flat` where
+    the caller has it): every call of a step computes it, so a jax array, the common leaf,
+    is read directly (`abstract_leaf` names the path of any other leaf it refuses, which
+    only an error needs)."""
+    leaves, treedef, names = flat or flat_arguments(args, kwargs)
 
     arrays = list(map(isinstance, leaves, itertools.repeat(jax.Array)))
     if all(arrays):      # the common call, read in C: 108 leaves in about 15 us
-        return (treedef, names, tuple(map(_SHAPE_DTYPE, leaves))), leaves
+        return (treedef, names, tuple(map(SHAPE_DTYPE, leaves))), leaves
 
     def key_of(i: int, leaf: Any) -> tuple[Any, ...]:
         if arrays[i]:
-            return _SHAPE_DTYPE(leaf)
+            return SHAPE_DTYPE(leaf)
         # as an array's key, so a numpy batch reuses the plan a jax one made; a weakly
         # typed leaf (a Python number) is told apart
         a = abstract_leaf(leaf, lambda: _leaf_path(args, kwargs, i))
@@ -106,7 +117,8 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, list[An
     return (treedef, names, tuple(key_of(i, x) for i, x in enumerate(leaves))), leaves
 
 
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+#: (shape, dtype) of an array or an aval, read in C: a jax array leaf's part of a key
+SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 def _leaf_path(args: Sequence[Any], kwargs: dict[str, Any], i: int) -> str:
@@ -249,5 +261,6 @@ def trace_layout(fn: Callable, layout: ArgLayout) -> Any:
     return jax.make_jaxpr(fn)(*a, **dict(zip(layout.kw_names, k, strict=True)))
 
 
-__all__ = ["ArgLayout", "find_params", "flat_leaves", "globalize", "is_process_local",
-           "layout_of", "leaf_entries", "signature", "trace_layout"]
+__all__ = ["SHAPE_DTYPE", "ArgLayout", "find_params", "flat_arguments", "flat_leaves",
+           "globalize", "is_process_local", "layout_of", "leaf_entries", "signature",
+           "trace_layout"]
