@@ -43,7 +43,7 @@ from .options import PlanOptions
 from .pipeline_cost import loop_memory, pipeline_prediction
 from .records import STAGE, StepVariant, Strategy
 from .solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
-from .stack import LayerScan, NoLayerScan, find_layer_scan
+from .stack import LayerScan, NoLayerScan, find_layer_scan, stack_cut
 from .strategies import pins_hold
 from .trace import ArgLayout, layout_of
 from .train_step import TrainStep
@@ -107,8 +107,11 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
                     f"on {usable} devices")
     out = []
     for p in counts:
-        best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
-                                budget, batch, forced, rules, tree_calls)
+        try:
+            best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
+                                    budget, batch, forced, rules, tree_calls)
+        except NoLayerScan as e:        # what one stage count meets, every count meets
+            return none(str(e))
         if best is not None:
             out.append(best)
     if not out:
@@ -145,27 +148,31 @@ def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[in
     return sorted(ok[:MAX_STAGE_COUNTS])
 
 
-def _stage_args(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
-                rows: int) -> tuple[Any, ...]:
-    """(params, opt_state, batch) of a stage step, abstract: the stacked leaves cut to
-    `layers` layers, the optimizer state made for them, the batch cut to `rows` rows."""
+def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
+                rows: int) -> tuple[TrainStep, tuple[Any, ...]]:
+    """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
+    over `layers` of the stack's layers (`stack.stack_cut`, from the traced jaxpr: the
+    user's loss is never called with fewer layers), the stacked leaves cut to `layers`
+    layers, the optimizer state made for them, the batch cut to `rows` rows."""
     params, _, batch = args
     leaves, treedef = jax.tree_util.tree_flatten(params)
     stacked = set(scan.stacked)
     cut = [jax.ShapeDtypeStruct((layers, *x.shape[1:]) if i in stacked else x.shape,
                                 x.dtype) for i, x in enumerate(leaves)]
     stage_params = jax.tree_util.tree_unflatten(treedef, cut)
+    step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers), fn.optimizer,
+                     has_aux=True)
     opt_state = jax.eval_shape(fn.init, stage_params)
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
-    return stage_params, opt_state, abstract
+    return step, (stage_params, opt_state, abstract)
 
 
 def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
                  rows: int, options: PlanOptions) -> Graph:
     """The analysed step of one stage: `layers` layers of the stack, `rows` rows."""
-    stage_args = _stage_args(fn, args, scan, layers, rows)
-    layout, closed = layout_of(fn, stage_args, {}, stage_args[0],
+    step, stage_args = _stage_step(fn, args, scan, layers, rows)
+    layout, closed = layout_of(step, stage_args, {}, stage_args[0],
                                rows if options.batch_size else None)
     return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
 

@@ -263,6 +263,76 @@ def _at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:
     return eqn if len(path) == 1 else _at(_inner(eqn).jaxpr, path[1:])
 
 
+def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
+                  path: tuple[int, ...]) -> list[str]:
+    """The primitives other than the layer scan (at `path`) that read a stacked parameter
+    leaf (or a dtype cast of one); `param_of` maps the jaxpr's parameter values to their
+    leaf index."""
+    param_of = dict(param_of)
+    out = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if _is_var(v)]
+        name = eqn.primitive.name
+        if path and k == path[0]:
+            if len(path) > 1:            # a call on the way to the scan: look inside
+                inner = _inner(eqn).jaxpr
+                out += _outside_uses(inner, {i: param_of[o] for o, i in zip(
+                    eqn.invars, inner.invars, strict=True) if _is_var(o) and o in param_of},
+                    stacked, path[1:])
+        elif name == "convert_element_type" and ins and ins[0] in param_of:
+            param_of[eqn.outvars[0]] = param_of[ins[0]]
+        elif any(param_of.get(v) in stacked for v in ins):
+            out.append(name)
+    return out
+
+
+def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any, Any], Any]:
+    """`loss_fn` over `layers` of its stack's layers: the function takes the parameters
+    with every stacked leaf (`scan.stacked`) cut to `layers` along its layer dim, and
+    returns what `loss_fn` does for a model of that depth. What one pipeline stage runs.
+
+    Built from the traced jaxpr, never by calling `loss_fn` with fewer layers: a module
+    whose depth is fixed (Flax's `nn.scan(..., length=L)`, an `nnx.scan` over a module
+    made with L layers) cannot be called so. The loss is traced with the whole stack (at
+    the batch it is given), then evaluated with its layer scan bound again with
+    `length=layers`; a scan's body is one layer whatever the count. A loss that uses a
+    stacked parameter outside its scan (its shapes fixed at L layers) cannot be cut, and
+    raises `NoLayerScan` naming what reads it."""
+    if not 1 <= layers <= scan.length:
+        raise ValueError(f"layers={layers} is outside 1..{scan.length} (the stack's layers)")
+    stacked = set(scan.stacked)
+
+    def loss(params: Any, batch: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        whole = [jax.ShapeDtypeStruct((scan.length, *np.shape(x)[1:]), x.dtype)
+                 if i in stacked else x for i, x in enumerate(_abstract(leaves))]
+        closed, out_tree = _trace(loss_fn, jax.tree_util.tree_unflatten(treedef, whole),
+                                  batch)
+        found = _find(closed.jaxpr, len(leaves), _batch_size(batch))
+        if (found.length, found.stacked) != (scan.length, scan.stacked):
+            raise NoLayerScan(f"at {found.batch_size} rows the loss function's layer scan "
+                              f"({found.length} layers over parameter leaves "
+                              f"{found.stacked}) is not the one found at the full batch "
+                              f"({scan.length} over {scan.stacked})")
+        # a tracer binds an equation's shape params unchecked: what reads the stack
+        # outside its scan would be traced with the whole stack's shapes on a cut one
+        others = _outside_uses(closed.jaxpr, dict(zip(closed.jaxpr.invars, range(len(
+            leaves)), strict=False)), stacked, found.path)
+        if others:
+            raise NoLayerScan(f"the loss function reads its stacked parameters outside "
+                              f"the layer scan too ({', '.join(sorted(set(others)))}), "
+                              f"with the shapes of all {scan.length} layers, so one "
+                              f"stage's share of the stack cannot be priced on its own")
+        eqn = _at(closed.jaxpr, found.path)
+        shorter = eqn.replace(params={**eqn.params, "length": layers})
+        outs = _eval(closed.jaxpr, closed.consts,
+                     [*leaves, *jax.tree_util.tree_leaves(batch)],
+                     replace=(found.path, lambda ins: bind(shorter, ins)))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return loss
+
+
 def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
     """The rows of one micro-batch on one device of the data axes (context mesh)."""
     names = () if data_axis is None else (
@@ -389,4 +459,4 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     return loss
 
 
-__all__ = ["LayerScan", "NoLayerScan", "find_layer_scan", "pipelined_loss"]
+__all__ = ["LayerScan", "NoLayerScan", "find_layer_scan", "pipelined_loss", "stack_cut"]

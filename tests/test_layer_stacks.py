@@ -1,0 +1,202 @@
+"""Layer stacks in the forms users write them, planned and pipelined.
+
+A deep model's blocks run as one scan over parameters stacked along a layer dim, written
+as Flax Linen's `nn.scan(Block, variable_axes={"params": 0}, length=L)` (MaxText's
+`scan_layers`; with or without `nn.remat` inside), as NNX layers made with `nnx.vmap` and
+run by `nnx.scan`, or as a hand-written `jax.lax.scan`. A module whose length is fixed
+cannot be called with fewer layers, so the planner prices a stage's share of the stack
+from the traced jaxpr (`stack.stack_cut`). Each form: pipelines weighed for a cluster of
+nodes and under a tight memory budget, and the forced pipeline on the 8 CPU devices equal
+to the plain step under `jax.jit` (f32, one Adam step, rtol 2e-5).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxwap
+from jaxwap.records import STAGE
+from jaxwap.stack import NoLayerScan, find_layer_scan, stack_cut
+
+L, D, B, V = 8, 32, 16, 16
+
+
+class _LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + nn.Dense(D)(jnp.tanh(nn.Dense(2 * D)(h))), None
+
+
+class _LinenModel(nn.Module):
+    remat: bool
+    layers: int = L
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Embed(V, D)(x).mean(1)
+        block = nn.remat(_LinenBlock) if self.remat else _LinenBlock
+        h, _ = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=self.layers)()(h, None)
+        return nn.Dense(V)(h)
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.down = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, h):
+        return h + self.down(jnp.tanh(self.up(h)))
+
+
+class _NnxModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, layers: int = L):
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(r: nnx.Rngs) -> _NnxBlock:
+            return _NnxBlock(r)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return self.head(run(self.embed(x).mean(1), self.blocks))
+
+
+def _xent(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _linen(remat: bool, layers: int = L):
+    model = _LinenModel(remat, layers)
+    params = model.init(jax.random.key(0), jnp.zeros((B, 4), jnp.int32))["params"]
+    return lambda p, b: _xent(model.apply({"params": p}, b["x"]), b["y"]), params
+
+
+def _nnx(layers: int = L):
+    graphdef, params = nnx.split(_NnxModel(nnx.Rngs(0), layers), nnx.Param)
+    return lambda p, b: _xent(nnx.merge(graphdef, p)(b["x"]), b["y"]), params
+
+
+def _lax(layers: int = L):
+    rng = np.random.default_rng(0)
+    f = lambda *s, scale=0.3: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
+    params = {"embed": f(V, D), "head": f(D, V),
+              "blocks": {"w1": f(L, D, 2 * D, scale=D ** -0.5), "b1": f(L, 2 * D, scale=0.1),
+                         "w2": f(L, 2 * D, D, scale=(2 * D) ** -0.5)}}
+
+    def loss(p, b):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["w1"] + w["b1"]) @ w["w2"], None
+
+        h, _ = jax.lax.scan(layer, jnp.take(p["embed"], b["x"], axis=0).mean(1), p["blocks"])
+        return _xent(h @ p["head"], b["y"])
+    return loss, params
+
+
+FORMS = {"linen_scan_remat": lambda n=L: _linen(True, n),
+         "linen_scan": lambda n=L: _linen(False, n), "nnx_vmap_scan": _nnx, "lax_scan": _lax}
+
+
+def _setup(form: str):
+    loss, params = FORMS[form]()
+    rng = np.random.default_rng(1)
+    batch = {"x": jnp.asarray(rng.integers(0, V, (B, 4)), jnp.int32),
+             "y": jnp.asarray(rng.integers(0, V, (B,)), jnp.int32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-2))
+    return step, params, step.init(params), batch
+
+
+def _staged(plan: jaxwap.Plan) -> list[jaxwap.Candidate]:
+    return [c for c in plan.candidates if dict(c.mesh_shape).get(STAGE, 1) > 1]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_stage_of_the_stack_is_the_loss_over_fewer_layers(form):
+    """`stack_cut` of the whole stack is the loss itself, and over k layers it is the loss
+    of the same model built with k layers, given the first k layers' parameters."""
+    step, params, _, batch = _setup(form)
+    loss = step.loss_fn
+    scan = find_layer_scan(loss, params, batch)
+    assert scan.length == L
+    np.testing.assert_allclose(stack_cut(loss, scan, L)(params, batch), loss(params, batch),
+                               rtol=1e-6)
+    leaves, treedef = jax.tree.flatten(params)
+    cut = jax.tree.unflatten(treedef, [x[:3] if i in scan.stacked else x
+                                       for i, x in enumerate(leaves)])
+    three = stack_cut(loss, scan, 3)(cut, batch)
+    shallow, _ = FORMS[form](3)          # the model written with 3 layers: the oracle
+    np.testing.assert_allclose(three, shallow(cut, batch), rtol=1e-6)
+    assert not np.isclose(three, loss(params, batch))
+    with pytest.raises(ValueError, match="layers=9 is outside 1..8"):
+        stack_cut(loss, scan, 9)
+
+
+def test_a_stack_used_outside_its_scan_is_not_cut_and_says_why():
+    loss, params = _lax()
+    step, _, _, batch = _setup("lax_scan")
+
+    def with_norm(p, b):     # the whole stack's weights read outside the scan too
+        return loss(p, b) + 1e-3 * jnp.sum(p["blocks"]["w1"].reshape(L, -1) ** 2)
+
+    scan = find_layer_scan(with_norm, params, batch)
+    leaves, treedef = jax.tree.flatten(params)
+    cut = jax.tree.unflatten(treedef, [x[:4] if i in scan.stacked else x
+                                       for i, x in enumerate(leaves)])
+    with pytest.raises(NoLayerScan, match="outside the layer scan too \\(reshape\\)"):
+        stack_cut(with_norm, scan, 4)(cut, batch)
+    # the planner skips pipelines for it, and says why, instead of failing the plan
+    step = jaxwap.make_train_step(with_norm, optax.adam(1e-2))
+    plan = jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0)
+    assert not _staged(plan)
+    assert any("pipelin" in n and "outside the layer scan" in n for n in plan.notes), \
+        plan.notes
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_pipelines_are_weighed_for_a_cluster_of_nodes(form):
+    step, params, opt, batch = _setup(form)
+    cluster = jaxwap.Cluster("h100-sxm", 16, devices_per_node=8, inter_node_bandwidth=1e9)
+    plan = jaxwap.plan(step, params, opt, batch, hardware=cluster, cache=False, verify=0)
+    assert {dict(c.mesh_shape)[STAGE] for c in _staged(plan)} == {2, 4}
+    assert not any("pipelining not considered" in n for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_tight_memory_budget_is_planned_with_pipelines_weighed(form):
+    step, params, opt, batch = _setup(form)
+    loose = jaxwap.plan(step, params, opt, batch, cache=False, verify=0, num_devices=1)
+    budget = 0.6 * loose.predicted.peak_memory_bytes    # one device's plan does not fit
+    plan = jaxwap.plan(step, params, opt, batch, cache=False, verify=0,
+                       memory_budget=budget)
+    assert plan.predicted.peak_memory_bytes <= budget
+    assert _staged(plan) and not any("pipelining not considered" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("form", ["linen_scan_remat", "linen_scan", "nnx_vmap_scan"])
+def test_the_pipelined_step_equals_the_plain_step(form):
+    """2 stages x data 4, 4 micro-batches (the hand-written scan's pipelines are run by
+    `test_pipeline_plan.py`)."""
+    step, params, opt, batch = _setup(form)
+    want = jax.jit(step)(params, opt, batch)
+    sharded = jaxwap.auto_shard(step, cache=False, verify=0, num_devices=8,
+                                strategies=("replicate", "zero1"),
+                                pipeline={"stages": 2, "micro_batches": 4})
+    got = sharded(params, opt, batch)
+    assert dict(sharded.plan.mesh_shape)[STAGE] == 2
+    assert (sharded.plan.step.stages, sharded.plan.step.micro_batches) == (2, 4)
+    # f32, one Adam step of lr 1e-2: the pipelined sums run in another order
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
