@@ -202,32 +202,65 @@ def logical_constraints(params: Any, rules: Sequence[tuple[str, Any]] | None = N
                         ) -> dict[str, tuple[str | None, ...]]:
     """Constraints from Flax partitioning metadata: Linen `nn.LogicallyPartitioned` /
     `nn.Partitioned` boxes (`nn.with_logical_partitioning`, `nn.with_partitioning`) or an
-    NNX state whose variables carry sharding metadata (`nnx.with_partitioning`). Logical
-    names map to mesh axes through `rules` (`logical_axis_rules` pairs such as
-    `(("embed", None), ("mlp", "model"))`); names already mesh axes pass as they are.
-    Returns `{exact path pattern: spec}` for `auto_shard(..., constraints=...)`; the paths
-    are those of the unboxed parameters the step receives."""
+    NNX state whose variables carry sharding metadata (`nnx.with_partitioning`).
+
+    Logical names map to mesh axes through `rules` (`logical_axis_rules` pairs such as
+    `(("embed", None), ("mlp", "model"))`) as Flax maps them
+    (`nn.logical_to_mesh_axes`): the first rule for a name whose mesh axis the spec has
+    not used yet, and a name no rule places is replicated, so a Flax example's own rules
+    work with the names they leave out. A name that is itself a jaxwap mesh axis ("data",
+    "model": `nn.with_partitioning` boxes) passes as it is. A rule that maps a name to an
+    axis jaxwap's mesh does not have is an error naming both. Returns `{exact path
+    pattern: spec}` for `auto_shard(..., constraints=...)`; the paths are those of the
+    unboxed parameters the step receives."""
     import jax
 
     specs = _flax_specs(params)
-    table = dict(rules or ())
     out: dict[str, tuple[str | None, ...]] = {}
     for path, spec in jax.tree_util.tree_flatten_with_path(
             specs, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]:
         if spec is None:
             continue
-        axes = []
-        for name in spec:
-            axis = table.get(name, name) if name is not None else None
-            if axis is not None and axis not in _AXES:
-                raise ValueError(f"{jax.tree_util.keystr(path)}: logical axis {name!r} maps "
-                                 f"to {axis!r}, not a jaxwap mesh axis {_AXES}; add it to the "
-                                 f"rules (e.g. ({name!r}, 'model') or ({name!r}, None))")
-            axes.append(axis)
+        axes = _mesh_axes(spec, rules or (), jax.tree_util.keystr(path))
         # an NNX state's leaves sit one key deeper, at the variable's "value"
-        out["^" + re.escape(path_string([key_token(k) for k in path])) + "(/value)?$"] = \
-            tuple(axes)
+        out["^" + re.escape(path_string([key_token(k) for k in path])) + "(/value)?$"] = axes
     return out
+
+
+def _mesh_axes(spec: Sequence[str | None], rules: Sequence[tuple[str, Any]], where: str
+               ) -> tuple[str | None, ...]:
+    """One parameter's logical `spec` as jaxwap mesh axes under `rules`, by Flax's rule
+    (`flax.linen.spmd._logical_to_mesh_axes`): rules in order, each placing the first dim
+    of its name that is still unplaced when its axis is still free."""
+    def axes_of(name: str, value: Any) -> tuple[str, ...]:
+        names = (value,) if isinstance(value, str) else tuple(value or ())
+        for axis in names:
+            if axis not in _AXES:
+                raise ValueError(f"{where}: the rule ({name!r}, {value!r}) maps logical axis "
+                                 f"{name!r} to {axis!r}, not a jaxwap mesh axis {_AXES}; "
+                                 f"map it to one of those or to None")
+        if len(names) > 1:
+            raise ValueError(f"{where}: the rule ({name!r}, {value!r}) shards one dim over "
+                             f"{len(names)} axes; jaxwap shards a dim over one axis")
+        return names
+
+    placed: list[Any] = [_UNPLACED] * len(spec)
+    for name, value in rules:
+        if name not in spec:
+            continue
+        names = axes_of(name, value)
+        pos = list(spec).index(name)
+        used = {p for p in placed if isinstance(p, str)}
+        if placed[pos] is _UNPLACED and not set(names) & used:
+            placed[pos] = names[0] if names else None
+    used = {p for p in placed if isinstance(p, str)}
+    return tuple(
+        p if p is not _UNPLACED
+        else (n if n in _AXES and n not in used else None) for n, p in zip(
+            spec, placed, strict=True))
+
+
+_UNPLACED = object()
 
 
 def _flax_specs(params: Any) -> Any:

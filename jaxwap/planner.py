@@ -171,8 +171,8 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     if rules is not None and rules.pins:
         notes.append("constraints pin " + "; ".join(
             f"{path_string(layout.params[j].path)} to {c.describe()}" for j, c in rules.pins))
-    pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable, budget,
-                           rules, tree_calls=ctx.tree_calls)
+    pipes = _optional_pipelines(fn, layout, cluster, options, usable, budget, rules,
+                                ctx.tree_calls)
     timing["pipeline"] = pipes.seconds
     if pipes.reason is not None:
         if options.forced_pipeline is not None:
@@ -189,6 +189,31 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     return Planned(plan, layout, ctx, found.graph, found.search, ver,
                    ver.compiled_best if ver is not None and chosen_result(plan) == ver.best
                    else None, None if found.rung.is_plain else found.fn, key)
+
+
+def _failed(e: BaseException) -> str:
+    """An optional branch's failure, as a plan note says it: the exception and its first
+    line (the branch is skipped; the plan goes on without it)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _optional_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster,
+                        options: PlanOptions, usable: int, budget: float,
+                        rules: LayoutRules | None, calls: int) -> Pipelines:
+    """The pipelined candidates, an optional branch: a step that jaxwap cannot build into
+    stages (a failure anywhere in tracing, cutting or solving its stages) is planned
+    without them, the reason in the plan's notes. Only a pipeline the user forced makes
+    the failure the plan's."""
+    t0 = time.perf_counter()
+    try:
+        return plan_pipelines(fn, layout, cluster, options.objective, options, usable,
+                              budget, rules, tree_calls=calls)
+    except Exception as e:  # noqa: BLE001 - the plan goes on without pipelines, saying why
+        if options.forced_pipeline is not None:
+            raise
+        return Pipelines((), f"building the stages failed ({_failed(e)})",
+                         time.perf_counter() - t0)
 
 
 def _given_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], params: Any,
@@ -284,10 +309,17 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         nonlocal first_error
         fn_v = _variant_fn(fn, rung) or fn
         ta = time.perf_counter()
-        graph = dataclasses.replace(
-            analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
-                    layout.inputs.roles, layout.outputs.roles, layout.params, B),
-            tree_calls=ctx.tree_calls)
+        try:
+            graph = dataclasses.replace(
+                analyze(closed if rung.is_plain else trace_layout(fn_v, layout),
+                        layout.inputs.roles, layout.outputs.roles, layout.params, B),
+                tree_calls=ctx.tree_calls)
+        except Exception as e:  # noqa: BLE001 - a restructuring is optional: skip it, say why
+            if rung.is_plain:
+                raise
+            tried.append(f"{rung.describe()}: could not be built ({_failed(e)})")
+            notes.append(f"step variant skipped: {tried[-1]}")
+            return None
         if rung.is_plain:
             plain_graph.append(graph)
         tb = time.perf_counter()

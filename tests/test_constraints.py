@@ -145,9 +145,28 @@ def test_flax_logical_partitioning_becomes_constraints_under_the_rules():
     placed = _by_path(plan)
     assert placed["up/kernel"].spec == (None, "model")
     assert placed["down/kernel"].spec == ("model", None)
-    with pytest.raises(ValueError, match=r"logical axis 'mlp' maps to 'mlp', not a jaxwap "
-                                         r"mesh axis"):
-        jaxwap.logical_constraints(boxed, (("embed", None),))
+
+
+
+def test_logical_names_map_to_mesh_axes_as_flax_maps_them():
+    """Flax's convention (`nn.logical_to_mesh_axes`, the oracle where its axes are
+    jaxwap's): a name no rule lists is replicated, the first rule whose axis is still free
+    places a name, and a rule naming an axis jaxwap's mesh lacks is an error naming it."""
+    boxed = _Mlp().init(jax.random.key(0), jnp.ones((16, 32)))["params"]
+    for rules in [(("embed", None),), (("embed", "data"),), (("mlp", "model"),),
+                  (("embed", "model"), ("mlp", "model"), ("mlp", "data")),
+                  (("mlp", "data"), ("embed", "data"), ("embed", "model"))]:
+        cons = jaxwap.logical_constraints(boxed, rules)
+        for name, names in (("up", ("embed", "mlp")), ("down", ("mlp", "embed"))):
+            want = tuple(nn.logical_to_mesh_axes(names, rules))
+            assert cons[f"^{name}/kernel(/value)?$"] == want, (rules, name, want)
+    assert jaxwap.logical_constraints(boxed, (("embed", None),))["^up/kernel(/value)?$"] \
+        == (None, None)
+    with pytest.raises(ValueError, match=r"\['down'\]\['kernel'\]: the rule \('mlp', 'tensor'\) "
+                                         r"maps logical axis 'mlp' to 'tensor'"):
+        jaxwap.logical_constraints(boxed, (("mlp", "tensor"),))
+    with pytest.raises(ValueError, match="shards one dim over 2 axes"):
+        jaxwap.logical_constraints(boxed, (("mlp", ("data", "model")),))
 
 
 def test_nnx_sharding_metadata_becomes_constraints_under_the_rules():

@@ -200,3 +200,39 @@ def test_the_pipelined_step_equals_the_plain_step(form):
     # f32, one Adam step of lr 1e-2: the pipelined sums run in another order
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
+def test_a_pipeline_that_fails_to_build_leaves_the_plan_without_pipelines(monkeypatch):
+    """An optional branch never takes the plan down: a failure anywhere in building the
+    stages (here one jaxwap cannot foresee, simulated) is a note; forced, it is the plan's
+    error."""
+    from jaxwap import pipeline_plan
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("stage step exploded")
+
+    monkeypatch.setattr(pipeline_plan, "_best_for_stages", boom)
+    step, params, opt, batch = _setup("lax_scan")
+    plan = jaxwap.plan(step, params, opt, batch, cache=False, verify=0)
+    assert not _staged(plan)
+    assert ("pipelining not considered: building the stages failed (RuntimeError: stage "
+            "step exploded)") in plan.notes
+    with pytest.raises(RuntimeError, match="stage step exploded"):
+        jaxwap.plan(step, params, opt, batch, cache=False, verify=0,
+                    pipeline={"stages": 2})
+
+
+def test_a_step_variant_that_cannot_be_built_is_skipped_and_named():
+    """A loss that reshapes with its batch size fixed traces whole but not in
+    micro-batches: each micro-batch rung is skipped with the reason, and when nothing else
+    fits the plan's error names why each was not built."""
+    _, params, _, batch = _setup("lax_scan")
+
+    def fixed_batch(p, b):
+        h = jnp.take(p["embed"], b["x"].reshape(B * 4), axis=0).reshape(B, 4, D).mean(1)
+        return _xent(h @ p["head"], b["y"]) + 0 * jnp.sum(p["blocks"]["w1"])
+
+    step = jaxwap.make_train_step(fixed_batch, optax.adam(1e-2))
+    with pytest.raises(MemoryError, match=r"micro-batches: could not be built \(TypeError"):
+        jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                    num_devices=1, offload=False, memory_budget=20e3, pipeline=False)
