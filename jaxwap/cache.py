@@ -73,7 +73,8 @@ _KEY_RE = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
 class PlanCacheWarning(UserWarning):
-    """The plan cache could not be written; planning goes on without it."""
+    """The plan cache could not be written, or held an entry that cannot be used here;
+    planning goes on without it."""
 
 
 # --------------------------------------------------------------------------- keys
@@ -206,6 +207,16 @@ class PlanCache:
                               f"({e}); planning is unaffected but plans will not be reused. "
                               f"Set {ENV_VAR} to a writable directory.",
                               PlanCacheWarning, stacklevel=2)
+
+    def drop(self, key: str, why: str) -> None:
+        """Remove the entry for `key`, which reads back but cannot be used (`why`: what is
+        wrong with it, e.g. a mesh larger than the devices present), warning once per entry
+        with its file, so the caller plans afresh and the next `put` replaces it."""
+        path = self.entry_path(key)
+        warnings.warn(f"jaxwap dropped the plan cache entry {path}: {why}; planning afresh",
+                      PlanCacheWarning, stacklevel=3)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
     def clear(self) -> int:
         """Remove every entry (and temporary files left by interrupted writes); returns

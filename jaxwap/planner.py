@@ -32,6 +32,7 @@ from .nofit import nothing_fits, nothing_fits_compiled
 from .options import PlanOptions
 from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
 from .plan import Plan
+from .plan_check import plan_mismatch
 from .pytree_cost import tree_calls
 from .records import Measurement, StepVariant
 from .solve import SearchResult, search
@@ -160,7 +161,11 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
             # a plan for the devices a Cluster describes is not one for those present
             usable=usable, described=described)
         hit = store.get(key)
-        if hit is not None:
+        why = None if hit is None else plan_mismatch(hit, layout, devs, usable, options,
+                                                     same_devices=not described)
+        if why is not None:
+            store.drop(key, f"its plan cannot run here: {why}")
+        elif hit is not None:
             plan = dataclasses.replace(hit, _treedef=layout.params_treedef)
             return Planned(plan, layout, dataclasses.replace(ctx, step=plan.step), fn=_variant_fn(
                 fn, plan.step), cache_key=key)
@@ -228,17 +233,9 @@ def _given_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], param
             f"({plan.hardware.describe_links()}), but {len(devs)} devices are present: run "
             f"it on the cluster it was made for, or plan again for these devices")
     layout, _ = layout_of(fn, args, kwargs, params, options.batch_size)
-    mine = [(p.path, tuple(p.shape), str(p.dtype)) for p in layout.params]
-    theirs = [(p.path, tuple(p.shape), str(p.dtype)) for p in plan.params]
-    if mine != theirs:
-        diff = next(((a, b) for a, b in zip(mine, theirs, strict=False) if a != b), None)
-        what = (f"parameter {'/'.join(diff[0][0])} is {diff[0][1]} {diff[0][2]} here, "
-                f"{'/'.join(diff[1][0])} {diff[1][1]} {diff[1][2]} in the plan"
-                if diff else f"{len(mine)} parameters here, {len(theirs)} in the plan")
-        raise ValueError(f"plan= does not fit this step's parameters: {what}")
-    if plan.batch_size != layout.inputs.batch_size:
-        raise ValueError(f"plan= was made for batch size {plan.batch_size}, the arguments "
-                         f"have {layout.inputs.batch_size}")
+    why = plan_mismatch(plan, layout, devs, len(devs), options, same_devices=False)
+    if why is not None:
+        raise ValueError(f"plan= cannot run this step here: {why}")
     ctx = PlanContext(layout.params, layout.params_treedef, plan.objective, plan.hardware,
                       devs, plan.memory_budget_bytes, layout.inputs.batch_size, step=plan.step)
     return Planned(dataclasses.replace(plan, _treedef=layout.params_treedef), layout, ctx,

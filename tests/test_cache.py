@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -507,3 +508,32 @@ def test_a_plan_for_a_described_cluster_is_not_read_back_for_the_devices_present
     assert described.num_devices > len(jax.devices())
     with pytest.raises(MemoryError, match="no candidate plan fits"):
         jaxwap.auto_shard(step, **opts).plan_for(params, opt_state, batch)
+
+
+# --------------------------------------------------------------------------- entries checked
+@pytest.mark.parametrize("edit, why", [
+    (lambda p: {**p, "mesh_shape": {"data": 3, "model": 5}},
+     "its mesh data=3 x model=5 needs 15 devices, but 8 are usable here"),
+    (lambda p: {**p, "device_ids": [7, *p["device_ids"][1:]]}, "runs on device ids"),
+    (lambda p: {**p, "params": [{**p["params"][0], "spec": ["model", "data", None]},
+                                *p["params"][1:]]},
+     "spec ('model', 'data', None) has 3 entries for 1 dims"),
+    (lambda p: {**p, "batch_size": 64}, "made for batch size 64"),
+])
+def test_an_entry_that_cannot_run_here_is_dropped_naming_the_file_and_planned_afresh(
+        tmp_path, edit, why):
+    """Valid JSON, a plan `Plan.from_dict` accepts, and wrong for this machine or step (a
+    file edited, copied or written by a bug): the step plans afresh, with one warning
+    that names the file and what is wrong, instead of failing on every call."""
+    step, params, opt_state, batch = models.abstract_setup((16, 8, 4), 16, 8)
+    cache = PlanCache(tmp_path)
+    first = jaxwap.plan(step, params, opt_state, batch, cache=cache, verify=0)
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    doc["plan"] = edit(doc["plan"])
+    path.write_text(json.dumps(doc))
+    assert cache.get(path.stem) is not None            # the entry reads back
+    with pytest.warns(PlanCacheWarning, match=re.escape(str(path)) + ".*" + re.escape(why)):
+        again = jaxwap.plan(step, params, opt_state, batch, cache=cache, verify=0)
+    assert again == first                              # planned afresh, the same plan
+    assert cache.get(path.stem) == first               # and the entry healed

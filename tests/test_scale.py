@@ -184,7 +184,8 @@ def test_a_saved_plan_runs_where_its_devices_are_and_is_refused_elsewhere(tmp_pa
         jaxwap.auto_shard(step, params, plan=big)(params, opt, batch)
     # another step's parameters: refused, naming the parameter
     other_step, other_params, other_opt, _ = setup(MLP((32, 48, 10)), (16, 12))
-    with pytest.raises(ValueError, match="does not fit this step's parameters"):
+    with pytest.raises(ValueError, match=r"plan= cannot run this step here: parameter "
+                                         r"params/Dense_1/bias is \(48,\) float32 here"):
         jaxwap.auto_shard(other_step, other_params, plan=made)(other_params, other_opt, batch)
 
 
