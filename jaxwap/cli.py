@@ -110,9 +110,8 @@ def _device(text: str) -> DeviceSpec:
 def _objective(text: str) -> Objective:
     try:
         return Objective.parse(text)
-    except (ValueError, TypeError):
-        raise argparse.ArgumentTypeError(
-            f"unknown objective {text!r}; choose from {', '.join(KINDS[:3])}") from None
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- the parser
@@ -158,7 +157,7 @@ def _add_plan(sub: Any) -> None:
                     help="latency between nodes (default: the device's)")
     o = c.add_argument_group("planning options (PlanOptions fields)")
     o.add_argument("--objective", type=_objective, default=Objective(), metavar="NAME",
-                   help=f"{', '.join(KINDS[:3])} (default balanced)")
+                   help=f"{', '.join(KINDS[:3])} or max_slowdown=X (default balanced)")
     o.add_argument("--memory-budget", type=_bytes, metavar="BYTES",
                    help="per-device memory budget: 70e9, 70GB, 64GiB (default: the device's)")
     o.add_argument("--batch-size", type=_positive_int, metavar="N",

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 KINDS = ("throughput", "energy", "balanced", "max_slowdown")
+# what `objective=` accepts as a string: a name, or max_slowdown with its number
+_FORMS = "'throughput', 'energy', 'balanced', 'max_slowdown=X' (e.g. 'max_slowdown=0.05')"
 
 
 class _Scored(Protocol):
@@ -54,20 +56,36 @@ class Objective:
                 raise ValueError(f"Objective max_slowdown must be >= 0, got {self.max_slowdown!r}")
             object.__setattr__(self, "kind", "max_slowdown")
         if self.kind not in KINDS:
-            raise ValueError(f"objective must be one of {KINDS} or jaxwap.Objective(...), "
-                             f"got {self.kind!r}")
+            raise ValueError(f"objective must be {_FORMS} or jaxwap.Objective(...), got "
+                             f"{self.kind!r}")
         if self.kind == "max_slowdown" and self.max_slowdown is None:
-            raise ValueError("Objective(kind='max_slowdown') needs max_slowdown=x")
+            raise ValueError("objective 'max_slowdown' needs its number: 'max_slowdown=0.05' "
+                             "or jaxwap.Objective(max_slowdown=0.05) (least energy within 5% "
+                             "of the fastest step)")
         if not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"Objective eta must be in [0, 1], got {self.eta!r}")
 
     @classmethod
     def parse(cls, objective: str | Objective) -> Objective:
+        """An `Objective` from itself or a string: a kind's name, or "max_slowdown=X"
+        (the command line's form of `Objective(max_slowdown=X)`)."""
         if isinstance(objective, Objective):
             return objective
         if isinstance(objective, str):
-            return cls(kind=objective)
-        raise TypeError(f"objective must be a str or jaxwap.Objective, got {type(objective)}")
+            name, eq, value = objective.partition("=")
+            if not eq:
+                return cls(kind=objective)
+            if name.strip() != "max_slowdown":
+                raise ValueError(f"objective must be {_FORMS} or jaxwap.Objective(...), "
+                                 f"got {objective!r}")
+            try:
+                slowdown = float(value)
+            except ValueError:
+                raise ValueError(f"objective {objective!r}: {value!r} is not a number") \
+                    from None
+            return cls(max_slowdown=slowdown)
+        raise TypeError(f"objective must be {_FORMS} or jaxwap.Objective(...), got "
+                        f"{type(objective).__name__}")
 
     def scores(self, preds: Sequence[_Scored], *, max_watts: float,
                num_devices_available: int) -> list[float]:

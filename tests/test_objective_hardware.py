@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import NamedTuple
 
 import jax
@@ -124,6 +125,21 @@ def test_parse():
         Objective.parse("fastest")
     with pytest.raises(ValueError, match="max_slowdown"):
         Objective.parse("max_slowdown")  # needs a value
+    assert Objective.parse("max_slowdown=0.05") == Objective(max_slowdown=0.05)
+    with pytest.raises(ValueError, match="'fast' is not a number"):
+        Objective.parse("max_slowdown=fast")
+
+
+def test_the_objective_error_lists_only_what_it_accepts():
+    """Each string form the error offers is one `parse` takes: the error named
+    'max_slowdown' among the valid strings, then refused it without a number."""
+    with pytest.raises(ValueError) as e:
+        Objective.parse("fastest")
+    offered = re.findall(r"'([^']+)'", str(e.value).split(" got ")[0])
+    assert offered == ["throughput", "energy", "balanced", "max_slowdown=X",
+                       "max_slowdown=0.05"]
+    for form in offered:
+        Objective.parse(form.replace("=X", "=0.1"))
     with pytest.raises(TypeError, match="objective"):
         Objective.parse(42)
     with pytest.raises(TypeError):
