@@ -17,6 +17,7 @@ import jax
 
 from .calibrate import calibrate_full, calibration_path
 from .launch import start_distributed
+from .progress import interrupted
 
 
 def add_command(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,8 +49,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     `jaxwap.cli.main`, this entry point is for calibration alone (a cluster's workers)."""
     p = argparse.ArgumentParser(prog="jaxwap", description="jaxwap command line")
     add_command(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(argv)
-    return args.run(args)
+    return run_command(p.parse_args(argv))
+
+
+# what a command cut short leaves behind: each writes only once its work is complete
+LEFT_SAVED = {"calibrate": "nothing was saved (a calibration is written once complete)",
+              "plan": "no plan was saved or cached"}
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; Ctrl-C ends it with one line and exit status 130."""
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return interrupted(f"jaxwap {args.command}",
+                           LEFT_SAVED.get(args.command, "nothing was saved"))
 
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:

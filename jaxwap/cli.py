@@ -31,6 +31,7 @@ from typing import Any
 
 from .api import plan as plan_step
 from .calibrate_cli import add_command as add_calibrate
+from .calibrate_cli import run_command
 from .hardware import Cluster, DeviceSpec, builtin_device_names, device_spec
 from .objective import KINDS, Objective
 from .options import PlanOptions
@@ -337,8 +338,7 @@ def run_explain(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The `jaxwap` console script and `python -m jaxwap`: parse `argv` (default: the
     process's) and run the command; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    return args.run(args)
+    return run_command(build_parser().parse_args(argv))
 
 
 __all__ = ["build_parser", "load_target", "main", "run_explain", "run_plan"]

@@ -1,5 +1,6 @@
 """A one-line progress bar on stderr, for the slow stages a person waits on (calibration,
-measured choice). No dependency; silent when disabled."""
+measured choice), and the one line that ends a command cut short by Ctrl-C. No
+dependency; silent when disabled."""
 
 from __future__ import annotations
 
@@ -21,3 +22,16 @@ class Progress:
         if self.done >= self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+# SIGINT's exit status, as a shell reports a command Ctrl-C ended
+INTERRUPTED = 130
+
+
+def interrupted(what: str, saved: str) -> int:
+    """Say on one line that `what` was interrupted and what that left saved (`saved`),
+    after ending a progress line it may have cut short; returns the exit status of a
+    command ended by Ctrl-C. A traceback there would tell a person nothing they need."""
+    sys.stderr.write(f"\n{what}: interrupted; {saved}\n")
+    sys.stderr.flush()
+    return INTERRUPTED

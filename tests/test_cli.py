@@ -155,3 +155,34 @@ def test_calibrate_main_keeps_its_own_entry_point(capsys: pytest.CaptureFixture[
         main(["calibrate", "--coordinator", "localhost:1"])
     assert e.value.code == 2
     assert "go together" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_calibrate_ends_with_one_line_and_exit_130(tmp_path: Path) -> None:
+    """A real Ctrl-C (SIGINT) while `jaxwap calibrate` measures, once its progress line is
+    on screen: one line says what was interrupted and that nothing was saved, no
+    traceback, exit status 130, and the cache holds no calibration."""
+    import signal
+    import time
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAXWAP_CACHE_DIR=str(tmp_path),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxwap", "calibrate", "--quick",
+                             "--no-power-limits"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    seen = ""
+    deadline = time.monotonic() + 240
+    while "jaxwap calibrate [" not in seen and time.monotonic() < deadline:
+        char = proc.stderr.read(1)       # the progress line has no newline until it ends
+        if not char:
+            break
+        seen += char
+    assert "jaxwap calibrate [" in seen, seen
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = seen + err
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert err.rstrip().splitlines()[-1] == ("jaxwap calibrate: interrupted; nothing was "
+                                             "saved (a calibration is written once complete)")
+    assert not list(tmp_path.rglob("*.json")), list(tmp_path.rglob("*"))
