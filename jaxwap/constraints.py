@@ -123,11 +123,14 @@ class LayoutRules:
         return self.families is not None and "replicate" not in self.families
 
     def apply(self, j: int, options: Sequence[Strategy], shape: Sequence[int],
-              layer: Any) -> tuple[Strategy, ...]:
+              layer: Any, m: int = 2) -> tuple[Strategy, ...]:
         """Parameter j's layouts under its pin (all of `options` when it has none): the
         generated ones that obey it, named as pinned, or for a spec no generated layout
         has, that spec itself (its model-axis dim priced as the layer's column or row
-        split). Empty when the pin cannot hold here (`why_not` says why)."""
+        split). On a mesh whose model axis `m` is 1 a spec's model entries split nothing,
+        so a generated layout without them obeys it (a Flax rule sharding a norm scale
+        over the tensor axis holds on a data-only mesh); the plan keeps the spec as given.
+        Empty when the pin cannot hold here (`why_not` says why)."""
         c = self.pin(j)
         if c is None:
             return tuple(options)
@@ -136,11 +139,14 @@ class LayoutRules:
                                            if c.family == "replicate"
                                            else c.family in s.families)]
         else:
-            kept = [s for s in options if tuple(s.spec) == c.spec]
+            spec = c.spec if m > 1 else tuple(None if a == MODEL else a for a in c.spec)
+            kept = [dataclasses.replace(s, spec=c.spec) for s in options
+                    if tuple(s.spec) == spec]
             if not kept and len(c.spec) == len(shape):
                 kind = _model_kind(c.spec, layer)
                 if kind is not None:
-                    kept = [Strategy("pinned", c.spec, tp=kind, data_sharded=DATA in c.spec)]
+                    kept = [Strategy({"col": "tp-col", "row": "tp-row"}.get(kind, "spec"),
+                                     c.spec, tp=kind, data_sharded=DATA in c.spec)]
         return tuple(dataclasses.replace(s, name=f"{s.name}, pinned") for s in kept)
 
     def why_not(self, params: Sequence[Any], d: int, m: int, layers: Mapping[int, Any],
@@ -165,8 +171,9 @@ class LayoutRules:
                     return (f"{where}: the model axis on dim {c.spec.index(MODEL)} is not a "
                             f"feature dim of a layer jaxwap prices as tensor-parallel, nor "
                             f"the feature dim of a bias whose kernel's column split it follows")
-            if not self.apply(j, generated, p.shape, layers.get(j)):
-                return f"{where}: no {c.family} layout of it on a {d}x{m} mesh"
+            if not self.apply(j, generated, p.shape, layers.get(j), m):
+                what = f"{c.family!r} layout" if c.family else "layout it allows"
+                return f"{where}: no {what} on a {d}x{m} mesh"
         return None
 
 

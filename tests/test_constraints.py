@@ -196,3 +196,26 @@ def test_nnx_sharding_metadata_becomes_constraints_under_the_rules():
     assert placed["up/kernel/value"].spec == (None, "model")
     assert placed["down/kernel/value"].spec == ("model", None)
     assert placed["up/kernel/value"].strategy.endswith("pinned")
+
+
+def test_a_model_pin_on_a_non_layer_dim_holds_where_the_model_axis_is_one():
+    """A norm scale pinned over "model" (Flax rules shard them over the tensor axis):
+    jaxwap splits only layer feature dims over the model axis, so on a 4x2 mesh the pin
+    is refused with the reason, and on an 8x1 mesh, where the model axis splits nothing,
+    it holds and the plan keeps the spec as given."""
+    def loss(p, b):
+        x = b["x"] * jax.lax.rsqrt(jnp.mean(b["x"] ** 2, -1, keepdims=True) + 1e-6)
+        return jnp.mean(((x * (1 + p["norm"]["scale"])) @ p["up"]["kernel"] - b["y"]) ** 2)
+
+    params = {"norm": {"scale": jnp.zeros(32)}, "up": {"kernel": jnp.ones((32, 64)) * .01}}
+    batch = {"x": jnp.ones((16, 32)), "y": jnp.zeros((16, 64))}
+    step = jaxwap.make_train_step(loss, optax.sgd(0.1))
+    pin = {"norm/scale": P("model")}
+    with pytest.raises(ValueError, match="model axis on dim 0 is not a feature dim"):
+        jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                    mesh_shape={"data": 4, "model": 2}, constraints=pin)
+    plan = jaxwap.plan(step, params, step.init(params), batch, cache=False, verify=0,
+                       mesh_shape={"data": 8, "model": 1}, constraints=pin)
+    placed = _by_path(plan)
+    assert placed["norm/scale"].spec == ("model",)
+    assert placed["norm/scale"].strategy == "replicate, pinned"
