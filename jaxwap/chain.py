@@ -58,8 +58,11 @@ def flat_costs(mc: MeshCosts) -> FlatCosts:
 
 
 def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
-        flat: FlatCosts | None = None) -> list[int]:
-    """Strategy indices minimising compute + weight*grad comm + TP chain communication.
+             flat: FlatCosts | None = None, must_split: bool = False) -> list[int]:
+    """Strategy indices minimising compute + weight*grad comm + TP chain communication;
+    with `must_split`, the least among those that split some layer over the model axis
+    (where any layer can be): the best layout that uses a model axis, where the best of
+    all leaves it unused and its devices would only duplicate work.
 
     The chain's communication depends on the layers' kinds only (col, row, none), so per
     layer and kind the cheapest strategy of that kind is taken first (the first of equals),
@@ -80,7 +83,7 @@ def chain_dp(graph: Graph, cluster: Cluster, mc: MeshCosts, weight: float,
     choice = [min(v, key=lambda t: (t[2], t[1]))[1] for _, v in sorted(per_param.items())]
     if not graph.layers:
         return choice
-    choice = _chain(graph, cluster, mc, f, per_param, choice)
+    choice = _chain(graph, cluster, mc, f, per_param, choice, must_split)
     for b, (k, s) in riding.items():
         if rides(mc.strategies[k][choice[k]], mc.strategies[b][s]):
             choice[b] = s
@@ -152,9 +155,12 @@ def _fold_riders(mc: MeshCosts, f: FlatCosts, own: np.ndarray, weight: float
 
 
 def _chain(graph: Graph, cluster: Cluster, mc: MeshCosts, f: FlatCosts,
-           per_param: dict[int, list[tuple[int, int, float]]], choice: list[int]) -> list[int]:
+           per_param: dict[int, list[tuple[int, int, float]]], choice: list[int],
+           must_split: bool = False) -> list[int]:
     """`choice` with the layers' strategies the dynamic program over the chain of
-    sibling groups picks, per group and kind from `per_param`'s cheapest."""
+    sibling groups picks, per group and kind from `per_param`'s cheapest. With
+    `must_split` a state also says whether a group so far is split over the model axis,
+    and the program ends in one that is (where any is reachable)."""
     d, m = mc.d, mc.m
     # the communication of a group of siblings depends on their activation sizes and
     # kinds: the blocks of a deep model repeat a few of those, so each is priced once
@@ -168,31 +174,35 @@ def _chain(graph: Graph, cluster: Cluster, mc: MeshCosts, f: FlatCosts,
             priced[key] = tp_group_cost(group, prev, ks, d, m, cluster, rep)[0]
         return priced[key]
 
-    # states: kind the previous group leaves -> its cost so far
-    states: dict[str, float] = {"none": 0.0}
-    # per group: kind left -> (previous kind, each sibling's strategy)
-    back: list[dict[str, tuple[str, tuple[int, ...]]]] = []
+    # states: (kind the previous group leaves, whether a group so far is split) -> its
+    # cost so far; without `must_split` the second is always False (one state per kind)
+    states: dict[tuple[str, bool], float] = {("none", False): 0.0}
+    # per group: state left -> (previous state, each sibling's strategy)
+    back: list[dict[tuple[str, bool], tuple[tuple[str, bool], tuple[int, ...]]]] = []
     for group in graph.layer_groups:
         options = [[(f.kind_name[L.param].split(",")[ki], s, o)
                     for ki, s, o in per_param[L.param]] for L in group]
-        nxt: dict[str, float] = {}
-        ptr: dict[str, tuple[str, tuple[int, ...]]] = {}
+        nxt: dict[tuple[str, bool], float] = {}
+        ptr: dict[tuple[str, bool], tuple[tuple[str, bool], tuple[int, ...]]] = {}
         kinds_of = {k for o in options for k, _, _ in o}
         for combo in _combos(options):
             ks = tuple(k for k, _, _ in combo)
             own_sum = sum(o for _, _, o in combo)
             left = group_kind(ks)
-            for prev, c in states.items():
+            split = must_split and left != "none"
+            for (prev, used), c in states.items():
                 if not _pairs(prev, ks, kinds_of):
                     continue
                 cost = c + own_sum + comm(group, prev, ks)
-                if left not in nxt or cost < nxt[left]:
-                    nxt[left], ptr[left] = cost, (prev, tuple(s for _, s, _ in combo))
+                state = (left, used or split)
+                if state not in nxt or cost < nxt[state]:
+                    nxt[state], ptr[state] = cost, ((prev, used), tuple(s for _, s, _ in combo))
         states = nxt
         back.append(ptr)
     last = graph.layers[-1]
     rep = float(graph.repeat[last.op_index])
-    k = min(states, key=lambda k: states[k] + tp_final_cost(last, k, d, m, cluster, rep)[0])
+    ends = [k for k in states if k[1]] or list(states)
+    k = min(ends, key=lambda k: states[k] + tp_final_cost(last, k[0], d, m, cluster, rep)[0])
     for group, ptr in zip(reversed(graph.layer_groups), reversed(back), strict=True):
         k, picked = ptr[k]
         for L, s in zip(group, picked, strict=True):

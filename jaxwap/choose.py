@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .assemble import at_power_limit
+from .attention_scores import ScoreSites, planned_advice
 from .frontier import pareto_front
 from .hardware import Cluster
 from .objective import Objective, Ranking
@@ -56,6 +57,9 @@ class PlanContext:
     # Python calls a call of the step makes on its pytrees (`pytree_cost.tree_calls`),
     # counted where the profile prices them; every graph of the plan carries it
     tree_calls: int = 0
+    # the step's materialized attention scores and its fused counterfactual
+    # (`attention_scores.score_sites`), which the plan's advice prices on its candidate
+    attention: ScoreSites | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,9 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
         notes.append("power limits are not measured: the measured choice is at the board's "
                      "default limit")
     pick = points[chosen]
+    advice, why = planned_advice(ctx.attention, best, ctx.cluster, pick.predicted,
+                                 (best.step or ctx.step).describe())
+    notes += [why] if why else []
     return Plan(
         mesh_shape=dict(best.mesh),
         device_ids=_device_ids(ctx, best.num_devices),
@@ -187,6 +194,7 @@ def build_plan(ctx: PlanContext, search: SearchResult, ver: Verification | None 
         measured=pick.measured, hardware=ctx.cluster, batch_size=ctx.batch_size,
         memory_budget_bytes=ctx.budget, planning_time_s=dict(ctx.timing),
         notes=tuple(notes), version=__version__, step=best.step or ctx.step,
+        attention=advice,
         _treedef=ctx.params_treedef)
 
 
@@ -230,7 +238,7 @@ class _Decision:
         if not r.fits:
             return f"over memory budget ({j.peak_memory_bytes / budget:.2f}x)"
         if not uses_model_axis(r):
-            return "no parameter gains from the model axis: it would only duplicate work"
+            return "no layout splits a parameter over the model axis: it would only duplicate work"
         if score == float("inf"):
             return "outside the allowed slowdown"
         word = _BASIS_WORD[j.basis]

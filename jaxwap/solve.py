@@ -14,6 +14,14 @@ its kernel's moved FSDP activations is decided with its kernel (`chain._fold_rid
 On a cluster of
 nodes the best meshes are also tried hybrid-sharded (HSDP, `_hybrids`).
 
+A mesh whose best layout leaves its model axis unused (its devices would run every layer
+whole, duplicating the work) is searched again for its best layout that splits a layer
+over that axis (`chain_dp`'s `must_split`), so every mesh's tensor-parallel candidate is
+priced before the objective compares meshes. What the program's additive costs misjudge
+(a data-axis trait's price: the gradient reduction hidden behind the backward pass, one
+latency per kind of combined collective) is then corrected by exact prices, a class of
+parameters moved between replicated, ZeRO-1 and FSDP at a time (`_polish`).
+
 A candidate over the memory budget is repaired before it is declared not to fit
 (`fitting.repair`: one parameter at a time, the move that frees the most memory at the
 peak per second it adds, so the cheapest first: optimizer state sharded over the data axis
@@ -32,14 +40,19 @@ from dataclasses import dataclass
 
 from .chain import biases_follow, chain_dp, flat_costs, pair_costs, per_param_of
 from .constraints import LayoutRules
-from .cost import mesh_costs, predict
+from .cost import MeshCosts, mesh_costs, predict
 from .fitting import memory_floor, micro_batch_floor, repair
 from .graph import Graph
 from .hardware import Cluster
 from .meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
 from .objective import Objective
 from .records import DATA, MODEL, REPLICA, STAGE, Prediction, StepVariant, Strategy
-from .strategies import param_strategies, pins_hold, restrict
+from .strategies import (
+    param_strategies,
+    pins_hold,
+    restrict,
+    unsplit_reasons,
+)
 
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
 
@@ -92,8 +105,18 @@ class SearchResult:
 def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                offload: bool = True, allowed: LayoutRules | None = None,
                r: int = 1) -> MeshResult:
-    """The best layout on a (d, m) mesh; with r replicas (HSDP), the data axis split
-    into r replicas across nodes of d/r devices each, over which parameters shard."""
+    """The best layout on a (d, m) mesh that uses its model axis; with r replicas (HSDP),
+    the data axis split into r replicas across nodes of d/r devices each, over which
+    parameters shard.
+
+    Where the best layout of all splits nothing over a model axis (layers too small for a
+    split to gain time: its devices would run every layer whole), the mesh is searched
+    again for the best layout that splits some layer over it (`chain_dp`'s `must_split`):
+    the mesh's tensor-parallel candidate, which the objective weighs against the other
+    meshes. Dropping the mesh instead left that candidate unpriced (Alpa's 256-wide MLP
+    on 4 devices over slow links: the 1x4 mesh's tensor-parallel layouts never priced, a
+    2x2 layout sending 3.6x the bytes of its Megatron pairs chosen). Only where no layer
+    can be split does the result leave the axis unused (`uses_model_axis`)."""
     strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
                   for j in range(len(graph.params))]
     floor, low = memory_floor(graph, strategies, d, m, r=r)
@@ -105,6 +128,27 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
         return MeshResult(d, m, tuple(p[0] for p in picked),
                           predict(graph, cluster, mc, [0] * len(picked)), False, r=r)
     mc = mesh_costs(graph, cluster, d, m, strategies, r)
+    tried = _tried(graph, cluster, mc, budget)
+    key, fits = _best(tried, budget)
+    if m > 1 and not _splits(mc, key):
+        used = {k: p for k, p in tried.items() if _splits(mc, k)}
+        used.update(_tried(graph, cluster, mc, budget, must_split=True))
+        used = {k: p for k, p in used.items() if _splits(mc, k)}
+        if used:
+            tried = used
+            key, fits = _best(used, budget)
+    pred = tried[key]
+    if fits:
+        key, pred = _polish(graph, cluster, mc, key, pred, budget)
+    return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(key)),
+                      pred, fits, r=r)
+
+
+def _tried(graph: Graph, cluster: Cluster, mc: MeshCosts, budget: float,
+           must_split: bool = False) -> dict[tuple[int, ...], Prediction]:
+    """The choices the chain's program makes at each weighting of the gradient reduction
+    (with `must_split`, among those splitting some layer over the model axis), each also
+    repaired to fit, every one priced exactly."""
     tried: dict[tuple[int, ...], Prediction] = {}
     # the program searches with FSDP layers moving activations where they would were every
     # layer FSDP; a mixed choice may gather them instead (each choice is priced as its own
@@ -116,7 +160,7 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
     for est in estimates:
         flat = flat_costs(est)
         for w in _OVERLAP_WEIGHTS:
-            choice = chain_dp(graph, cluster, est, w, flat)
+            choice = chain_dp(graph, cluster, est, w, flat, must_split)
             if tuple(choice) not in repaired:
                 repaired[tuple(choice)] = biases_follow(
                     graph, est.strategies, repair(graph, cluster, est, choice, budget),
@@ -125,12 +169,68 @@ def solve_mesh(graph: Graph, cluster: Cluster, d: int, m: int, budget: float,
                 key = tuple(c)
                 if key not in tried:
                     tried[key] = predict(graph, cluster, mc, c)
+    return tried
+
+
+def _best(tried: dict[tuple[int, ...], Prediction], budget: float
+          ) -> tuple[tuple[int, ...], bool]:
+    """The fastest choice that fits, else the one of least memory; and whether it fits."""
     fitting = {k: p for k, p in tried.items() if p.peak_memory_bytes <= budget}
     pool = fitting or tried
-    key = min(pool, key=lambda k: (pool[k].step_time_s if fitting
-                                   else pool[k].peak_memory_bytes))
-    return MeshResult(d, m, tuple(mc.strategies[j][s] for j, s in enumerate(key)),
-                      tried[key], bool(fitting), r=r)
+    return min(pool, key=lambda k: (pool[k].step_time_s if fitting
+                                    else pool[k].peak_memory_bytes)), bool(fitting)
+
+
+_TRAITS = ("plain", "zero1", "fsdp")
+
+
+def _trait(s: Strategy) -> str:
+    """What a layout does over the data axis: nothing, ZeRO-1 (the optimizer state
+    split) or FSDP (everything split)."""
+    return "fsdp" if s.data_sharded else "zero1" if s.state_spec is not None else "plain"
+
+
+def _polish(graph: Graph, cluster: Cluster, mc: MeshCosts, key: tuple[int, ...],
+            pred: Prediction, budget: float) -> tuple[tuple[int, ...], Prediction]:
+    """`key` improved by exact prices: a move takes every parameter of one data-axis trait
+    (`_trait`), of one tensor-parallel kind or of all, to another trait (where it has that
+    layout); the move that makes the step fastest while it still fits is kept, until none
+    gains.
+
+    The chain's program adds per-parameter costs; what a trait costs is not additive: the
+    gradient reduction hides behind the backward pass except its tail, and the collectives
+    of one kind are combined, their latency paid once (`cost._combined_latency`), so one
+    parameter left FSDP among ZeRO-1 ones pays a latency the program cannot see (a GPT's
+    tied embedding: 0.6% of its step on a 2x2 mesh), and leaving FSDP pays only when the
+    last FSDP parameter leaves. A class moves at once, so the tensor-parallel chain (the
+    kinds) is untouched and a move costs one pricing: a few dozen per mesh at most."""
+    index: dict[tuple[int, str, bool, str], int] = {}
+    for j, options in enumerate(mc.strategies):
+        for s, st in enumerate(options):
+            index.setdefault((j, st.tp, st.offload, _trait(st)), s)
+    for _ in range(2 * len(_TRAITS)):         # each round gains: a few rounds at most
+        now = [mc.strategies[j][s] for j, s in enumerate(key)]
+        cls = [(st.tp, _trait(st)) for st in now]
+        groups = sorted(set(cls)) + [(None, t) for t in sorted({t for _, t in cls})]
+        moves = {tuple(index.get((j, now[j].tp, now[j].offload, to), s)
+                       if cls[j][1] == trait and tp in (None, cls[j][0]) else s
+                       for j, s in enumerate(key))
+                 for tp, trait in groups for to in _TRAITS if to != trait}
+        best = (key, pred)
+        for c in sorted(moves - {key}):
+            p = predict(graph, cluster, mc, c)
+            if p.peak_memory_bytes <= budget and \
+                    p.step_time_s < best[1].step_time_s * (1 - 1e-9):
+                best = (c, p)
+        if best[0] == key:
+            break
+        key, pred = best
+    return key, pred
+
+
+def _splits(mc: MeshCosts, choice: Sequence[int]) -> bool:
+    """Whether the choice splits some parameter over the model axis."""
+    return any(mc.strategies[j][s].tp != "none" for j, s in enumerate(choice))
 
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
@@ -203,24 +303,25 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     # is the fastest that fits
     ranking = rank([r.predicted if r.fits and uses_model_axis(r) else None for r in results])
     if ranking.best < 0:
-        shown = ", ".join(r.describe() for r in results)
+        # every fitting mesh has a model axis that no layout can split a weight over
+        m = max(r.m for r in results)
+        why = unsplit_reasons(graph, m, allowed)
         if mesh is not None:
-            forced = allowed is not None and allowed.families is not None \
-                and "tp" in allowed.families
-            advice = ("tensor parallelism is allowed, but no layout of it gains here or "
-                      "none is offered (a split XLA would not compile as priced is "
-                      "withheld); pin a spec with constraints= to force one, or use a model "
-                      "axis of 1"
-                      if forced else "force tensor parallelism with strategies=('tp', "
-                      "...) or use a model axis of 1")
+            advice = "use a model axis of 1"
+            if allowed is not None and allowed.families is not None \
+                    and "tp" not in allowed.families:
+                advice = "force tensor parallelism with strategies=('tp', ...) or " + advice
+            elif allowed is not None and allowed.pins:
+                advice = "pin a layer's split with constraints= or " + advice
             raise ValueError(
-                f"mesh_shape {mesh[0]}x{mesh[1]}: no parameter gains from being split over "
-                f"its model axis of {mesh[1]}, so its devices would only duplicate work: "
-                f"{advice}.")
+                f"mesh_shape {mesh[0]}x{mesh[1]}: no layout splits any parameter over its "
+                f"model axis of {mesh[1]} ({why}), so its devices would only duplicate "
+                f"work: {advice}.")
+        shown = ", ".join(r.describe() for r in results)
         raise ValueError(
             f"every usable mesh ({shown}) needs a model axis (batch "
             f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "
-            f"over data), but no parameter gains from being split over it: the devices "
+            f"over data), but no layout splits any parameter over it ({why}): the devices "
             f"would only duplicate work. Use fewer devices (num_devices=) or a batch "
             f"size divisible by the device count.")
     return SearchResult(tuple(results), ranking.scores, ranking.best, tuple(skipped), baseline)

@@ -8,7 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from .constraints import LayoutRules
+from .constraints import LayoutRules, path_string
 from .graph import Graph
 from .records import Strategy
 
@@ -57,7 +57,7 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
         # (replicated where no family allowed gives one): tensor parallelism alone allowed
         # would otherwise leave it only the split
         out = _strategies_for(shape, None, has_state, d, m, offload, families, stacked) + out
-    return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer)
+    return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer, m)
 
 
 def _bias_col_dims(graph: Graph, j: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -129,6 +129,43 @@ def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], .
     return restrict(out, allowed)
 
 
+def unsplit_reasons(graph: Graph, m: int, rules: LayoutRules | None = None,
+                    limit: int = 6) -> str:
+    """Why no layer weight can be split over a model axis of m, for an error to show:
+    the strategies allowed exclude tensor parallelism, or per weight (its path and shape)
+    a pin, no dim the layer rule splits that m divides, a head count m does not divide, or
+    a column split XLA would not keep."""
+    head = ""
+    if rules is not None and rules.families is not None and "tp" not in rules.families:
+        head = (f"the strategies allowed ({', '.join(sorted(rules.families))}) exclude "
+                f"tensor parallelism ('tp'); layer weights: ")
+    out = []
+    for j, L in sorted(graph.layer_of.items()):
+        if j in graph.bias_of:
+            continue
+        p, stacked = graph.params[j], int(graph.stacked_dim[j])
+        where = f"{path_string(p.path)} {tuple(p.shape)}"
+        if head:
+            out.append(where)
+            continue
+        if rules is not None and rules.pin(j) is not None:
+            out.append(f"{where}: pinned to {rules.pin(j).describe()}")
+            continue
+        why = []
+        for kind, dims in (("column", L.out_dims), ("row", L.in_dims)):
+            kept = [i for i in dims if i != stacked]
+            g = graph.tp_granule.get((j, "col" if kind == "column" else "row"), 0)
+            if _largest_dim(p.shape, kept, m) is None:
+                why.append(f"{kind} dims {[p.shape[i] for i in kept]} not divisible by {m}")
+            elif g and g % m:
+                why.append(f"{kind} split cuts {g} heads {m} ways")
+            elif kind == "column" and j in graph.tp_leaks:
+                why.append("column split not kept by XLA")
+        out.append(f"{where}: {', '.join(why)}")
+    more = f", {len(out) - limit} more" if len(out) > limit else ""
+    return head + (", ".join(out[:limit]) + more if out else "the step has no layer weights")
+
+
 def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
              ) -> tuple[Strategy, ...]:
     """The layouts every family of which is allowed; replicated when none is (a parameter
@@ -138,4 +175,4 @@ def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
     return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
-__all__ = ["param_strategies", "pins_hold", "restrict"]
+__all__ = ["param_strategies", "pins_hold", "restrict", "unsplit_reasons"]

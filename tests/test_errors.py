@@ -393,19 +393,21 @@ def test_failed_call_does_not_poison_the_wrapper():
     assert_intact(snap)
 
 
-@pytest.mark.parametrize("strategies, advice", [
-    (("replicate",), "force tensor parallelism with strategies="),
-    (("tp", "replicate"), "tensor parallelism is allowed, but no layout of it gains"),
-])
-def test_an_unused_model_axis_advises_what_the_strategies_do_not_already_say(strategies,
-                                                                           advice):
-    # a narrow MLP on 8 fast GPUs: no split over a model axis of 2 pays for itself
+def test_a_model_axis_no_layout_can_use_is_refused_with_the_weights_and_advice():
+    # a narrow MLP on 8 fast GPUs: no split over a model axis of 2 pays for itself, so the
+    # mesh's tensor-parallel layout is planned; with tensor parallelism excluded no layout
+    # can use the axis, and the error says so and how to force it
     step, params, opt, batch = abstract_setup((32, 10), 16, 8)
-    with pytest.raises(ValueError, match=re.escape("mesh_shape 1x2: no parameter gains")
-                       + ".*" + re.escape(advice)):
-        jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("h100-sxm", 8),
-                    mesh_shape={"data": 1, "model": 2}, strategies=strategies, verify=0,
-                    cache=False)
+    base = dict(hardware=jaxwap.Cluster("h100-sxm", 8), mesh_shape={"data": 1, "model": 2},
+                verify=0, cache=False)
+    with pytest.raises(ValueError, match=re.escape(
+            "mesh_shape 1x2: no layout splits any parameter over its model axis of 2 (the "
+            "strategies allowed (replicate) exclude tensor parallelism")
+            + ".*" + re.escape("force tensor parallelism with strategies=")):
+        jaxwap.plan(step, params, opt, batch, strategies=("replicate",), **base)
+    plan = jaxwap.plan(step, params, opt, batch, strategies=("tp", "replicate"), **base)
+    assert {pl.strategy for pl in plan.params if pl.path[-1] == "kernel"} == {"tp-col",
+                                                                               "tp-row"}
 
 
 def test_no_mesh_message_gives_each_meshs_own_reason():

@@ -134,8 +134,9 @@ def test_mesh_shape_fixes_the_mesh_and_strategies_restrict_every_layout():
     plan = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 4}, **base)
     assert dict(plan.mesh_shape) == {"data": 4, "model": 1}
     assert {c.num_devices for c in plan.candidates} == {4}
-    with pytest.raises(ValueError, match="mesh_shape 2x4: no parameter gains.*strategies"):
-        jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4}, **base)
+    # a model axis the free layouts would leave unused gets the mesh's tensor-parallel one
+    tp = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4}, **base)
+    assert any("model" in pl.spec for pl in tp.params)
     both = jaxwap.plan(step, params, opt, batch, mesh_shape={"data": 2, "model": 4},
                        strategies=("tp",), **base)
     assert dict(both.mesh_shape) == {"data": 2, "model": 4}
