@@ -33,7 +33,8 @@ GiB = 2**30
 # fields of a DeviceSpec that must be > 0 and >= 0 where given
 _POSITIVE = ("peak_flops_f32", "efficiency_half_flops", "link_bandwidth", "host_bandwidth",
              "conv_efficiency", "narrow_conv_efficiency", "transposed_matmul_efficiency",
-             "small_input_conv_flops", "network_bandwidth")
+             "small_input_conv_flops", "network_bandwidth", "attention_fwd_efficiency",
+             "attention_bwd_efficiency")
 _NON_NEGATIVE = ("kernel_overhead_s", "python_call_s", "link_latency_s",
                  "link_buffer_latency_s", "collective_overhead_s", "conv_overhead_s",
                  "transcendental_s", "window_tap_s", "window_grad_s", "network_latency_s")
@@ -205,6 +206,16 @@ class DeviceSpec:
       network_latency_s: default latency of one step between nodes.
       power: what the device draws in each phase of a step and the power limits it
         accepts (`jaxwap.power`); None: modelled from idle and board power, no limits.
+      compute_capability: the CUDA compute capability of an NVIDIA GPU ("9.0"), None for
+        another device: what jax's cuDNN checks ask of the target when planning traces on
+        a host without that GPU (`attention.target_checks`).
+      attention_fwd_efficiency, attention_bwd_efficiency: the share of `peak_flops`
+        cuDNN's fused attention kernels reach, forward and backward (their flops counted
+        as FlashAttention counts them: a causal kernel's half of the scores,
+        `attention.fused_flops`); None: priced as a matmul of their flops. The built-ins'
+        are published figures (H100 SXM5, BF16, head dim 128, sequence 8k, cuDNN as
+        benchmarked in FlashAttention-3, Shah et al. 2024, arXiv:2407.08608, Figs. 5-6:
+        causal forward 529 Tflop/s, backward 518, of 989).
     """
 
     name: str
@@ -245,6 +256,9 @@ class DeviceSpec:
     network_bandwidth: float = 25 * GB
     network_latency_s: float = 10e-6
     power: PowerProfile | None = None
+    compute_capability: str | None = None
+    attention_fwd_efficiency: float | None = None
+    attention_bwd_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -270,6 +284,11 @@ class DeviceSpec:
         if any(not 0 < e <= 1 for _, e in self.matmul_efficiency):
             raise ValueError(f"DeviceSpec {self.name!r}: matmul_efficiency values must be "
                              f"in (0, 1], got {self.matmul_efficiency!r}")
+        for field in ("attention_fwd_efficiency", "attention_bwd_efficiency"):
+            v = getattr(self, field)
+            if v is not None and v > 1:
+                raise ValueError(f"DeviceSpec {self.name!r}: {field} is a share of the peak, "
+                                 f"in (0, 1], got {v!r}")
         if self.efficiency_half_flops is None:
             object.__setattr__(self, "efficiency_half_flops", self.peak_flops * 1e-6)
         if self.idle_watts < 0 or self.idle_watts > self.max_watts:
@@ -341,8 +360,9 @@ class DeviceSpec:
         d["power"] = None if self.power is None else self.power.to_dict()
         for field in _TABLES:
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
-        for term in ("call_cost", "python_call_s"):   # as before the terms: plan-cache
-            if not d[term]:                            # keys unchanged
+        for term in ("call_cost", "python_call_s", "compute_capability",
+                     "attention_fwd_efficiency", "attention_bwd_efficiency"):
+            if not d[term]:      # as before the terms: plan-cache keys unchanged
                 del d[term]
         return d
 
@@ -356,6 +376,12 @@ class DeviceSpec:
         return cls(**d)
 
 
+# cuDNN's fused attention on an H100 SXM5 (BF16, head dim 128, sequence 8k), published in
+# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, Figs. 5 and 6): causal forward
+# 529 Tflop/s, backward 518, of the 989 dense peak. The H200 is the same GPU (the same
+# peak) with more memory bandwidth: its kernels are priced at the same shares.
+_ATTENTION_FWD, _ATTENTION_BWD = 529 / 989, 518 / 989
+
 _BUILTIN: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
@@ -364,7 +390,9 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
                    host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="9.0", attention_fwd_efficiency=_ATTENTION_FWD,
+                   attention_bwd_efficiency=_ATTENTION_BWD),
         # datasheet peaks; the convolutions' shares of the matmul rate as `jaxwap calibrate`
         # measured them on one H200 here (benchmarks/results/gpu_nvidia-h200.json): 0.57
         # for 3x3 layers at a training batch, 0.029 over 3 input channels (first layers);
@@ -375,25 +403,30 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    conv_efficiency=0.57, narrow_conv_efficiency=0.029,
                    link_bandwidth=450 * GB, link_latency_s=3e-6,
                    host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="9.0", attention_fwd_efficiency=_ATTENTION_FWD,
+                   attention_bwd_efficiency=_ATTENTION_BWD),
         DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
                    host_bandwidth=25 * GB, power=A100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="8.0"),
         DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
                    memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=60,
                    max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
                    link_bandwidth=300 * GB, link_latency_s=4e-6,
                    host_bandwidth=25 * GB, power=A100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="8.0"),
         DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
                    memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
                    max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=150 * GB, link_latency_s=5e-6,
                    host_bandwidth=12 * GB, network_bandwidth=12.5 * GB,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="7.0"),
         # the 250 W PCIe card (no NVLink: its peers over PCIe 3.0), the V100 the published
         # power trace `benchmarks/power.py` checks against ran on
         DeviceSpec("v100-pcie", peak_flops=112e12, peak_flops_f32=14e12,
@@ -401,7 +434,8 @@ _BUILTIN: dict[str, DeviceSpec] = {
                    max_watts=250, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
                    link_bandwidth=12 * GB, link_latency_s=10e-6,
                    host_bandwidth=12 * GB, network_bandwidth=12.5 * GB, power=V100_PCIE,
-                   relayouts_batched_dots=True, expands_pooling_grads=True),
+                   relayouts_batched_dots=True, expands_pooling_grads=True,
+                   compute_capability="7.0"),
         # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
         # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
         # Simulated CPU devices share the host's cores: `detect_cluster` scales this.

@@ -110,6 +110,8 @@ def explain(plan: Plan, max_params: int = 40) -> str:
             f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
             f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
             f"over the {STAGE} axis" + _inside_stage(plan))
+    if plan.attention is not None:
+        lines += ["", "advice (predicted):", *plan.attention.lines()]
     if plan.compiled is not None:
         c, v = plan.compiled, plan.verified
         kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"

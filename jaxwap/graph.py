@@ -211,6 +211,10 @@ class Graph:
     # [P] the gathers per pass XLA makes of each parameter and the values computed from
     # it when the data axis splits it (`gathers.Gathers.per_pass`); left out, one each
     fsdp_gathers: np.ndarray | None = field(default=None)
+    # [ops] 1: cuDNN's fused attention forward, 2: its backward, 0: another op
+    # (`opcost.OpCosts.attention`, priced at `DeviceSpec.attention_*_efficiency`); left
+    # out, none
+    attention: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -223,7 +227,8 @@ class Graph:
                             ("reduced", float), ("conv_grad_bytes", float),
                             ("window_taps", float), ("window_grad_elems", float),
                             ("window_grad_bytes", float),
-                            ("transposed", bool), ("dot_relayout_bytes", float)):
+                            ("transposed", bool), ("dot_relayout_bytes", float),
+                            ("attention", np.int8)):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, np.zeros(len(self.flops), dtype))
         if self.tp_op_param is None:
@@ -321,7 +326,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         conv_out_width=np.array([conv_out_width(op.eqn) for op in prog.ops], dtype=np.int64),
         transcendentals=costs.transcendentals, reduced=costs.reduced,
         window_taps=costs.window_taps, window_grad_elems=costs.window_grad_elems,
-        window_grad_bytes=costs.window_grad_bytes,
+        window_grad_bytes=costs.window_grad_bytes, attention=costs.attention,
         conv_grad_bytes=conv_grad_relayouts(prog, flow.batched),
         dot_relayout_bytes=dot_relayouts(prog, flow.batched),
         transposed=np.array([transposed_matmul(op.eqn) for op in prog.ops], dtype=bool),

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from .attention import fused_kind
 from .flatten import FlatProgram, itemsize_of
-from .primitives import ELEMENTWISE, FREE, MATMUL, RooflineRules
+from .primitives import ELEMENTWISE, FREE, MATMUL, RooflineRules, prim_info
 
 # elementwise primitives a CPU evaluates as a polynomial or series per element, far
 # slower than their bytes (`DeviceSpec.transcendental_s`); sqrt and rsqrt are instructions
@@ -76,6 +77,7 @@ class OpCosts:
     window_taps: np.ndarray        # pooling's forward ops (`window_taps`)
     window_grad_elems: np.ndarray  # its gradients' results' elements
     window_grad_bytes: np.ndarray  # what expanding a gradient adds (`expanded_pool_grad`)
+    attention: np.ndarray          # [ops] int8: cuDNN's fused attention (`attention.fused_kind`)
 
 
 def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> OpCosts:
@@ -83,9 +85,12 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
 
     Free ops cost nothing. A fusion of elementwise ops, and of the reductions they feed,
     moves what XLA's fusions move (`_fused_traffic`); a new fusion (a kernel) starts where
-    no input comes from another fusible op. An op without a roofline rule is priced one
-    flop per output element and its operands' and results' bytes, and named in
-    `unmodeled`.
+    no input comes from another fusible op. A primitive with a cost rule of its own in the
+    primitive table (`PrimInfo.cost`: cuDNN's fused attention) is priced by it, the rest by
+    jax's roofline rules. An op without either is priced one flop per output element and
+    its operands' and results' bytes, and named in `unmodeled`. A matmul is 16-bit when
+    its operands are (fused attention: its query, key and value; the float32 log-sum-exp
+    it also reads is not what its tensor cores multiply).
 
     A rule's figures depend only on the equation's primitive, operand and result avals and
     params, so each distinct equation is priced once (the blocks of a deep model repeat).
@@ -96,6 +101,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
     flops, traffic, kernels, trans = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     pool, pool_grad, pool_grad_bytes = np.zeros(n), np.zeros(n), np.zeros(n)
     lowp = np.zeros(n, bool)
+    fused = np.array([fused_kind(op.eqn) for op in prog.ops], dtype=np.int8)
     fusible = [False] * len(V)  # made by an elementwise or free op
     priced: dict[Any, tuple[float, float] | None] = {}
     unmodeled: set[str] = set()
@@ -104,13 +110,14 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             for o in op.outs:
                 fusible[o] = True
             continue
+        rule = prim_info(op.prim).cost or rules.cost
         key = eqn_key(op.eqn)
         if key is None:
-            cost = rules.cost(op.eqn)
+            cost = rule(op.eqn)
         else:
             cost = priced.get(key, priced)
             if cost is priced:
-                cost = priced[key] = rules.cost(op.eqn)
+                cost = priced[key] = rule(op.eqn)
         out_bytes = float(sum(nbytes[o] for o in op.outs))
         taps = window_taps(op.eqn)
         if taps:   # a compare or add per tap; its operands read, its result written
@@ -135,7 +142,8 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             traffic[k] = cost[1] * op.repeat
             kernels[k] = float(op.repeat)
             if kind == MATMUL:
-                lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in op.ins)
+                multiplied = op.ins[:3] if fused[k] else op.ins
+                lowp[k] = all(itemsize_of(V[i].dtype) <= 2 for i in multiplied)
     is_matmul = np.array([kind == MATMUL for kind in kinds], dtype=bool)
     reductions = np.array([op.prim in REDUCTIONS for op in prog.ops], dtype=bool)
     # what a reduction reads, wherever its input was made: a fusion that ends in a
@@ -144,7 +152,7 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
                         for op, red in zip(prog.ops, reductions, strict=True)])
     traffic = _fused_traffic(prog, kinds, traffic, reductions)
     return OpCosts(flops, traffic, kernels, is_matmul, lowp, tuple(sorted(unmodeled)), trans,
-                   reduced, pool, pool_grad, pool_grad_bytes)
+                   reduced, pool, pool_grad, pool_grad_bytes, fused)
 
 
 def _fused_traffic(prog: FlatProgram, kinds: Sequence[str], traffic: np.ndarray,

@@ -1,12 +1,14 @@
 """What each op of the flat program takes on a device: its roofline (flops at the matmul,
-convolution or generic-loop rate, bytes at the bandwidth or a reduction's measured rate,
-the slow elementwise work a CPU evaluates apart) plus its kernel launches, for a share of
-its work. `cost.mesh_costs` sums these over a layout's splits."""
+convolution, fused-attention or generic-loop rate, bytes at the bandwidth or a
+reduction's measured rate, the slow elementwise work a CPU evaluates apart) plus its
+kernel launches, for a share of its work. `cost.mesh_costs` sums these over a layout's
+splits."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .device import DeviceSpec
 from .graph import Graph
 from .hardware import Cluster
 
@@ -28,6 +30,7 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     rate = np.where(graph.low_precision, dev.peak_flops, dev.flops_rate(np.float32)) * speed
     per_kernel = f / graph.repeat  # one scan iteration
     eff = np.where(graph.is_matmul, dev.matmul_eff(per_kernel, rate, speed), 1.0)
+    eff = eff * attention_share(graph, dev)
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
                         dev.conv_efficiency)
     rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
@@ -61,6 +64,19 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
             np.where(bound, busy, 0.0), np.where(bound, np.maximum(f / rate, trans_t), 0.0))
 
 
+def attention_share(graph: Graph, dev: DeviceSpec) -> np.ndarray | float:
+    """[ops] the share of a matmul's rate cuDNN's fused attention reaches, forward and
+    backward (`DeviceSpec.attention_fwd_efficiency`, `attention_bwd_efficiency`: the
+    published rates of long sequences), 1 for other ops or where the profile has none.
+    It multiplies the matmul efficiency of the kernel's work, which stays near 1 for such
+    kernels and keeps tiny ones from pricing as large ones."""
+    att = graph.attention
+    if att is None or not att.any():
+        return 1.0
+    fwd, bwd = dev.attention_fwd_efficiency or 1.0, dev.attention_bwd_efficiency or 1.0
+    return np.where(att == 1, fwd, np.where(att == 2, bwd, 1.0))
+
+
 def relayout_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
                    speed: float = 1.0) -> np.ndarray:
     """Per-op seconds of the copies the backend makes around batched matmuls
@@ -81,4 +97,4 @@ def op_times(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     return op_parts(graph, cluster, split, speed, data)[0]
 
 
-__all__ = ["op_parts", "op_times", "relayout_times"]
+__all__ = ["attention_share", "op_parts", "op_times", "relayout_times"]

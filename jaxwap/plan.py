@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from .attention_scores import AttentionAdvice
 from .hardware import Cluster
 from .objective import Objective
 from .records import (
@@ -196,6 +197,9 @@ class Plan:
     measured: Measurement | None = None       # what it did on the devices (measure=)
     # how a `make_train_step` step was restructured to fit (micro-batches, remat)
     step: StepVariant = field(default_factory=StepVariant)
+    # where the step materializes attention scores that take a large share of it: their
+    # figures and the fused kernel's (predicted, `attention_scores.attention_advice`)
+    attention: AttentionAdvice | None = None
     _treedef: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -249,7 +253,7 @@ class Plan:
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "format": PLAN_FORMAT, "version": self.version,
             "mesh_shape": dict(self.mesh_shape), "device_ids": list(self.device_ids),
             "params": [p.to_dict() for p in self.params],
@@ -263,6 +267,9 @@ class Plan:
             "measured": self.measured.to_dict() if self.measured else None,
             "step": self.step.to_dict(),
         }
+        if self.attention is not None:   # (a plan without advice reads as before it)
+            d["attention"] = self.attention.to_dict()
+        return d
 
     def to_json(self, indent: int | None = 2, timings: bool = False) -> str:
         """The plan as JSON: the same step planned for the same hardware gives the same
@@ -296,7 +303,8 @@ class Plan:
             version=d.get("version", ""), compiled=_opt(CompiledFigures, d.get("compiled")),
             verified=_opt(Prediction, d.get("verified")),
             measured=_opt(Measurement, d.get("measured")),
-            step=StepVariant.from_dict(d.get("step")))
+            step=StepVariant.from_dict(d.get("step")),
+            attention=_opt(AttentionAdvice, d.get("attention")))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

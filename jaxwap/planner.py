@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from .attention import planned_device, require_target, target_checks
+from .attention_scores import fused_alternative, planned_score_sites
 from .cache import PlanCache, jaxpr_fingerprint, plan_key
 from .calibrate import load_calibration
 from .choose import PlanContext, build_plan, chosen_result
@@ -39,7 +41,7 @@ from .solve import SearchResult, search
 from .trace import ArgLayout, layout_of, trace_layout
 from .train_step import TrainStep, ladder, restructured
 from .units import si
-from .verify import Verification, compile_candidate, run_verification
+from .verify import Verification, compile_candidate, run_verification, unverifiable
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
 MEMORY_HEADROOM = 0.10
@@ -109,6 +111,18 @@ def node_major(devices: Sequence[Any]) -> tuple[Any, ...]:
 
 def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,
               options: PlanOptions, for_hardware: bool = False) -> Planned:
+    """`_make_plan`, its traces made for the hardware planned for: jax's trace-time checks
+    of cuDNN's fused attention answer for that target where this host cannot
+    (`attention.target_checks`)."""
+    target = planned_device(options.plan.hardware if options.plan is not None
+                            else options.hardware)
+    with target_checks(target):
+        return _make_plan(fn, args, kwargs, params=params, options=options,
+                          for_hardware=for_hardware)
+
+
+def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, params: Any,
+               options: PlanOptions, for_hardware: bool = False) -> Planned:
     """Plan `fn` for these (abstract or concrete) arguments under `options`.
 
     The devices planned for are those present, unless `for_hardware` and the hardware
@@ -148,6 +162,10 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
     t0 = time.perf_counter()
     layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
     timing = {"trace": time.perf_counter() - t0}
+    require_target(closed, cluster.device, devs)
+    if options.verify and (why := unverifiable(closed, devs)) is not None:
+        notes.append(why)
+        options = dataclasses.replace(options, verify=0)
     ctx = PlanContext(layout.params, layout.params_treedef, options.objective, cluster, devs,
                       budget, layout.inputs.batch_size)
     store = options.store
@@ -186,7 +204,12 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
         notes.append(f"pipelining not considered: {pipes.reason}")
     found = _search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
                              "cpu" if platform == "cpu" else "accelerator", pipes, rules)
-    ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes))
+    scores = planned_score_sites(
+        notes, found.graph, lambda: closed if found.rung.is_plain else trace_layout(
+            found.fn, layout), layout.inputs.roles, layout.outputs.roles, layout.params,
+        cluster.device, _searcher(ctx, options, usable, rules, found.rung.micro_batches))
+    ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes),
+                              attention=scores)
     plan = build_plan(ctx, found.search, found.verification)
     if store is not None and key is not None and not options.measure:
         store.put(key, plan)
@@ -395,6 +418,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
     if found is None:
         more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
                 if len(tried) > 1 else "")
+        more += fused_alternative(
+            plain_graph[0] if plain_graph else None, closed, layout.inputs.roles,
+            layout.outputs.roles, layout.params, ctx.cluster.device,
+            _searcher(ctx, options, usable, rules))
         raise MemoryError(f"{first_error}{more}")
     rung, fn_v, graph, result, ver = (found.rung, found.fn, found.graph, found.search,
                                       found.verification)
@@ -409,6 +436,18 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
                      "a whole-step checkpoint (its recomputation replays the forward pass at "
                      "once); micro-batches were")
     return _Found(rung, fn_v, graph, result, ver)
+
+
+def _searcher(ctx: PlanContext, options: PlanOptions, usable: int,
+              rules: LayoutRules | None, micro_batches: int = 1
+              ) -> Callable[[Graph], SearchResult]:
+    """The search the step's variants get, for another graph of the step (the fused
+    counterfactual of its attention, `attention_scores`)."""
+    return functools.partial(search, cluster=ctx.cluster, objective=ctx.objective,
+                             num_devices=usable, budget=ctx.budget,
+                             num_devices_exact=options.num_devices,
+                             micro_batches=micro_batches, offload=options.offload,
+                             mesh=options.mesh, allowed=rules, replicas=options.replicas)
 
 
 def _verify(fn: Callable, layout: ArgLayout, ctx: PlanContext, options: PlanOptions,

@@ -15,7 +15,9 @@ The flops and bytes of an equation come from the per-primitive rules of
 `jax.experimental.roofline`, whose registry is private API. `roofline_rules()` is the one
 adapter to it: it checks, once and before any cost is computed, that every piece it uses
 is still there, and raises a RuntimeError naming what is gone otherwise, rather than
-letting every op silently fall back to the generic cost.
+letting every op silently fall back to the generic cost. A primitive jax's roofline does
+not know may carry a cost rule of its own (`PrimInfo.cost`): cuDNN's fused attention,
+whose rules, like every other read of its private surface, live in `attention.py`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+
+from . import attention
 
 try:
     import jax.experimental.roofline  # noqa: F401 - registers the per-primitive rules
@@ -56,6 +60,8 @@ Batched = tuple[list[int | None], bool]
 BatchRule = Callable[[Any, Sequence[int | None]], Batched]
 # (equation, operand position) -> whether the result is linear in that operand
 LinearRule = Callable[[Any, int], bool]
+# equation -> (flops, memory traffic in bytes): a primitive's own cost rule
+CostRule = Callable[[Any], tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +87,7 @@ class PrimInfo:
     permutation: Callable[[Any], tuple[int, ...]] | None = None
     batch: BatchRule | None = None
     linear: tuple[int, ...] | LinearRule | None = ()
+    cost: CostRule | None = None
 
 
 _TABLE: dict[str, PrimInfo] = {}
@@ -127,6 +134,10 @@ register(PrimInfo(HEAVY), "reduce_sum", "reduce_max", "reduce_min", "reduce_prod
          "cond", "custom_linear_solve", "cholesky", "triangular_solve", "lu", "qr", "eigh",
          "svd", "random_bits", "threefry2x32", "rng_bit_generator", "shard_map",
          "all_gather", "psum", "reduce_scatter", "all_to_all", "ppermute", "scan_stack")
+# cuDNN's fused attention: tensor-core work of its own (no weight: no layer rule), priced
+# by its own rule, the batch and heads carried to its results (`attention.py`)
+register(PrimInfo(MATMUL, batch=attention.fused_batch, cost=attention.fused_cost),
+         *attention.PRIMITIVES)
 
 
 def _features(ndim: int, *taken: tuple[int, ...]) -> tuple[int, ...]:

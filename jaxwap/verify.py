@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .attention import compiles_here, uses_fused_attention
 from .compile import CompiledStep, compile_layout, host_resident_bytes
 from .cost import with_compiled
 from .hardware import Cluster
@@ -61,6 +62,21 @@ def compile_candidate(fn: Callable, layout: Any, r: MeshResult, devices: Sequenc
     host = host_resident_bytes(layout, r.strategies, r.d, r.m, donate, r.r, r.stages)
     return compiled_figures(cs.compiled, (r.d, r.m), cluster, cs.compile_time_s, host,
                             r.r, r.stages), cs
+
+
+def unverifiable(closed: Any, devices: Sequence[Any]) -> str | None:
+    """Why the step (its traced jaxpr `closed`) cannot be compiled on the present
+    `devices` to verify a plan, as the plan's note says it; None if it can. cuDNN's fused
+    attention (`jax.nn.dot_product_attention(..., implementation="cudnn")`) has an XLA
+    lowering for NVIDIA GPUs only: planned from another host for GPUs, the plan is the
+    model's alone."""
+    if not uses_fused_attention(closed) or compiles_here(devices):
+        return None
+    return (f"verification skipped: the step uses cuDNN's fused attention "
+            f"(jax.nn.dot_product_attention(..., implementation='cudnn')), which XLA "
+            f"compiles for NVIDIA GPUs with cuDNN only, not for the "
+            f"{devices[0].platform if devices else 'absent'} devices present; the plan's "
+            f"figures are predicted")
 
 
 def pipelined_with_compiled(pred: Prediction, figs: CompiledFigures) -> Prediction:
@@ -109,4 +125,5 @@ def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
                         time.perf_counter() - t0)
 
 
-__all__ = ["CompileFn", "Verification", "compile_candidate", "run_verification"]
+__all__ = ["CompileFn", "Verification", "compile_candidate", "run_verification",
+           "unverifiable"]

@@ -344,8 +344,10 @@ def _grad_comm_time(cluster):
 
     batch = {"x": jax.ShapeDtypeStruct((batch, din), jnp.float32),
              "y": jax.ShapeDtypeStruct((batch, dout), jnp.float32)}
+    # the mesh fixed: the free search may split the layer over a model axis instead
     plan = jaxwap.plan(train_step, params, jax.eval_shape(tx.init, params), batch,
-                       hardware=cluster, num_devices=8, objective="throughput")
+                       hardware=cluster, mesh_shape={"data": 8, "model": 1},
+                       objective="throughput")
     assert plan.mesh_shape == {"data": 8, "model": 1}
     assert plan.hardware == cluster
     return plan.predicted.grad_comm_time_s
