@@ -378,7 +378,9 @@ def main(
         t0 = time.perf_counter()
         step.plan_for(params, opt_state, pool[0])
         pool = step.shard(pool)
-        print(f"planned in {time.perf_counter() - t0:.2f} s (trace + search; no compile yet)")
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in step.plan.planning_time_s.items())
+        print(f"planned in {time.perf_counter() - t0:.2f} s ({phases}; verify compiles "
+              f"the finalists, the step itself is compiled on its first call)")
         on_first_step = lambda: print(step.plan.explain(), flush=True)
     else:
         if args.hardware or args.objective != "balanced":

@@ -11,8 +11,18 @@ from typing import TYPE_CHECKING
 
 from jax.sharding import PartitionSpec as P
 
-from .records import COMPILED, DATA, MEASURED, MODEL, REPLICA, STAGE, mesh_dims, mesh_stages
-from .units import si
+from .records import (
+    COMPILED,
+    DATA,
+    MEASURED,
+    MODEL,
+    PREDICTED,
+    REPLICA,
+    STAGE,
+    mesh_dims,
+    mesh_stages,
+)
+from .units import id_ranges, si
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -67,7 +77,7 @@ def explain(plan: Plan, max_params: int = 40) -> str:
     pr = plan.predicted
     hw = plan.hardware
     dev = hw.device
-    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
+    mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh_shape.items())
     lines = [
         f"jaxwap plan: {plan.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
         f"objective {plan.objective.describe()}",
@@ -79,7 +89,7 @@ def explain(plan: Plan, max_params: int = 40) -> str:
             f"{hw.host_memory.slowdown('layout', plan.num_devices):.2f}x, fresh memory "
             f"{hw.host_memory.slowdown('fresh', plan.num_devices):.2f}x as long on this mesh"
             if hw.host_memory else ""),
-        f"devices: {list(plan.device_ids)}   batch: {plan.batch_size}   memory budget: "
+        f"devices: {id_ranges(plan.device_ids)}   batch: {plan.batch_size}   memory budget: "
         f"{si(plan.memory_budget_bytes, 'B')} per device",
         f"step: {plan.step.describe()}" + _memory_summary(plan),
         *_nodes_summary(plan),
@@ -97,8 +107,9 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         f"{si(pr.comm_bytes, 'B')} sent per device",
         *([f"  host's call     {pr.call_time_s * 1e3:10.3f} ms   jax's dispatch of the "
            f"step's arrays in and out, on each device, and its pytrees"] if pr.call_time_s else []),
-        f"  energy          {pr.energy_per_step_j:10.3f} J/step   "
-        f"{pr.energy_per_sample_j * 1e3:.3f} mJ/sample   {pr.avg_power_w:.0f} W average",
+        f"  energy          {si(pr.energy_per_step_j, 'J', small=True):>10}/step   "
+        f"{si(pr.energy_per_sample_j, 'J', small=True)}/sample   {si(pr.avg_power_w, 'W')} "
+        f"average",
         f"  peak memory     {si(pr.peak_memory_bytes, 'B'):>10} per device"
         + (f"; {pr.host_transfer_time_s * 1e3:.3f} ms moving optimizer state to and "
            f"from host memory" if pr.host_transfer_time_s else ""),
@@ -134,15 +145,15 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         ]
         if v is not None:
             lines.append(f"  model fed these figures: step {v.step_time_s * 1e3:.3f} ms, "
-                         f"{v.energy_per_step_j:.3f} J/step (what the choice was made on)")
+                         f"{si(v.energy_per_step_j, 'J')}/step (what the choice was made on)")
     if plan.measured is not None:
         ms = plan.measured
         lines += ["", f"measured on the devices ({ms.steps} steps; energy "
                       f"{ms.energy_source}{': ' + ms.note if ms.note else ''}):",
                   f"  step time       {ms.step_time_s * 1e3:10.3f} ms   "
                   f"(model {pr.step_time_s * 1e3:.3f} ms)",
-                  f"  energy          {ms.energy_per_step_j:10.3f} J/step "
-                  f"(model {pr.energy_per_step_j:.3f} J/step)"]
+                  f"  energy          {si(ms.energy_per_step_j, 'J'):>10}/step "
+                  f"(model {si(pr.energy_per_step_j, 'J')}/step)"]
     lines += [
         "",
         "parameters:",
@@ -159,25 +170,47 @@ def explain(plan: Plan, max_params: int = 40) -> str:
                      + (f"  state {P(*p.state_spec)}" if p.state_spec is not None else ""))
     if len(plan.params) > max_params:
         lines.append(f"  ... {len(plan.params) - max_params} smaller parameters not shown")
-    lines += ["", "candidates (every mesh considered, by score):",
-              "  (basis: measured = run on the devices; XLA = the model fed XLA's "
-              "compiled figures; model = analytic; dp = plain data parallelism, the "
-              "baseline)",
-              f"  {'mesh':<12} {'step ms':>10} {'samples/s':>11} {'J/step':>9} "
-              f"{'W':>7} {'mem/dev':>9} {'basis':>8}  verdict"]
-    basis = {MEASURED: "measured", COMPILED: "XLA"}
-    batch = plan.batch_size or 1
-    for c in sorted(plan.candidates, key=lambda c: (not c.chosen, c.score)):
-        j = c.judged
-        lines.append(f"  {c.label:<12} {j.step_time_s * 1e3:10.3f} "
-                     f"{batch / j.step_time_s:11,.0f} {j.energy_per_step_j:9.3f} "
-                     f"{j.avg_power_w:7.0f} {si(j.peak_memory_bytes, 'B'):>9} "
-                     f"{basis.get(j.basis, 'model'):>8}  "
-                     f"{'CHOSEN' if c.chosen else c.reason}")
+    lines += ["", *_candidates(plan)]
     t = plan.planning_time_s
     lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+_BASIS = {MEASURED: "measured", COMPILED: "XLA", PREDICTED: "model"}
+
+
+def _candidates(plan: Plan) -> list[str]:
+    """Every candidate, the chosen one first, then grouped by the basis each was judged on
+    (measured, then XLA's figures, then the model's alone), by score within a group: a
+    row judged on a cheaper basis can look better than the chosen one without being so,
+    and sits below it under its own heading. Meshes with their axes named."""
+    batch = plan.batch_size or 1
+    labels = {id(c): c.label for c in plan.candidates}
+    width = max([12, *map(len, labels.values())])
+    out = ["candidates (every mesh considered):",
+           "  (dp = plain data parallelism, the baseline; @W = at that power limit)",
+           f"  {'mesh':<{width}} {'step ms':>10} {'samples/s':>11} {'energy':>9} "
+           f"{'power':>8} {'mem/dev':>9}  verdict"]
+    chosen = [c for c in plan.candidates if c.chosen]
+    rest = [c for c in plan.candidates if not c.chosen]
+    groups = [("chosen", chosen)] + [
+        (f"judged on {_BASIS[b]} figures" if b != PREDICTED else
+         "judged on the model alone (analytic)", sorted(
+             (c for c in rest if c.judged.basis == b), key=lambda c: c.score))
+        for b in (MEASURED, COMPILED, PREDICTED)]
+    for title, cands in groups:
+        if not cands:
+            continue
+        out.append(f"  -- {title}")
+        for c in cands:
+            j = c.judged
+            energy = si(j.energy_per_step_j, "J", small=True)
+            out.append(f"  {labels[id(c)]:<{width}} {j.step_time_s * 1e3:10.3f} "
+                       f"{batch / j.step_time_s:11,.0f} {energy:>9} "
+                       f"{si(j.avg_power_w, 'W'):>8} {si(j.peak_memory_bytes, 'B'):>9}  "
+                       + (f"CHOSEN ({_BASIS[j.basis]} figures)" if c.chosen else c.reason))
+    return out
 
 
 def _power_line(plan: Plan) -> str:

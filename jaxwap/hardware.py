@@ -261,8 +261,9 @@ def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = Non
         note = f"profile calibrated on {cal.num_devices} x {cal.device_kind}"
     else:
         spec = builtin_for_kind(kind, platform)
-        if spec.name not in kind.lower() and platform != "cpu":
-            note = f"device kind {kind!r}: built-in profile {spec.name!r} (not calibrated)"
+        note = (f"device kind {kind!r}: built-in profile {spec.name!r}, not calibrated: "
+                f"`jaxwap calibrate` measures this machine once, and every later plan "
+                f"uses its figures")
     memory = device_memory_limit(devices[0])
     if memory is not None:
         spec = dataclasses.replace(spec, memory_bytes=float(memory))

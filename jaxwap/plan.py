@@ -30,6 +30,7 @@ from .records import (
     Strategy,
     judge,
 )
+from .units import named_mesh
 
 PLAN_FORMAT = 1
 
@@ -137,7 +138,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        shape = "x".join(str(s) for _, s in self.mesh_shape)
+        """Its mesh, axes named (size-1 axes left out), its variant, its power limit."""
+        shape = named_mesh((a, s) for a, s in self.mesh_shape if s > 1)
         shape = shape if self.variant == "planner" else f"{shape} dp"
         w = self.power_limit_w
         return shape if w is None else f"{shape} @{w:.0f}W"

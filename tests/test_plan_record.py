@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -217,16 +216,25 @@ def test_explain(name):
     for p in plan.params:
         assert p.keystr in text
     assert text.count("CHOSEN") == 1
-    # the candidates table: one row per candidate mesh, the chosen one marked
-    section = text.split("candidates (every mesh considered, by score):")[1]
-    rows = [ln for ln in section.splitlines() if re.match(r"\s+\d+x\d+\s", ln)]
-    meshes = [ln.split()[0] for ln in rows]
-    expected = [f"{dict(c.mesh_shape)['data']}x{dict(c.mesh_shape)['model']}"
-                for c in plan.candidates]
-    assert sorted(meshes) == sorted(expected)
-    chosen = [ln for ln in rows if ln.rstrip().endswith("CHOSEN")]
-    assert len(chosen) == 1 and chosen[0].split()[0] == f"{d}x{m}"
+    # the candidates table: one row per candidate mesh (its axes named), the chosen one
+    # first, then each basis's rows under their heading, by score
+    section = text.split("candidates (every mesh considered):")[1].split("\n\n")[0]
+    rows = [ln for ln in section.splitlines()[3:] if not ln.strip().startswith("--")]
+    order = _table_order(plan)
+    assert len(rows) == len(order)
+    for row, c in zip(rows, order, strict=True):
+        assert row.startswith(f"  {c.label}  "), (row, c.label)
+    assert "CHOSEN" in rows[0] and all("CHOSEN" not in r for r in rows[1:])
     assert str(plan) == text
+
+
+def _table_order(plan):
+    """The candidates in the order explain() lists them: the chosen one, then by basis
+    (measured, XLA, model), by score within a basis."""
+    rank = {"measured": 0, "compiled": 1, "predicted": 2}
+    rest = sorted((c for c in plan.candidates if not c.chosen),
+                  key=lambda c: (rank[c.judged.basis], c.score))
+    return [c for c in plan.candidates if c.chosen] + rest
 
 
 # --------------------------------------------------------------------------- candidates

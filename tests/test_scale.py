@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,28 @@ def test_plan_for_a_described_cluster_larger_than_the_devices_present():
     assert plan.mesh_shape["model"] <= 8
     text = plan.explain()
     assert "64 nodes of 8" in text and "nodes:" in text
+
+
+def test_explain_of_a_512_device_plan_reads_at_that_scale():
+    """Device ids as ranges, energy and power with SI prefixes, every mesh with its axes
+    named (hybrid meshes' replica axis included), the chosen row first."""
+    step, params, opt, data = abstract_setup((1024, 1024, 1024, 16), 1024, 1024)
+    plan = jaxwap.plan(step, params, opt, data, hardware=_cluster(512), cache=False,
+                       num_devices=512, objective="throughput")
+    text = plan.explain()
+    ids = ", ".join(f"{a}-{b}" for a, b in [(min(plan.device_ids), max(plan.device_ids))])
+    assert f"devices: {ids}   batch" in text and "[0, 1, 2" not in text
+    energy = next(ln for ln in text.splitlines() if ln.strip().startswith("energy"))
+    # three significant digits and a prefix, not "140848.755 J/step"
+    assert re.search(r" \d[\d.]{0,3} [kM]?J/step +\d[\d.]{0,3} [kMm\u00b5]?J/sample +"
+                     r"\d[\d.]{0,3} k?W average", energy), energy
+    table = text.split("candidates (every mesh considered):")[1].split("\n\n")[0]
+    rows = [ln for ln in table.splitlines()[3:] if not ln.strip().startswith("--")]
+    assert "CHOSEN" in rows[0]
+    assert len(rows) == len(plan.candidates)
+    for row in rows:
+        assert re.match(r"  (replica|stage|data|model)=\d+( x (data|model)=\d+)*( dp)?"
+                        r"( @\d+W)?  ", row), row
 
 
 def test_auto_shard_with_fewer_devices_than_described_plans_for_those_present():
