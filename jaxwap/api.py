@@ -17,13 +17,14 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from .calls import StepCall, place
+from .calls import Arguments, OtherArguments, StepCall, place
 from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
 from .measure import measure_finalists
 from .options import PlanOptions, split_options
 from .plan import Plan
 from .planner import Planned, make_plan, record_measurements
 from .power_limit import PowerLimitGuard
+from .progress import interrupted
 from .records import mesh_dims, mesh_stages
 from .state import classify_leaves
 from .trace import flat_leaves, globalize, signature
@@ -64,9 +65,16 @@ class AutoShardedStep:
         `key`: the arguments' `signature`, where the caller has it."""
         key = signature(args, kwargs)[0] if key is None else key
         if key not in self._plans:
-            planned = make_plan(self.train_step, args, kwargs, params=self.params,
-                                options=self._options_to_plan(),
-                                for_hardware=self._for_hardware)
+            try:
+                planned = make_plan(self.train_step, args, kwargs, params=self.params,
+                                    options=self._options_to_plan(),
+                                    for_hardware=self._for_hardware)
+            except KeyboardInterrupt:
+                # one line for the person who pressed Ctrl-C; the program decides the rest
+                # (a library does not exit its caller's process)
+                interrupted(f"jaxwap: planning {getattr(self.train_step, '__name__', 'the step')}",
+                            "no plan was cached")
+                raise
             self._check_every_process(planned)
             self._plans[key] = planned
         planned = self._plans[key]
@@ -165,21 +173,28 @@ class AutoShardedStep:
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # a step's arguments like the last step's are served by the same call unread
-        last = self._last
-        key, leaves = last.leaves_of(args, kwargs) if last else signature(args, kwargs)
-        if key is None:
-            call = last
-            self._current = call.planned
-        else:
-            key, planned = self._planned(args, kwargs, key=key)
-            if key not in self._calls:
-                self._calls[key] = StepCall(self._compile(key, planned), planned.layout, key,
-                                            planned)
-            call = self._calls[key]
+        # a step's arguments like the last step's go to the call that served it, which
+        # hands back (OtherArguments, nothing run) those of another signature
+        given = Arguments(args, kwargs)
+        key = None
+        if self._last is not None:
+            try:
+                return self._run(self._last, given)
+            except OtherArguments as other:
+                key = other.key
+        key, planned = self._planned(args, kwargs, key=key)
+        if key not in self._calls:
+            self._calls[key] = StepCall(self._compile(key, planned), planned.layout, key,
+                                        planned)
+        return self._run(self._calls[key], given)
+
+    def _run(self, call: StepCall, given: Arguments) -> Any:
+        self._current = call.planned
         self._power_limit(call.planned)
         try:
-            out = call(leaves)
+            out = call(given)
+        except OtherArguments:
+            raise
         except BaseException:
             self.close()   # never leave a GPU capped behind a failed step
             raise
@@ -309,6 +324,16 @@ def auto_shard(train_step: Callable | None = None, params: Any = None, *,
         `offload=`, `power_limit=`, ...), which replace the record's. `PlanOptions`
         documents each one. `power_limit="apply"` sets the plan's chosen GPU power limit
         while the step lives (`AutoShardedStep.close()` or `with` puts it back).
+
+    Donation (`donate=True`, the default): the step donates the state it is given (the
+    parameters, their optimizer state and whatever else it hands back at the same path:
+    batch statistics, a step count), so pass it the state the last call returned.
+    The first call consumes the initial state alike on every plan: each jax array of it is
+    either donated in place (already on the plan's sharding) or copied onto the mesh and
+    then deleted, so a large model's initial copy never stays in memory beside the
+    plan's; numpy (host) state is never touched. Passing a deleted or donated array (the
+    state from before the last step, say) raises a ValueError naming its path before
+    anything runs. With `donate=False` nothing given is deleted.
 
     Usable as `auto_shard(step, params)`, `@auto_shard` or `@auto_shard(params=...)`.
     """

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .attention import require_compilable, target_checks
 from .dataflow import looked_up, op_kinds
 from .flatten import flatten
 from .gathers import fsdp_gathers
@@ -188,6 +189,31 @@ def zero1_weights(placements: Sequence[Any]) -> dict[int, P]:
     return out
 
 
+def donated_leaves(layout: Any) -> tuple[int, ...]:
+    """The input leaves a step donates: its state, as `jax.jit(donate_argnums=)` of the
+    state arguments donates it. The parameters and their mirrors (optimizer moments), and
+    every other leaf the step hands back at the very path and aval it came in at, its
+    position included (`out[1]['bn1']['mean']` for `args[1]['bn1']['mean']`: batch-norm
+    statistics, an optimizer's step count): one left undonated is an output XLA cannot
+    write in place, a new buffer every step, and `jax.jit` of the same step would not pay
+    it. Batch leaves are never donated."""
+    outs = {(p, a.shape, a.dtype) for p, a in zip(layout.outputs.paths, layout.outputs.avals,
+                                                  strict=True)}
+    return tuple(i for i, (p, a, r) in enumerate(zip(layout.inputs.paths, layout.inputs.avals,
+                                                      layout.inputs.roles, strict=True))
+                 if r.kind == PARAM or (r.kind != BATCH and p.startswith("args[")
+                                        and ("out" + p[4:], a.shape, a.dtype) in outs))
+
+
+def returned_untouched(jaxpr: Any, donated: Sequence[int], layout: Any) -> set[int]:
+    """The donated leaves other than parameters that the step hands back as they came in
+    (a mask returned beside the metrics): a constant the user passes again, not state,
+    so not donated (`trace.passed_through` reads the same of the outputs)."""
+    ins = {id(v): i for i, v in enumerate(jaxpr.jaxpr.invars)}
+    back = {ins[id(v)] for v in jaxpr.jaxpr.outvars if id(v) in ins}
+    return {i for i in donated if i in back and layout.inputs.roles[i].kind != PARAM}
+
+
 @dataclass(frozen=True)
 class CompiledStep:
     """A compiled step and what it takes to call it."""
@@ -218,8 +244,7 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
     in_lay = leaf_specs(layout.inputs, placements, d, r, stages)
     out_lay = leaf_specs(layout.outputs, placements, d, r, stages)
     in_sh, out_sh = shardings(mesh, in_lay), shardings(mesh, out_lay)
-    donated = tuple(i for i, r in enumerate(layout.inputs.roles)
-                    if r.kind == PARAM) if donate else ()
+    donated = donated_leaves(layout) if donate else ()
     treedef, names = layout.args_treedef, layout.kw_names
     to_device = {i: NamedSharding(mesh, x.spec, memory_kind="device")
                  for i, x in enumerate(in_lay) if x.memory_kind == HOST}
@@ -251,8 +276,16 @@ def compile_layout(fn: Callable, layout: Any, d: int, m: int,
         return jitted.trace(*abstract)
 
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh) if stages > 1 else contextlib.nullcontext():
+    # a step calling cuDNN's fused attention traces here as it did when it was planned,
+    # and one compiled for devices that cannot run the kernel says so (not XLA's error)
+    with jax.set_mesh(mesh) if stages > 1 else contextlib.nullcontext(), \
+            target_checks(None):
         program = traced(step({}))
+        require_compilable(program.jaxpr, devices)
+        untouched = returned_untouched(program.jaxpr, donated, layout)
+        if untouched:
+            donated = tuple(i for i in donated if i not in untouched)
+            program = traced(step({}))
         first, whole = gathered_first(program.jaxpr, layout, in_lay, mesh)
         if first:
             program = traced(step(first))

@@ -47,8 +47,12 @@ class PlanOptions:
       num_devices: use exactly this many devices instead of choosing.
       verify: compile the analytic search's best candidates until this many fit by XLA's
         own memory analysis, and choose among them on XLA's figures (0: trust the model).
-      donate: donate the state arguments (params and their mirrors) to the step, as
-        `jax.jit(donate_argnums=...)` would: use the returned state, not the one passed in.
+      donate: donate the state arguments (params, their optimizer state and what else the
+        step hands back at the same path) to the step, as `jax.jit(donate_argnums=...)`
+        would: use the returned state, not the one passed in. The first call consumes the
+        initial state alike on every plan (donated in place, or copied onto the mesh and
+        deleted once the step ran); a deleted or donated array passed in is refused,
+        naming its path.
       compiler_options: XLA options for the compile (None: latency hiding on GPU).
       cache: read back a plan made before for the same step and settings (True: the
         directory in $JAXWAP_CACHE_DIR or ~/.cache/jaxwap; a `jaxwap.PlanCache`; False).

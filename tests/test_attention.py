@@ -323,6 +323,9 @@ def test_targets_that_cannot_run_the_kernel_and_verification_on_cpu():
     assert any(n.startswith("verification skipped: the step uses cuDNN's fused attention")
                for n in plan.notes), plan.notes
     assert plan.compiled is None
+    # that plan compiled to run on these CPU devices: the clear error, not jax's
+    with pytest.raises(RuntimeError, match="the devices present are not NVIDIA GPUs"):
+        jaxwap.auto_shard(step, plan=plan).lower_and_compile(params, opt, batch)
     # a target that cannot run it, even for a step traced before for one that can
     for hw, why in ((jaxwap.Cluster("cpu", 8), "are not NVIDIA GPUs"),
                     (jaxwap.Cluster("v100-sxm2", 8), "compute capability 7.0"),

@@ -186,3 +186,23 @@ def test_ctrl_c_in_calibrate_ends_with_one_line_and_exit_130(tmp_path: Path) -> 
     assert err.rstrip().splitlines()[-1] == ("jaxwap calibrate: interrupted; nothing was "
                                              "saved (a calibration is written once complete)")
     assert not list(tmp_path.rglob("*.json")), list(tmp_path.rglob("*"))
+
+
+def test_ctrl_c_in_a_first_calls_planning_says_so_and_propagates(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Inside a user's program the interrupt stays the program's (a library does not exit
+    its caller's process): one line says what was interrupted and that nothing was
+    cached, and the KeyboardInterrupt goes on (simulated: planning raises it)."""
+    from models import abstract_setup
+
+    from jaxwap import api
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "make_plan", interrupted)
+    step, params, opt, batch = abstract_setup((16, 8, 4), 16, 8)
+    with pytest.raises(KeyboardInterrupt):
+        jaxwap.auto_shard(step).plan_for(params, opt, batch)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"jaxwap: planning {step.__name__}: interrupted; no plan was cached"

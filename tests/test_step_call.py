@@ -192,48 +192,57 @@ def _counting_puts(monkeypatch) -> list:
     return moved
 
 
-def test_a_later_call_moves_only_the_arguments_not_already_in_place(monkeypatch):
-    """The state a step hands back is on the plan's shardings already, and a batch made on
-    the one device of a one-device mesh is laid out as the mesh lays it: the next call
-    passes both as they are (`calls.StepCall`, no `device_put`). A host (numpy) batch is
-    the only thing the call after moves."""
+def _assert_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_later_call_goes_to_the_compiled_program_as_it_is(monkeypatch):
+    """After the first call (placed by jaxwap: `StepCall.fallbacks`), the state a step
+    hands back and a batch made on the mesh's one device go to the compiled program
+    directly: no `device_put` of jaxwap's, no call placed by it. A host (numpy) batch of
+    the same shapes reuses the plan and goes there directly too (jax's dispatch places
+    it), and every step gives what `jax.jit` gives."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
+    ref = jax.jit(step)(copy_tree(params), copy_tree(opt), batch)
+    ref = jax.jit(step)(*ref[:2], batch)
     wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0, num_devices=1)
     params, opt, _ = wrapped(params, opt, batch)
     assert wrapped.plan.num_devices == 1
+    call = wrapped._last
+    assert call.fallbacks == 1       # the first call: the user's state placed here
     moved = _counting_puts(monkeypatch)
-    params, opt, _ = wrapped(params, opt, batch)
-    assert moved == []
+    params, opt, metrics = wrapped(params, opt, batch)
+    _assert_close((params, opt, metrics), ref)
+    assert moved == [] and call.fallbacks == 1
     host = jax.tree.map(np.asarray, batch)
     plans = []
     real_plan = jaxwap.api.make_plan
     monkeypatch.setattr(jaxwap.api, "make_plan", lambda *a, **k: plans.append(1) or
                         real_plan(*a, **k))
     again = wrapped(params, opt, host)
-    assert plans == []     # the numpy batch of the same shapes reuses the plan
-    assert len(moved) == len(jax.tree.leaves(host))
-    assert all(any(x is b for b in jax.tree.leaves(host)) for x in moved)
+    assert plans == [] and moved == [] and call.fallbacks == 1
     assert len(jax.tree.leaves(again)) == len(jax.tree.leaves((params, opt))) + 1
 
 
-def test_on_a_sharded_mesh_a_later_call_moves_the_batch_alone(monkeypatch):
-    """On 2 data-parallel devices the returned state passes as it is; the batch, on one
-    device, is moved onto the mesh (split over the data axis) and gives the same step as
-    one device does."""
+def test_on_a_sharded_mesh_a_later_call_goes_to_the_program_and_matches_one_device():
+    """On 2 data-parallel devices the returned state and a batch on one device (jax's
+    dispatch splits it over the data axis) go to the compiled program directly, and the
+    steps are the one-device steps."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
     one_params, one_opt = copy_tree(params), copy_tree(opt)
     wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0,
                                 mesh_shape={"data": 2, "model": 1})
     params, opt, _ = wrapped(params, opt, batch)
-    moved = _counting_puts(monkeypatch)
-    params, opt, metrics = wrapped(params, opt, batch)
-    assert len(moved) == len(jax.tree.leaves(batch))
-    assert all(any(x is b for b in jax.tree.leaves(batch)) for x in moved)
+    call = wrapped._last
     for _ in range(2):
+        params, opt, metrics = wrapped(params, opt, batch)
+    assert call.fallbacks == 1
+    for _ in range(3):
         one_params, one_opt, one_metrics = jax.jit(step)(one_params, one_opt, batch)
-    for got, want in zip(jax.tree.leaves((params, metrics)), jax.tree.leaves(
-            (one_params, one_metrics)), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    _assert_close((params, metrics), (one_params, one_metrics))
+    mesh = set(wrapped.mesh.devices.flat)
+    assert all(x.sharding.device_set == mesh for x in jax.tree.leaves((params, opt)))
 
 
 def _counting_signatures(monkeypatch):
@@ -287,8 +296,10 @@ def test_a_call_like_the_last_is_served_without_reading_the_key_and_matches_jit(
 
 def test_a_served_call_still_places_an_argument_moved_off_its_sharding(monkeypatch):
     """A call like the last one whose state the loop put on another device (a checkpoint
-    restored onto device 1, say) is placed back on the plan's shardings, not passed as
-    the last call found its arguments, and steps as `jax.jit` does."""
+    restored onto device 5, say): jax refuses the committed arrays before anything runs,
+    and the call places them back on the plan's shardings and steps as `jax.jit` does;
+    the arrays given are consumed (deleted), as donated ones are. The calls after go to
+    the program directly again."""
     step, params, opt, batch = setup(MLP((16, 4)), (8, 8), num_classes=4)
     ref_params, ref_opt = copy_tree(params), copy_tree(opt)
     wrapped = jaxwap.auto_shard(step, params, cache=False, verify=0,
@@ -299,8 +310,12 @@ def test_a_served_call_still_places_an_argument_moved_off_its_sharding(monkeypat
     elsewhere = jax.device_put(params, jax.devices()[5])
     assert all(x.sharding.device_set == {jax.devices()[5]} for x in jax.tree.leaves(elsewhere))
     made = _counting_signatures(monkeypatch)
+    call = wrapped._last
+    before = call.fallbacks
     params, opt, metrics = wrapped(elsewhere, opt, batch)
-    assert made == []       # served as the last call was
+    assert made == []       # served as the last call was: jax refused, jaxwap placed
+    assert call.fallbacks == before + 1
+    assert all(x.is_deleted() for x in jax.tree.leaves(elsewhere))   # consumed
     ref_params, ref_opt, ref_metrics = jax.jit(step)(ref_params, ref_opt, batch)
     mesh = set(wrapped.mesh.devices.flat)
     assert len(mesh) == 2
@@ -308,3 +323,6 @@ def test_a_served_call_still_places_an_argument_moved_off_its_sharding(monkeypat
     for got, ref in zip(jax.tree.leaves((params, opt, metrics)),
                         jax.tree.leaves((ref_params, ref_opt, ref_metrics)), strict=True):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    for _ in range(2):
+        params, opt, metrics = wrapped(params, opt, batch)
+    assert call.fallbacks == before + 1 and made == []
