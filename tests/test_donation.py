@@ -14,8 +14,6 @@ state rule, a repeat at two donated leaves) run here, on arrays that are alive."
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from models import MLP, copy_tree, setup
+from processes import run_processes, worker_env
 
 import jaxwap
 
@@ -35,13 +34,9 @@ CHECKS = ["host initial state untouched", "jax initial state consumed",
           "one array at two donated leaves"]
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-
-
 def _run_worker(mode: str) -> str:
     got = subprocess.run([sys.executable, str(HERE / "donation_worker.py"), mode],
-                         env=_env(), capture_output=True, text=True, timeout=600)
+                         env=worker_env(), capture_output=True, text=True, timeout=600)
     out = got.stdout + got.stderr
     assert got.returncode == 0, f"the {mode} worker ended with {got.returncode}:\n{out[-4000:]}"
     return out
@@ -62,32 +57,14 @@ def test_reused_donated_state_is_refused_by_path_never_a_crash(mode):
     assert "DONE" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_under_two_processes_reused_state_is_refused_on_every_process():
     """Two CPU processes (4 devices each, the plan over all 8, each passing its half of the
     batch as numpy): both refuse the donated state by path before anything runs (no
     process is left waiting in a collective), go on with the returned state, and keep the
     initial-state rule (host state untouched, each process's jax copy consumed)."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "donation_worker.py"), "two",
-                               str(i), str(port)], env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {i} ended with {p.returncode}:\n{out[-4000:]}"
+    ran = run_processes("donation_worker.py", "two")
+    for i, (code, out) in enumerate(ran):
+        assert code == 0, f"process {i} ended with {code}:\n{out[-4000:]}"
         for check in CHECKS:
             assert f"process {i}: OK {check}" in out, f"{check!r} missing:\n{out[-4000:]}"
         assert f"process {i}: DONE" in out

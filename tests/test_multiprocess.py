@@ -8,37 +8,13 @@ devices held to devices of every process."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from processes import run_processes
 
 
 def test_two_processes_match_one_device():
-    here = Path(__file__).parent
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), str(here.parent)]))
-    procs = [subprocess.Popen([sys.executable, str(here / "multiprocess_worker.py"), str(i),
-                               str(port)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append(out)
-    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    ran = run_processes("multiprocess_worker.py", timeout=240)
+    for i, (code, out) in enumerate(ran):
+        assert code == 0, f"process {i} failed:\n{out[-4000:]}"
         assert f"process {i}: OK" in out
         assert f"process {i}: OK hierarchical" in out
         assert f"process {i}: OK hsdp" in out
