@@ -272,6 +272,13 @@ def _within_goal(diff_s: float, jit_s: float) -> bool:
     return diff_s <= max(0.01 * jit_s, 50e-6)
 
 
+def _against_cells(row: dict[str, Any]) -> str:
+    """A table row's cells for the jaxwap at `--against`: its median difference from
+    jax.jit's and their quartiles, in microseconds."""
+    lo, hi = row["against_diff_iqr_s"]
+    return f" {row['against_diff_s'] * 1e6:+.0f} | {lo * 1e6:+.0f} .. {hi * 1e6:+.0f} |"
+
+
 def markdown(record: dict[str, Any]) -> str:
     where = (f"one {record['device']} (host: {record['cpu']})" if record.get("device")
              else f"this machine's CPU ({record['cpu']})")
@@ -337,11 +344,7 @@ def markdown(record: dict[str, Any]) -> str:
                    f"{s['diff_s'] * 1e6:+.0f} | {lo * 1e6:+.0f} .. {hi * 1e6:+.0f} | "
                    f"{max(0.01 * s['jit_s'], 50e-6) * 1e6:.0f} | "
                    f"{'yes' if _within_goal(s['diff_s'], s['jit_s']) else 'no'} |")
-            if against:
-                blo, bhi = s["against_diff_iqr_s"]
-                row += (f" {s['against_diff_s'] * 1e6:+.0f} | "
-                        f"{blo * 1e6:+.0f} .. {bhi * 1e6:+.0f} |")
-            lines.append(row)
+            lines.append(row + (_against_cells(s) if against else ""))
     if record.get("calls"):
         against = any("against_s" in c for c in record["calls"])
         lines += ["", "The call alone: each model's arguments (its pytrees) through a step "
@@ -358,11 +361,7 @@ def markdown(record: dict[str, Any]) -> str:
             row = (f"| {c['model']} | {c['leaves']} | {c['rounds']} | "
                    f"{c['jit_s'] * 1e6:.0f} | {c['diff_s'] * 1e6:+.0f} | "
                    f"{lo * 1e6:+.0f} .. {hi * 1e6:+.0f} |")
-            if against:
-                blo, bhi = c["against_diff_iqr_s"]
-                row += (f" {c['against_diff_s'] * 1e6:+.0f} | "
-                        f"{blo * 1e6:+.0f} .. {bhi * 1e6:+.0f} |")
-            lines.append(row)
+            lines.append(row + (_against_cells(c) if against else ""))
     return "\n".join(lines) + "\n"
 
 
