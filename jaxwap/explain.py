@@ -22,7 +22,7 @@ from .records import (
     mesh_dims,
     mesh_stages,
 )
-from .units import id_ranges, si
+from .units import id_ranges, named_mesh, si
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -77,7 +77,7 @@ def explain(plan: Plan, max_params: int = 40) -> str:
     pr = plan.predicted
     hw = plan.hardware
     dev = hw.device
-    mesh = " x ".join(f"{a}={s}" for a, s in plan.mesh_shape.items())
+    mesh = named_mesh(plan.mesh_shape.items())
     lines = [
         f"jaxwap plan: {plan.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
         f"objective {plan.objective.describe()}",

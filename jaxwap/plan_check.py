@@ -21,6 +21,7 @@ from .options import PlanOptions
 from .plan import Plan
 from .records import DATA, MODEL, REPLICA, STAGE, mesh_dims
 from .trace import ArgLayout
+from .units import named_mesh
 
 _AXES = (STAGE, REPLICA, DATA, MODEL)
 
@@ -40,7 +41,7 @@ def plan_mismatch(plan: Plan, layout: ArgLayout, devices: Sequence[Any], usable:
         return f"its mesh {shape} has an axis size that is not a positive integer"
     n = plan.num_devices
     if n > usable:
-        return (f"its mesh {_describe(shape)} needs {n} devices, but {usable} are usable "
+        return (f"its mesh {named_mesh(shape.items())} needs {n} devices, but {usable} are usable "
                 f"here")
     if same_devices and n <= len(devices):
         ids = [d.id for d in devices[:n]]
@@ -65,7 +66,7 @@ def plan_mismatch(plan: Plan, layout: ArgLayout, devices: Sequence[Any], usable:
     if options.mesh is not None and options.plan is None:
         d, m, _ = mesh_dims(shape)
         if (d, m) != tuple(options.mesh):
-            return (f"its mesh {_describe(shape)} is not mesh_shape="
+            return (f"its mesh {named_mesh(shape.items())} is not mesh_shape="
                     f"{dict(options.mesh_shape or {})}")
     if options.num_devices is not None and options.plan is None \
             and n != options.num_devices:
@@ -91,10 +92,6 @@ def _spec_mismatch(spec: Sequence[Any], dims: Sequence[int], mesh: dict[str, int
     if len(seen) != len(set(seen)):
         return f"spec {tuple(spec)} uses one mesh axis for two dims"
     return None
-
-
-def _describe(shape: dict[str, int]) -> str:
-    return " x ".join(f"{a}={s}" for a, s in shape.items())
 
 
 def _ids(ids: Sequence[int]) -> str:
