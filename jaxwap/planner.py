@@ -343,11 +343,10 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
         if rung.is_plain:
             plain_graph.append(graph)
         tb = time.perf_counter()
-        searcher = functools.partial(search, graph, ctx.cluster, ctx.objective, usable,
-                                     num_devices_exact=options.num_devices,
-                                     micro_batches=rung.micro_batches, offload=options.offload,
-                                     mesh=options.mesh, allowed=rules,
-                                     replicas=options.replicas)
+        base = _searcher(ctx, options, usable, rules, rung.micro_batches)
+
+        def searcher(budget: float) -> SearchResult:   # _tighten searches smaller budgets
+            return base(graph, budget=budget)
         try:
             result = searcher(ctx.budget)
         except ValueError as e:
@@ -441,8 +440,9 @@ def _search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanCont
 def _searcher(ctx: PlanContext, options: PlanOptions, usable: int,
               rules: LayoutRules | None, micro_batches: int = 1
               ) -> Callable[[Graph], SearchResult]:
-    """The search the step's variants get, for another graph of the step (the fused
-    counterfactual of its attention, `attention_scores`)."""
+    """The search a graph of the step gets under these options, the budget bound (a
+    caller may pass another `budget=`): the step's variants, and the fused counterfactual
+    of its attention (`attention_scores`)."""
     return functools.partial(search, cluster=ctx.cluster, objective=ctx.objective,
                              num_devices=usable, budget=ctx.budget,
                              num_devices_exact=options.num_devices,
