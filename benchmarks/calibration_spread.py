@@ -40,8 +40,8 @@ def worker(runs: int, dense: bool) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxwap import probes
-    from jaxwap.progress import Progress
+    from jaxwap.calibration import probes
+    from jaxwap.core.progress import Progress
 
     dev = jax.devices()[0]
     out = []
@@ -60,7 +60,7 @@ def worker(runs: int, dense: bool) -> None:
 
 def dense_sizes() -> list[int]:
     """The dense-layer sizes `calibrate_full` times on a CPU."""
-    from jaxwap import probes
+    from jaxwap.calibration import probes
 
     return probes.sizes_for(True, False)[1]
 

@@ -47,7 +47,7 @@ def phases(name: str, steps: int = 8) -> dict[str, Any]:
     from jax.profiler import ProfileData
     from op_profile import op_events
 
-    from jaxwap import probes
+    from jaxwap.calibration import probes
 
     w = zoo.small(name)
     data = w.synthetic(0)

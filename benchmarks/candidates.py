@@ -47,10 +47,10 @@ import zoo  # noqa: E402
 from layouts import variant_candidate  # noqa: E402
 
 import jaxwap  # noqa: E402
+from jaxwap.core.records import CompiledFigures  # noqa: E402
+from jaxwap.decide.verify import compile_candidate  # noqa: E402
 from jaxwap.planner import Planned, make_plan  # noqa: E402
-from jaxwap.records import CompiledFigures  # noqa: E402
-from jaxwap.solve import uses_model_axis  # noqa: E402
-from jaxwap.verify import compile_candidate  # noqa: E402
+from jaxwap.search.solve import uses_model_axis  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 HARDWARE = jaxwap.Cluster("h100-sxm", 8)
@@ -62,7 +62,7 @@ COMPILED_VARIANTS = ("planner", "data-parallel", "fsdp")
 # column split that leaks into the residual stream among the planner's layouts. 4: nor
 # one a fused q/k/v split cuts, nor an unpaired row-parallel layer where another kind can.
 # 5: after a column-parallel layer, only a row-parallel one where it can be. 6: a ZeRO-1
-# gradient pinned to its weight's layout where it is made (`jaxwap.pins`). 7: an FSDP
+# gradient pinned to its weight's layout where it is made (`jaxwap.runtime.grad_pins`). 7: an FSDP
 # norm scale (any data-sharded parameter no matmul reads that XLA would gather again)
 # gathered first, its gradient pinned whole (`compile.gathered_first`).
 FORMAT = 7

@@ -16,7 +16,7 @@ and duration on a clock both processes share (one machine), so the two timelines
 - a collective ends at about the same moment in both processes; the process that entered
   it first waits for the other (`wait`), and the later one's duration is the collective's
   own time (`own`): what the model prices, set beside the model's price of that very
-  collective (`comm.collective_cost` of its HLO shape, the price XLA-fed verification
+  collective (`collectives.collective_cost` of its HLO shape, the price XLA-fed verification
   uses);
 - compute is the time some non-collective operation runs (the union over the process's
   threads).
@@ -52,8 +52,8 @@ COLLECTIVE = re.compile(r"^(all-reduce|all-gather|all-to-all|reduce-scatter|"
 # ---------------------------------------------------------------------------- worker
 def predicted_kinds(graph: Any, cluster: Any, cand: Any) -> dict[str, float]:
     """The candidate's predicted compute on a device by `op_profile`'s kinds of operation:
-    each op's time (`optime.op_parts`) at the share the candidate's layout gives it, as
-    `cost.mesh_costs` splits it (a batched op over the data axis, and the model axis where
+    each op's time (`op_time.op_parts`) at the share the candidate's layout gives it, as
+    `mesh_cost.mesh_costs` splits it (a batched op over the data axis, and the model axis where
     a tensor-parallel layout splits it; a parameter's own op over its shard, its optimizer
     ops over its optimizer state's), the layout changes and the fresh scratch memory the
     model keeps apart, and what the model adds beyond those ('other terms': convolutions
@@ -61,9 +61,9 @@ def predicted_kinds(graph: Any, cluster: Any, cand: Any) -> dict[str, float]:
     import numpy as np
     from op_profile import predicted_by_kind
 
-    from jaxwap.cost import op_model_split
-    from jaxwap.graph import GRAD, OPT
-    from jaxwap.optime import op_parts, relayout_times
+    from jaxwap.analysis.graph import GRAD, OPT
+    from jaxwap.cost.mesh_cost import op_model_split
+    from jaxwap.cost.op_time import op_parts, relayout_times
 
     d, m, strats = cand.d, cand.m, cand.strategies
     shard = np.array([s.shard(d // cand.r, m) for s in strats] + [1], float)
@@ -85,7 +85,7 @@ def predicted_kinds(graph: Any, cluster: Any, cand: Any) -> dict[str, float]:
 def worker(args: argparse.Namespace) -> None:
     """One process: plan with the recorded calibration, compile, time, trace."""
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from jaxwap.launch import cluster_from_env, start_distributed
+    from jaxwap.runtime.launch import cluster_from_env, start_distributed
 
     coordinator, nproc, pid = cluster_from_env()
     why = start_distributed(coordinator, nproc, pid, timeout_s=60)
@@ -100,13 +100,13 @@ def worker(args: argparse.Namespace) -> None:
     from op_profile import fused_bodies, op_events, xla_kind
 
     import jaxwap
-    from jaxwap.calibrate import Calibration
-    from jaxwap.comm import collective_cost
-    from jaxwap.cost import with_compiled
-    from jaxwap.hardware import detect_cluster
-    from jaxwap.hlo import parse_collectives
+    from jaxwap.cost.collectives import collective_cost
+    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.decide.xla_figures import parse_collectives
+    from jaxwap.hardware.calibration import Calibration
+    from jaxwap.hardware.cluster import detect_cluster
     from jaxwap.planner import make_plan
-    from jaxwap.verify import compile_candidate
 
     run, _, mesh = args.run.partition("@")   # model:layout[@DxM], 2x1 by default
     model, variant = run.split(":")
@@ -232,7 +232,7 @@ def analyse(procs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(run: str, args: argparse.Namespace) -> dict[str, Any]:
-    from jaxwap.launch import describe, launch_local
+    from jaxwap.runtime.launch import describe, launch_local
 
     with tempfile.TemporaryDirectory() as out:
         res = launch_local([sys.executable, str(Path(__file__).resolve()), "--worker",

@@ -107,9 +107,9 @@ def probe(batches: list[int], dtype_name: str, cal_path: str | None, quick: bool
     import jax
     import jax.numpy as jnp
 
-    from jaxwap.conv_probes import QUEUED, conv_flops
-    from jaxwap.hardware import builtin_for_kind
-    from jaxwap.probes import operand, time_it
+    from jaxwap.calibration.conv_probes import QUEUED, conv_flops
+    from jaxwap.calibration.probes import operand, time_it
+    from jaxwap.hardware.cluster import builtin_for_kind
 
     dev = jax.devices()[0]
     queued = 1 if dev.platform == "cpu" else QUEUED   # as the calibration times them

@@ -36,7 +36,7 @@ import candidates  # noqa: E402  (sets up 8 simulated devices before jax starts)
 import jax  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.units import si  # noqa: E402
+from jaxwap.core.units import si  # noqa: E402
 
 QUANTITIES = {
     "memory": ("peak_memory_bytes", "memory_bytes"),

@@ -62,7 +62,7 @@ def predict_point(w: Any, cluster: Any, builtin: Any) -> tuple[Any, Any, Any]:
     planner's analytic one-device choice, as `auto_shard` plans it."""
     import jaxwap
     from jaxwap.planner import make_plan
-    from jaxwap.solve import solve_mesh
+    from jaxwap.search.solve import solve_mesh
 
     planned = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
         hardware=cluster, num_devices=1, verify=0, cache=False))
@@ -82,7 +82,7 @@ def calibrate_worker(args: argparse.Namespace) -> None:
     """Calibrate the first device (never setting a power limit with --no-power-limits)."""
     import jax
 
-    from jaxwap.calibrate import calibrate_full
+    from jaxwap.calibration.calibrate import calibrate_full
 
     t0 = time.perf_counter()
     cal = calibrate_full(jax.devices()[:1], progress=False, quick=args.quick,
@@ -104,12 +104,12 @@ def model_worker(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
 
     import jaxwap
-    from jaxwap.calibrate import Calibration
-    from jaxwap.cost import with_compiled
-    from jaxwap.hardware import builtin_for_kind
-    from jaxwap.hlo import library_calls
-    from jaxwap.measure import measure_step
-    from jaxwap.verify import compile_candidate
+    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.decide.measure import measure_step
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.decide.xla_figures import library_calls
+    from jaxwap.hardware.calibration import Calibration
+    from jaxwap.hardware.cluster import builtin_for_kind
 
     device = jax.devices()[0]
     cal = Calibration.from_dict(json.loads(Path(args.calibration).read_text())) \
@@ -316,9 +316,9 @@ def recorded_spec(calibration: dict[str, Any]) -> tuple[Any, list[str]]:
     figures it left out: the backend's flags are the model's knowledge of the compiler,
     not measured, so the current built-in's (a record keeps those of its day); a figure
     the model no longer has is left out and named."""
-    from jaxwap.calibrate import Calibration
-    from jaxwap.device import BACKEND_FLAGS, DeviceSpec
-    from jaxwap.hardware import builtin_for_kind
+    from jaxwap.hardware.calibration import Calibration
+    from jaxwap.hardware.cluster import builtin_for_kind
+    from jaxwap.hardware.device import BACKEND_FLAGS, DeviceSpec
 
     known = {f.name for f in dataclasses.fields(DeviceSpec)}
     spec = calibration["spec"]
@@ -336,7 +336,7 @@ def repredict(args: argparse.Namespace) -> None:
     are kept beside the new ones (`predicted_at_run`), and the XLA-fed column, which needs
     the device's compiled program, is the run's."""
     import jaxwap
-    from jaxwap.hardware import builtin_for_kind
+    from jaxwap.hardware.cluster import builtin_for_kind
 
     src = Path(args.repredict)
     rec = json.loads(src.read_text())

@@ -7,7 +7,7 @@ Reads what `gpu_sweep.py --trace` keeps: per model a trace of 3 training steps a
 program that ran (`trace_<model>_<batch>.xplane.pb`, `.hlo.txt`), the calibration and the
 measured rows. The model is tuned by kind (a convolution share, a matmul curve, a
 bandwidth), so where a prediction is off is asked by kind: measured (kernel times),
-compiled (HLO shapes), predicted (`optime.op_times`). Writes `results/gpu_trace_<device>.*`.
+compiled (HLO shapes), predicted (`op_time.op_times`). Writes `results/gpu_trace_<device>.*`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def nbytes(arrays: list[tuple[str, list[int]]]) -> float:
 def parse_hlo(text: str) -> tuple[dict[str, Instr], list[str]]:
     """Every instruction by name (unique module-wide), and the entry's launching ones (no
     parameters, bitcasts, tuples) in schedule order: the order the stream runs them."""
-    from jaxwap.hlo import computations
+    from jaxwap.decide.xla_figures import computations
 
     comps = computations(text)
     instrs: dict[str, Instr] = {}
@@ -222,9 +222,9 @@ def predict(name: str, batch: int, cluster: Any) -> dict[str, Any]:
     import zoo
     from gpu_sweep import predict_point
 
-    from jaxwap.flatten import flatten
-    from jaxwap.optime import op_times, relayout_times
-    from jaxwap.trace import layout_of
+    from jaxwap.analysis.flatten import flatten
+    from jaxwap.analysis.trace import layout_of
+    from jaxwap.cost.op_time import op_times, relayout_times
 
     w = zoo.WORKLOADS[name](batch_size=batch, dtype=jnp.bfloat16)
     planned, r, _ = predict_point(w, cluster, cluster)
@@ -413,7 +413,7 @@ def main() -> None:
     from gpu_sweep import recorded_spec
 
     import jaxwap
-    from jaxwap.calibrate import Calibration
+    from jaxwap.hardware.calibration import Calibration
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.source)

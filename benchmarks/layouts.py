@@ -11,9 +11,9 @@ import dataclasses
 from typing import Any
 
 import jaxwap
-from jaxwap.constraints import LayoutRules
-from jaxwap.graph import Graph
-from jaxwap.solve import MeshResult, solve_mesh
+from jaxwap.analysis.graph import Graph
+from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.solve import MeshResult, solve_mesh
 
 # variant -> the strategy families it forces (None: the planner's own choice)
 VARIANTS: dict[str, frozenset[str] | None] = {

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.budget_gib is not None:
             budget = args.budget_gib * GiB
         elif gpu:
-            limit = jaxwap.hardware.device_memory_limit(dev)
+            limit = jaxwap.hardware.cluster.device_memory_limit(dev)
             budget = float(limit) * (1 - jaxwap.planner.MEMORY_HEADROOM)
         else:
             budget = spec["small_budget_gib" if args.small else "budget_gib"] * GiB

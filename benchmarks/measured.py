@@ -28,7 +28,7 @@ again, ``--rounds``), so the machine's drift falls on all of them alike; the med
 every timed step is kept, and how far the rounds' medians lie apart is recorded. Each is
 set against the step time the planner predicted for it, twice: the analytic model's (what
 the search ranks every candidate with) and the same model fed XLA's figures of that
-compiled program (`cost.with_compiled`: what verification ranks the compiled finalists
+compiled program (`mesh_cost.with_compiled`: what verification ranks the compiled finalists
 with).
 
 Then plan quality against the measured oracle: the planner's default choice (`jaxwap.plan`
@@ -73,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     """One process of a set-up: calibrate, plan, compile and time every candidate."""
     os.environ["JAX_PLATFORMS"] = "cpu"
     if args.num_processes > 1:
-        from jaxwap.launch import start_distributed
+        from jaxwap.runtime.launch import start_distributed
 
         why = start_distributed(args.coordinator, args.num_processes, args.process_id,
                                 timeout_s=60)
@@ -88,12 +88,13 @@ def worker(args: argparse.Namespace) -> None:
     from layouts import VARIANTS, variant_candidate
 
     import jaxwap
-    from jaxwap.calibrate import Calibration, calibrate_full
-    from jaxwap.cost import with_compiled
-    from jaxwap.hardware import detect_cluster
+    from jaxwap.calibration.calibrate import calibrate_full
+    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.hardware.calibration import Calibration
+    from jaxwap.hardware.cluster import detect_cluster
     from jaxwap.planner import make_plan
-    from jaxwap.solve import uses_model_axis
-    from jaxwap.verify import compile_candidate
+    from jaxwap.search.solve import uses_model_axis
 
     pid, nproc = jax.process_index(), jax.process_count()
     devices = jax.devices()
@@ -287,7 +288,7 @@ def _regret(model: str, objective: str, chosen: tuple[Any, ...],
     round (candidates timed side by side), which says whether the regret stands out of the
     machine's drift."""
     import jaxwap
-    from jaxwap.records import Measurement, judge
+    from jaxwap.core.records import Measurement, judge
 
     keys = list(measured)
 
@@ -348,7 +349,7 @@ def _layout_name(strategies: tuple[str, ...]) -> str:
 def run_setup(setup: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Run one set-up's workers (a subprocess, or a launched cluster) and read back what
     process 0 wrote."""
-    from jaxwap.launch import describe, launch_local
+    from jaxwap.runtime.launch import describe, launch_local
 
     out = workdir / f"{setup}.json"
     n = 2 if setup == "cluster" else 1

@@ -51,9 +51,9 @@ def measure(model: str, steps: int) -> list[dict[str, Any]]:
     from layouts import mesh_candidate
 
     import jaxwap
-    from jaxwap.calibrate import Calibration
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.hardware.calibration import Calibration
     from jaxwap.planner import make_plan
-    from jaxwap.verify import compile_candidate
 
     record = json.loads((RESULTS / "measured_cpu.json").read_text())
     cal = Calibration.from_dict(record["setups"]["cluster"]["calibrations"][model])

@@ -9,7 +9,7 @@ one CPU device (one process, XLA on both cores):
 
 - predicted: the one-device candidate's step time as the planner predicts it, with the
   profile `jaxwap.calibrate` measures here (cached, or measured again with ``--fresh``):
-  its per-op times (`optime.op_times`) summed by kind of op, and the two terms the model
+  its per-op times (`op_time.op_times`) summed by kind of op, and the two terms the model
   keeps apart from the ops (layout changes, fresh scratch memory);
 - measured: the step compiled by `jax.jit` (state donated, as `auto_shard` compiles it) and
   run under `jax.profiler.trace`. XLA:CPU records every operation it runs (each thunk, on
@@ -28,9 +28,9 @@ their convolutions), and the rest. jaxpr ops and XLA operations are not one to o
 and rewrites), so the comparison is by kind, not by op.
 
 Each model's slowest fused elementwise operations are listed with the bytes each reads
-and writes (`hlo.operation_bytes`) and the bandwidth that gives; the wall time left
+and writes (`xla_figures.operation_bytes`) and the bandwidth that gives; the wall time left
 outside any operation stands beside the host's call of the step the model prices
-(`assemble.call_time`).
+(`prediction.call_time`).
 
 Writes `benchmarks/results/op_profile_cpu.json` and `op_profile_cpu.md` (with `--tag T`,
 `op_profile_cpu_T.*`: one pinned core is `taskset -c 0 ... --tag one_core --fresh`).
@@ -62,10 +62,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.calibrate import calibrate_full  # noqa: E402
-from jaxwap.hardware import detect_cluster  # noqa: E402
-from jaxwap.hlo import computations, operation_bytes  # noqa: E402
-from jaxwap.optime import op_times  # noqa: E402
+from jaxwap.calibration.calibrate import calibrate_full  # noqa: E402
+from jaxwap.cost.op_time import op_times  # noqa: E402
+from jaxwap.decide.xla_figures import computations, operation_bytes  # noqa: E402
+from jaxwap.hardware.cluster import detect_cluster  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
 
 MODELS = ("alexnet", "vgg16", "resnet50", "gpt2")
@@ -115,7 +115,7 @@ def xla_kind(name: str, bodies: dict[str, str]) -> str:
 
 def predicted_by_kind(graph: Any, times: np.ndarray) -> dict[str, float]:
     """The model's per-op seconds summed by the same kinds (kernel launches included;
-    a kernel gradient's operand copies, `reductions.conv_grad_relayouts`, with its
+    a kernel gradient's operand copies, `grad_reductions.conv_grad_relayouts`, with its
     convolution)."""
     out = dict.fromkeys(KINDS, 0.0)
     for k, t in enumerate(times):

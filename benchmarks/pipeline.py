@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.records import STAGE  # noqa: E402
+from jaxwap.core.records import STAGE  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GB = 1e9

@@ -63,7 +63,7 @@ def model_params(rng: Any) -> dict[str, Any]:
 
 def worker(args: argparse.Namespace) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from jaxwap.launch import start_distributed
+    from jaxwap.runtime.launch import start_distributed
 
     why = start_distributed(args.coordinator, 2, args.process_id, timeout_s=60)
     if why is not None:
@@ -74,11 +74,12 @@ def worker(args: argparse.Namespace) -> None:
     from jax.experimental import multihost_utils
 
     import jaxwap
-    from jaxwap.calibrate import Calibration, calibrate_full
-    from jaxwap.hardware import detect_cluster
+    from jaxwap.calibration.calibrate import calibrate_full
+    from jaxwap.core.records import STAGE
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.hardware.calibration import Calibration
+    from jaxwap.hardware.cluster import detect_cluster
     from jaxwap.planner import make_plan
-    from jaxwap.records import STAGE
-    from jaxwap.verify import compile_candidate
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import zoo
@@ -206,7 +207,7 @@ def main() -> None:
             raise
         return
     sys.path.insert(0, str(ROOT))
-    from jaxwap.launch import describe, launch_local
+    from jaxwap.runtime.launch import describe, launch_local
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"

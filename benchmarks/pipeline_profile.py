@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_measured import D, L, loss, model_params  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.hardware import detect_cluster  # noqa: E402
+from jaxwap.decide.verify import compile_candidate  # noqa: E402
+from jaxwap.hardware.cluster import detect_cluster  # noqa: E402
 from jaxwap.planner import make_plan  # noqa: E402
-from jaxwap.verify import compile_candidate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 B = 16

@@ -33,8 +33,8 @@ import candidates  # noqa: E402  (sets up 8 simulated devices before jax starts)
 import jax  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.cost import with_compiled  # noqa: E402
-from jaxwap.verify import compile_candidate, run_verification  # noqa: E402
+from jaxwap.cost.mesh_cost import with_compiled  # noqa: E402
+from jaxwap.decide.verify import compile_candidate, run_verification  # noqa: E402
 
 GOAL_REGRET, GOAL_PLAN_S = 0.03, 1.0
 OBJECTIVE = jaxwap.Objective("balanced")

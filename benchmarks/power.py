@@ -6,7 +6,7 @@ energy within 5% of the fastest" with power limits weighed (the default), and th
 with no limit allowed (the H100 profile without its limit range), so the table splits
 what the layout saves from what the cap adds. Planning time is measured on this machine.
 
-It also sets the power model against the published figures found (`jaxwap.power` cites
+It also sets the power model against the published figures found (`hardware/power_model.py` cites
 each): which are inputs of the model and which could check it.
 
     python benchmarks/power.py     # writes results/power.{json,md}
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
 
 import jaxwap  # noqa: E402
-from jaxwap.assemble import at_power_limit  # noqa: E402
-from jaxwap.hardware import device_spec  # noqa: E402
-from jaxwap.power import (  # noqa: E402
+from jaxwap.cost.prediction import at_power_limit  # noqa: E402
+from jaxwap.hardware.cluster import device_spec  # noqa: E402
+from jaxwap.hardware.power_model import (  # noqa: E402
     A100_IDLE_W,
     A100_SXM,
     H100_SXM,
@@ -101,7 +101,7 @@ GOAL = 0.15   # issue 13: within 15% of the published per-device figures
 def _v100_resnet50() -> list[dict[str, Any]]:
     """The model against the Zeus trace: ResNet-50 (FP32) planned on one V100 PCIe, its
     predicted power and throughput at the default limit and under each limit the trace
-    set (`assemble.at_power_limit`, as the planner weighs a cap)."""
+    set (`prediction.at_power_limit`, as the planner weighs a cap)."""
     cluster = jaxwap.Cluster(device_spec("v100-pcie"), 1)
     out = []
     for bs, by_limit in ZEUS_RESNET50.items():
@@ -239,7 +239,8 @@ def main() -> None:
             f"{t['energy_j']:.2f} | {t['watts_per_device']:.0f} | {mesh(u)} | "
             f"{r['saved_layout']:.1%} | {mesh(c)} | {lim} | {c['step_ms']:.2f} | "
             f"{c['watts_per_device']:.0f} | {r['saved_with_cap']:.1%} |")
-    lines += ["", "Power model against published figures (`jaxwap/power.py` cites each):", "",
+    lines += ["", "Power model against published figures "
+              "(`jaxwap/hardware/power_model.py` cites each):", "",
               "| figure | published | model | kind |", "|---|---|---|---|"]
     lines += [f"| {p['figure']} | {p['published']} | {p['model']}"
               + (f" ({p['error']:+.1%})" if "error" in p else "") + f" | {p['kind']} |"

@@ -7,11 +7,11 @@ Measuring takes the machine for ten minutes and moves with its drift; a change t
 cost model can be judged first against the steps already measured. Each row is planned
 again with the profile its set-up calibrated just before it (kept in the record), on the
 devices the set-up had (one process of one device, or processes of one device each: the
-cluster `hardware.detect_cluster` makes for them, from stand-in devices), and its
+cluster `cluster.detect_cluster` makes for them, from stand-in devices), and its
 candidate is remade as `measured.py` made it (`layouts.mesh_candidate`). The analytic
 prediction is remade; with ``--compiled`` the XLA-fed one too for the one-device rows of
 the single set-up (compiled here, on this machine's one CPU device, as `measured.py`
-compiled them: `verify.compile_candidate`, then `cost.with_compiled`); the cluster's
+compiled them: `verify.compile_candidate`, then `mesh_cost.with_compiled`); the cluster's
 need its processes.
 
 `--check` asserts that the predictions are the record's to the last digit, which holds
@@ -52,11 +52,11 @@ def main(args: argparse.Namespace) -> int:
     from layouts import mesh_candidate
 
     import jaxwap
-    from jaxwap.calibrate import CALIBRATION_FORMAT, Calibration
-    from jaxwap.cost import with_compiled
-    from jaxwap.hardware import detect_cluster
+    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.decide.verify import compile_candidate
+    from jaxwap.hardware.calibration import CALIBRATION_FORMAT, Calibration
+    from jaxwap.hardware.cluster import detect_cluster
     from jaxwap.planner import make_plan
-    from jaxwap.verify import compile_candidate
 
     errors, moved = [], 0
     print(f"{'set-up':8s}{'model':16s}{'mesh':6s}{'layouts':24s}{'measured':>10s}"

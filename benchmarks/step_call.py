@@ -60,7 +60,7 @@ def timed(devices: int) -> dict[str, Any]:
     300 calls each), and the probe's rows."""
     import jax
 
-    from jaxwap import probes
+    from jaxwap.calibration import probes
 
     devs = jax.devices()[:devices]
     out = {str(n): probes.call_seconds(devs, n, repeats=300) for n in COUNTS}
@@ -73,14 +73,14 @@ def timed(devices: int) -> dict[str, Any]:
 def zoo_calls(rows: list[list[float]], per_call: float) -> list[dict[str, Any]]:
     """Each CI-sized zoo model's arrays in and out, the Python calls of its pytree work
     (`Graph.tree_calls`, counted by the planner) and the call one device prices, at
-    `per_call` seconds each (`pytree_cost.python_call_seconds`)."""
+    `per_call` seconds each (`host_calls.python_call_seconds`)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import dataclasses
 
     import zoo
 
     import jaxwap
-    from jaxwap.assemble import call_time
+    from jaxwap.cost.prediction import call_time
     from jaxwap.planner import make_plan
 
     spec = dataclasses.replace(jaxwap.device_spec("cpu"), call_cost=rows,
@@ -135,7 +135,7 @@ def step_times(name: str, full: bool = False, in_program: bool = True, rounds: i
     import numpy as np
 
     import jaxwap
-    from jaxwap.probes import time_it
+    from jaxwap.calibration.probes import time_it
 
     w, data = _workload(name, full)
     k = len(data) - 1       # the state's arguments; the batch comes last
@@ -304,7 +304,7 @@ def markdown(record: dict[str, Any]) -> str:
                   f"Each CI-sized zoo model's call, one device (**predicted**: the one-device "
                   f"probe's row for its arrays, plus the Python calls of its pytree work, "
                   f"counted by the planner, at {record['python_call_s'] * 1e9:.0f} ns each, "
-                  f"**measured** here by `pytree_cost.python_call_seconds`):", "",
+                  f"**measured** here by `host_calls.python_call_seconds`):", "",
                   "| model | arrays in and out | pytree calls | their time | call |",
                   "|---|---|---|---|---|"]
         lines += [f"| {z['model']} | {z['arrays']} | {z['tree_calls']} | "
@@ -405,7 +405,7 @@ def main() -> None:
         _write(Path(args.out), stem, record)
         return
     if not args.steps_only:
-        from jaxwap.pytree_cost import python_call_seconds
+        from jaxwap.calibration.host_calls import python_call_seconds
 
         runs = [timed(1)]
         per_call = python_call_seconds()

@@ -185,13 +185,13 @@ class Workload:
 def step_runner(cs: Any, layout: Any, state: list[Any]) -> Callable[..., Any]:
     """`run()`: one step of a compiled zoo step (`CompiledStep` cs, traced as `layout`) as a
     training loop runs an `auto_shard` step: the arguments in their pytrees, read and
-    placed on each call by the call `auto_shard`'s step makes (`calls.StepCall`). Every zoo
+    placed on each call by the call `auto_shard`'s step makes (`step_call.StepCall`). Every zoo
     step takes (*state, batch) and returns (*new state, metrics); `state` holds the flat
     arguments, already placed, and each step's new state is the next step's arguments
     (donated buffers are never reused). `run(block=False)` dispatches without waiting for
     the device. Returns the outputs."""
-    from jaxwap.calls import StepCall
-    from jaxwap.trace import signature
+    from jaxwap.analysis.trace import signature
+    from jaxwap.runtime.step_call import StepCall
 
     args, _ = jax.tree_util.tree_unflatten(layout.args_treedef, state)
     args = list(args)

@@ -5,18 +5,25 @@ to use and a PartitionSpec for every parameter (balancing speed against energy),
 compiles the step with `jax.jit` shardings.
 """
 
-from .api import AutoShardedStep, auto_shard, plan
-from .cache import PlanCache
-from .calibrate import Calibration, calibrate, load_calibration
-from .constraints import logical_constraints
-from .energy import EnergyMeter, EnergyReading, measure_energy
-from .hardware import Cluster, DeviceSpec, HostMemory, builtin_device_names, device_spec
-from .objective import Objective
-from .options import PlanOptions
-from .plan import Candidate, ParamPlacement, Plan
-from .records import STRATEGY_FAMILIES, Measurement, Prediction, StepVariant, Strategy
-from .train_step import TrainStep, make_train_step
-from .version import __version__
+from jaxwap.api import AutoShardedStep, auto_shard, plan
+from jaxwap.calibration.calibrate import calibrate, load_calibration
+from jaxwap.core.objective import Objective
+from jaxwap.core.records import STRATEGY_FAMILIES, Measurement, Prediction, StepVariant, Strategy
+from jaxwap.core.version import __version__
+from jaxwap.energy.meter import EnergyMeter, EnergyReading, measure_energy
+from jaxwap.hardware.calibration import Calibration
+from jaxwap.hardware.cluster import (
+    Cluster,
+    DeviceSpec,
+    HostMemory,
+    builtin_device_names,
+    device_spec,
+)
+from jaxwap.options import PlanOptions
+from jaxwap.plans.cache import PlanCache
+from jaxwap.plans.plan import Candidate, ParamPlacement, Plan
+from jaxwap.runtime.train_step import TrainStep, make_train_step
+from jaxwap.search.constraints import logical_constraints
 
 __all__ = [
     "AutoShardedStep",

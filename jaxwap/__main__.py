@@ -1,7 +1,7 @@
-"""`python -m jaxwap COMMAND`: the command line (`jaxwap.cli`), also installed as `jaxwap`."""
+"""`python -m jaxwap COMMAND`: the command line (`jaxwap.cli.main`), also installed as `jaxwap`."""
 
 import sys
 
-from .cli import main
+from jaxwap.cli.main import main
 
 sys.exit(main())

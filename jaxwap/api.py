@@ -17,17 +17,17 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from .calls import Arguments, OtherArguments, StepCall, place
-from .compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
-from .measure import measure_finalists
-from .options import PlanOptions, split_options
-from .plan import Plan
-from .planner import Planned, make_plan, record_measurements
-from .power_limit import PowerLimitGuard
-from .progress import interrupted
-from .records import mesh_dims, mesh_stages
-from .state import classify_leaves
-from .trace import flat_leaves, globalize, signature
+from jaxwap.analysis.roles import classify_leaves
+from jaxwap.analysis.trace import flat_leaves, globalize, signature
+from jaxwap.core.progress import interrupted
+from jaxwap.core.records import mesh_dims, mesh_stages
+from jaxwap.decide.measure import measure_finalists
+from jaxwap.energy.power_limit import PowerLimitGuard
+from jaxwap.options import PlanOptions, split_options
+from jaxwap.planner import Planned, make_plan, record_measurements
+from jaxwap.plans.plan import Plan
+from jaxwap.runtime.compile import CompiledStep, compile_layout, leaf_specs, make_mesh, shardings
+from jaxwap.runtime.step_call import Arguments, OtherArguments, StepCall, place
 
 
 class AutoShardedStep:

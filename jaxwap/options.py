@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from .cache import PlanCache
-from .constraints import LayoutRules, parse_constraints, resolve
-from .hardware import Cluster, DeviceSpec
-from .objective import Objective
-from .plan import Plan
-from .records import DATA, MODEL, REPLICA, STRATEGY_FAMILIES, mesh_dims
+from jaxwap.core.objective import Objective
+from jaxwap.core.records import DATA, MODEL, REPLICA, STRATEGY_FAMILIES, mesh_dims
+from jaxwap.hardware.cluster import Cluster, DeviceSpec
+from jaxwap.plans.cache import PlanCache
+from jaxwap.plans.plan import Plan
+from jaxwap.search.constraints import LayoutRules, parse_constraints, resolve
 
 # What `power_limit=` may say: report the chosen limit, or set it while the step lives.
 POWER_LIMIT_MODES = ("recommend", "apply")
@@ -78,7 +78,7 @@ class PlanOptions:
         no axis divides) stays replicated, and without "replicate" a mesh on which no
         parameter gets an allowed split is not a candidate. `("fsdp",)` forces FSDP.
       pipeline: pipelining of a `make_train_step` step whose loss runs a `lax.scan` over
-        stacked layer parameters (`jaxwap.stack`): None (the default) weighs pipelined
+        stacked layer parameters (`jaxwap.runtime.layer_scan`): None (the default) weighs pipelined
         candidates beside the others; False never pipelines; a dict of "stages" and
         optionally "micro_batches" and "repeats" (1: GPipe, more: the circular schedule)
         plans only pipelines of that shape (what is left out is chosen).

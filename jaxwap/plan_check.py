@@ -17,11 +17,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .options import PlanOptions
-from .plan import Plan
-from .records import DATA, MODEL, REPLICA, STAGE, mesh_dims
-from .trace import ArgLayout
-from .units import named_mesh
+from jaxwap.analysis.trace import ArgLayout
+from jaxwap.core.records import DATA, MODEL, REPLICA, STAGE, mesh_dims
+from jaxwap.core.units import named_mesh
+from jaxwap.options import PlanOptions
+from jaxwap.plans.plan import Plan
 
 _AXES = (STAGE, REPLICA, DATA, MODEL)
 

@@ -20,28 +20,28 @@ from typing import Any
 
 import jax
 
-from .attention import planned_device, require_target, target_checks
-from .attention_scores import fused_alternative, planned_score_sites
-from .cache import PlanCache, jaxpr_fingerprint, plan_key
-from .calibrate import load_calibration
-from .choose import PlanContext, build_plan, chosen_result
-from .compile import CompiledStep
-from .constraints import LayoutRules, path_string
-from .fitting import micro_batch_floor
-from .graph import Graph, analyze
-from .hardware import Cluster, DeviceSpec, detect_cluster, device_memory_limit
-from .nofit import nothing_fits, nothing_fits_compiled
-from .options import PlanOptions
-from .pipeline_plan import Pipelines, plan_pipelines, with_pipelines
-from .plan import Plan
-from .plan_check import plan_mismatch
-from .pytree_cost import tree_calls
-from .records import Measurement, StepVariant
-from .solve import SearchResult, search
-from .trace import ArgLayout, layout_of, trace_layout
-from .train_step import TrainStep, ladder, restructured
-from .units import si
-from .verify import Verification, compile_candidate, run_verification, unverifiable
+from jaxwap.analysis.fused_attention import planned_device, require_target, target_checks
+from jaxwap.analysis.graph import Graph, analyze
+from jaxwap.analysis.trace import ArgLayout, layout_of, trace_layout
+from jaxwap.calibration.calibrate import load_calibration
+from jaxwap.calibration.host_calls import tree_calls
+from jaxwap.core.records import Measurement, StepVariant
+from jaxwap.core.units import si
+from jaxwap.decide.attention_advice import fused_alternative, planned_score_sites
+from jaxwap.decide.choose import PlanContext, build_plan, chosen_result
+from jaxwap.decide.no_fit import nothing_fits, nothing_fits_compiled
+from jaxwap.decide.verify import Verification, compile_candidate, run_verification, unverifiable
+from jaxwap.hardware.cluster import Cluster, DeviceSpec, detect_cluster, device_memory_limit
+from jaxwap.options import PlanOptions
+from jaxwap.plan_check import plan_mismatch
+from jaxwap.plans.cache import PlanCache, jaxpr_fingerprint, plan_key
+from jaxwap.plans.plan import Plan
+from jaxwap.runtime.compile import CompiledStep
+from jaxwap.runtime.train_step import TrainStep, ladder, restructured
+from jaxwap.search.constraints import LayoutRules, path_string
+from jaxwap.search.memory_repair import micro_batch_floor
+from jaxwap.search.pipeline_search import Pipelines, plan_pipelines, with_pipelines
+from jaxwap.search.solve import SearchResult, search
 
 # Share of device memory kept free for XLA's workspace, fragmentation and the runtime.
 MEMORY_HEADROOM = 0.10
@@ -113,7 +113,7 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
               options: PlanOptions, for_hardware: bool = False) -> Planned:
     """`_make_plan`, its traces made for the hardware planned for: jax's trace-time checks
     of cuDNN's fused attention answer for that target where this host cannot
-    (`attention.target_checks`)."""
+    (`fused_attention.target_checks`)."""
     target = planned_device(options.plan.hardware if options.plan is not None
                             else options.hardware)
     with target_checks(target):

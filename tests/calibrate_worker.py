@@ -1,5 +1,5 @@
 """One process of a cluster calibration (started by test_calibrate_cluster.py through
-`jaxwap.launch.launch_local`, not collected).
+`jaxwap.runtime.launch.launch_local`, not collected).
 
 It runs the real command line, `jaxwap calibrate --quick --coordinator ...`, with a cache
 directory of its own (as on a machine of its own: the process that does not write first
@@ -15,14 +15,14 @@ import os
 import sys
 from pathlib import Path
 
-from jaxwap.launch import cluster_from_env
+from jaxwap.runtime.launch import cluster_from_env
 
 coordinator, num_processes, process_id = cluster_from_env()
 cache = Path(sys.argv[1]) / f"process{process_id}"
 os.environ["JAXWAP_CACHE_DIR"] = str(cache)  # before jaxwap reads it
 
-from jaxwap.calibrate import calibrate_full, load_calibration  # noqa: E402
-from jaxwap.calibrate_cli import main  # noqa: E402
+from jaxwap.calibration.calibrate import calibrate_full, load_calibration  # noqa: E402
+from jaxwap.cli.calibrate import main  # noqa: E402
 
 status = main(["calibrate", "--quick", "--coordinator", coordinator, "--num-processes",
                str(num_processes), "--process-id", str(process_id), "--timeout", "30"])

@@ -168,9 +168,9 @@ def host_setup(model: nn.Module, x_shape: tuple[int, ...], num_classes: int = 10
 
 def analyze_step(step: Any, params: Any, *args: Any, batch_size: int | None) -> Any:
     """`graph.analyze` of `step(params, *args) -> new params` with the roles the planner
-    gives (`jax.make_jaxpr` and `jaxwap.state` alone)."""
-    from jaxwap.graph import analyze
-    from jaxwap.state import classify_leaves, param_infos
+    gives (`jax.make_jaxpr` and `jaxwap.analysis.roles` alone)."""
+    from jaxwap.analysis.graph import analyze
+    from jaxwap.analysis.roles import classify_leaves, param_infos
 
     infos, _ = param_infos(params)
     identity = {id(leaf): j for j, leaf in enumerate(jax.tree_util.tree_leaves(params))}
@@ -185,9 +185,9 @@ def analyze_step(step: Any, params: Any, *args: Any, batch_size: int | None) -> 
 
 
 def collectives_reproduced(cal: Any) -> None:
-    """The profile's ring latency and collective overhead are what `comm.ring_fit` makes
+    """The profile's ring latency and collective overhead are what `collectives.ring_fit` makes
     of the all-reduce and all-gather calibration timed inside a program."""
-    from jaxwap.comm import ring_fit
+    from jaxwap.cost.collectives import ring_fit
 
     ar, ag = cal.measurements["link"]["in_program_s"].values()
     assert ar > 0 and ag > 0

@@ -3,9 +3,9 @@ kernel, and the advice where a step materializes its attention scores.
 
 A Llama-shaped step written with `jax.nn.dot_product_attention(..., is_causal=True)`:
 with `implementation="cudnn"` it traces for an H100 target here (jax's cuDNN checks
-answered for the target, `attention.target_checks`), its two kernels priced at their
+answered for the target, `fused_attention.target_checks`), its two kernels priced at their
 FlashAttention flops (causal: half the scores), no T x T value in its memory; with
-`implementation="xla"` the scores are found (`attention_scores.score_sites`) and, at a
+`implementation="xla"` the scores are found (`attention_advice.score_sites`) and, at a
 long sequence, `Plan.explain()` says what they take and what the fused kernel would give.
 The fused counterfactual of the XLA step is checked against the cuDNN step itself.
 """
@@ -26,7 +26,9 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.attention import (
+from jaxwap.analysis.dataflow import dataflow, op_kinds
+from jaxwap.analysis.flatten import flatten
+from jaxwap.analysis.fused_attention import (
     FUSED_BACKWARD,
     FUSED_FORWARD,
     fused_cost,
@@ -34,17 +36,15 @@ from jaxwap.attention import (
     require_compilable,
     target_checks,
 )
-from jaxwap.attention_scores import SHARE, _layout_prediction, score_sites, step_live
-from jaxwap.comm import batch_dims
-from jaxwap.dataflow import dataflow, op_kinds
-from jaxwap.device import device_spec
-from jaxwap.flatten import flatten
-from jaxwap.graph import analyze
-from jaxwap.objective import Objective
-from jaxwap.plan import Plan
-from jaxwap.solve import search
-from jaxwap.state import BATCH
-from jaxwap.trace import layout_of
+from jaxwap.analysis.grad_reductions import batch_dims
+from jaxwap.analysis.graph import analyze
+from jaxwap.analysis.roles import BATCH
+from jaxwap.analysis.trace import layout_of
+from jaxwap.core.objective import Objective
+from jaxwap.decide.attention_advice import SHARE, _layout_prediction, score_sites, step_live
+from jaxwap.hardware.device import device_spec
+from jaxwap.plans.plan import Plan
+from jaxwap.search.solve import search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -255,7 +255,7 @@ def test_hand_written_attention_gets_the_advice_and_an_mlp_none():
 
 
 def test_advice_that_cannot_be_priced_is_a_note_not_a_failed_plan(monkeypatch):
-    import jaxwap.attention_scores as scores
+    import jaxwap.decide.attention_advice as scores
 
     def broken(*args, **kwargs):
         raise RuntimeError("the detection broke")

@@ -26,10 +26,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxwap
-from jaxwap import cache as cache_mod
-from jaxwap.cache import CACHE_FORMAT, PlanCache, PlanCacheWarning, plan_key
-from jaxwap.dirs import default_cache_dir
-from jaxwap.fingerprint import jaxpr_fingerprint
+from jaxwap.core.paths import default_cache_dir
+from jaxwap.plans import cache as cache_mod
+from jaxwap.plans.cache import CACHE_FORMAT, PlanCache, PlanCacheWarning, plan_key
+from jaxwap.plans.fingerprint import jaxpr_fingerprint
 
 TESTS = Path(__file__).resolve().parent
 

@@ -16,10 +16,11 @@ import jax
 import pytest
 from models import collectives_reproduced
 
-from jaxwap.calibrate import Calibration, load_calibration
-from jaxwap.hardware import HostMemory, detect_cluster
-from jaxwap.launch import describe, free_port, launch_local, rendezvous, start_distributed
-from jaxwap.probes import cpu_bandwidth_bytes
+from jaxwap.calibration.calibrate import load_calibration
+from jaxwap.calibration.probes import cpu_bandwidth_bytes
+from jaxwap.hardware.calibration import Calibration
+from jaxwap.hardware.cluster import HostMemory, detect_cluster
+from jaxwap.runtime.launch import describe, free_port, launch_local, rendezvous, start_distributed
 
 HERE = Path(__file__).parent
 
@@ -191,8 +192,9 @@ def test_a_record_of_an_older_format_is_stale(tmp_path, fmt):
     # collective costs inside a program: calibrating again beats planning with them
     path = tmp_path / "calibration"
     path.mkdir()
-    from jaxwap.calibrate import CALIBRATION_FORMAT, calibration_path
-    from jaxwap.hardware import builtin_for_kind
+    from jaxwap.calibration.calibrate import calibration_path
+    from jaxwap.hardware.calibration import CALIBRATION_FORMAT
+    from jaxwap.hardware.cluster import builtin_for_kind
 
     d = {"spec": builtin_for_kind("cpu", "cpu").to_dict(), "device_kind": "cpu",
          "platform": "cpu", "num_devices": 8, "jax_version": jax.__version__,

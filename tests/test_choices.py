@@ -12,7 +12,7 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.comm import all_gather, all_reduce
+from jaxwap.cost.collectives import all_gather, all_reduce
 
 analytic_plan = functools.partial(jaxwap.plan, verify=0, cache=False)
 

@@ -3,7 +3,7 @@
 The commands run in subprocesses, as a user runs them: from the repository root, with 8
 simulated CPU devices, planning examples/plan_module.py's Llama-3-8B-shaped step for a
 described cluster of 512 H100s (analytic, a few seconds). Bad input is checked in this
-process through `jaxwap.cli.main`, which exits the way the command does (argparse's
+process through `jaxwap.cli.main.main`, which exits the way the command does (argparse's
 error, status 2), and once end to end.
 """
 
@@ -19,7 +19,7 @@ import jax
 import pytest
 
 import jaxwap
-from jaxwap import cli
+from jaxwap.cli import main as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = ["--hardware", "h100-sxm", "--devices", "512", "--devices-per-node", "8",
@@ -148,8 +148,8 @@ def test_explain_of_a_file_that_is_no_plan(tmp_path: Path,
 
 
 def test_calibrate_main_keeps_its_own_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
-    """tests/calibrate_worker.py runs `jaxwap.calibrate_cli.main(["calibrate", ...])`."""
-    from jaxwap.calibrate_cli import main
+    """tests/calibrate_worker.py runs `jaxwap.cli.calibrate.main(["calibrate", ...])`."""
+    from jaxwap.cli.calibrate import main
 
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--coordinator", "localhost:1"])

@@ -21,18 +21,18 @@ from jax.sharding import PartitionSpec as P
 from models import BNNet, abstract_setup, make_bn_step, mixed_mlp_plan
 
 import jaxwap
-from jaxwap.comm import all_gather, all_reduce, batch_reduce_comm, ring_fit
-from jaxwap.compile import compile_layout
-from jaxwap.cost import mesh_costs, predict
-from jaxwap.dataflow import op_kinds
-from jaxwap.device import DeviceSpec
-from jaxwap.flatten import flatten
-from jaxwap.gathers import fsdp_gathers
-from jaxwap.graph import analyze
-from jaxwap.hlo import compiled_figures
-from jaxwap.reductions import batch_split
-from jaxwap.solve import param_strategies
-from jaxwap.trace import layout_of
+from jaxwap.analysis.dataflow import op_kinds
+from jaxwap.analysis.flatten import flatten
+from jaxwap.analysis.fsdp_gathers import fsdp_gathers
+from jaxwap.analysis.grad_reductions import batch_split
+from jaxwap.analysis.graph import analyze
+from jaxwap.analysis.trace import layout_of
+from jaxwap.cost.collectives import all_gather, all_reduce, batch_reduce_comm, ring_fit
+from jaxwap.cost.mesh_cost import mesh_costs, predict
+from jaxwap.decide.xla_figures import compiled_figures
+from jaxwap.hardware.device import DeviceSpec
+from jaxwap.runtime.compile import compile_layout
+from jaxwap.search.solve import param_strategies
 
 CLUSTER = jaxwap.Cluster("h100-sxm", 8)
 B, T, V, C = 8, 4, 64, 16
@@ -383,9 +383,9 @@ def test_zero1_pins_the_gradients_reductions_make_and_leaves_the_matmuls_to_xla(
     """Under ZeRO-1 the step pins a gradient to its weight's layout where a reduction makes
     it (a bias's, a batch norm's scale and offset: XLA otherwise splits the batch norm's
     statistics with them and gathers them back) and leaves a kernel's, which a
-    convolution or matmul makes, to XLA's own choice (`jaxwap.pins`)."""
-    from jaxwap.compile import zero1_weights
-    from jaxwap.pins import gradient_pins
+    convolution or matmul makes, to XLA's own choice (`jaxwap.runtime.grad_pins`)."""
+    from jaxwap.runtime.compile import zero1_weights
+    from jaxwap.runtime.grad_pins import gradient_pins
 
     model, tx = BNNet(), optax.adam(1e-3)
     variables = jax.eval_shape(model.init, jax.random.key(0), _sds(B, 8, 8, 3))
@@ -481,7 +481,7 @@ def test_fsdp_gathers_a_norms_scale_first_and_prices_each_gather_xla_makes(norm,
     # first and keeps its gradient whole where a reduction makes it: once a step, like its
     # offset. A matmul's or convolution's weight is gathered once, the forward and
     # backward ops sharing it, and a 3x3 kernel's reversed copy (the input gradient's)
-    # again, each priced (`gathers.fsdp_gathers`): on the gloo-like profile the model's
+    # again, each priced (`fsdp_gathers.fsdp_gathers`): on the gloo-like profile the model's
     # gradient communication is within 10% of XLA's collectives priced one by one
     step, params, *rest = _norm_step(norm)
     plan = jaxwap.plan(step, params, *rest, params=params, mesh_shape={"data": 2, "model": 1},

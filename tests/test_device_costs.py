@@ -17,16 +17,16 @@ import pytest
 from models import abstract_setup, analyze_step
 
 import jaxwap
-from jaxwap.comm import fsdp_moves
-from jaxwap.cost import mesh_costs, predict, with_compiled
-from jaxwap.device import DeviceSpec, efficiency_table
-from jaxwap.hardware import Cluster
-from jaxwap.hlo import layout_changes
-from jaxwap.optime import op_times
+from jaxwap.core.records import DATA
+from jaxwap.cost.collectives import fsdp_moves
+from jaxwap.cost.mesh_cost import mesh_costs, predict, with_compiled
+from jaxwap.cost.op_time import op_times
+from jaxwap.decide.verify import compile_candidate
+from jaxwap.decide.xla_figures import layout_changes
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.hardware.device import DeviceSpec, efficiency_table
 from jaxwap.planner import make_plan
-from jaxwap.records import DATA
-from jaxwap.strategies import param_strategies
-from jaxwap.verify import compile_candidate
+from jaxwap.search.strategies import param_strategies
 
 MiB = 2**20
 SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
@@ -171,8 +171,8 @@ def test_a_combined_collective_pays_the_buffer_latency_per_extra_array():
     """gloo reduces each array of XLA's combined all-reduce apart: the compiled program's
     tuple collective is priced with the calibrated latency for each array past the first
     (as the analytic model prices its gradient buffers)."""
-    from jaxwap.comm import collective_cost
-    from jaxwap.hlo import parse_collectives
+    from jaxwap.cost.collectives import collective_cost
+    from jaxwap.decide.xla_figures import parse_collectives
 
     text = ("ENTRY %main () -> f32[] {\n"
             "  %all-reduce.1 = (f32[64]{0}, f32[32,4]{1,0}, f32[8]{0}) all-reduce(%a, %b, %c), "
@@ -317,7 +317,7 @@ def test_convolution_kernels_are_moved_as_xla_cpu_moves_them(d):
     gradient's transposed convolution reads it in (the kernel jax reverses), and twice in
     the update, once where data parallelism all-reduces the gradient (the first layer has
     no input gradient). The model counts those moves of each kernel as the compiled
-    program has them, and prices them (`reductions.conv_relayouts`)."""
+    program has them, and prices them (`grad_reductions.conv_relayouts`)."""
     from models import CNN, host_setup
 
     step, params, opt, batch = host_setup(CNN(), (8, 16, 16, 3))
@@ -342,7 +342,7 @@ def test_convolution_kernels_are_moved_as_xla_cpu_moves_them(d):
 def test_library_calls_keep_the_models_flops_in_the_compiled_prediction():
     """XLA:GPU's cost analysis counts no flops for cuBLAS and cuDNN calls; a compiled
     program that makes them is priced on the model's flops, one that makes none on XLA's."""
-    from jaxwap.hlo import library_calls
+    from jaxwap.decide.xla_figures import library_calls
 
     gpu_text = ('%c = (bf16[128,55,55,64]{3,2,1,0}, u8[0]{0}) custom-call(%a, %b), '
                 'custom_call_target="__cudnn$convForward", backend_config={}\n'
@@ -417,7 +417,7 @@ def test_kernel_gradient_convolutions_pay_the_operand_copies_xla_cpu_compiles():
 
 
 def test_a_dense_kernel_gradient_is_a_transposed_matmul_priced_at_its_own_share():
-    """x^T dy contracts both operands over their rows (`opcost.transposed_matmul`: XLA:CPU
+    """x^T dy contracts both operands over their rows (`op_work.transposed_matmul`: XLA:CPU
     runs it on its generic dot, checked in the compiled program); the forward x @ w and
     the input gradient dy w^T do not. Only the kernel gradient's time moves with
     `DeviceSpec.transposed_matmul_efficiency`."""
@@ -479,7 +479,7 @@ def test_gpu_profiles_price_the_expanded_pooling_gradient_and_batched_matmul_cop
     80gb-hbm3.md), and copies batched matmuls' operands like XLA:CPU: the GPU built-ins
     say so (`expands_pooling_grads`, `relayouts_batched_dots`), the CPU's does not expand.
     The gradient's op is priced at those bytes more, at the bandwidth; nothing else moves."""
-    from jaxwap.device import device_spec
+    from jaxwap.hardware.device import device_spec
 
     gpus = [device_spec(n) for n in ("h100-sxm", "h200", "a100-sxm-80gb", "v100-pcie")]
     assert all(d.expands_pooling_grads and d.relayouts_batched_dots for d in gpus)
@@ -537,7 +537,7 @@ def test_tensor_parallel_generic_loop_convolution_is_priced_at_the_kernel_a_devi
 
 def test_a_moved_fsdp_generic_loop_convolution_is_priced_at_the_kernel_a_device_holds():
     """Two convolutions over 2x2 maps, both FSDP on two devices: XLA moves their (small)
-    activations and keeps each kernel split on its features (`comm.fsdp_moves`), so each
+    activations and keeps each kernel split on its features (`collectives.fsdp_moves`), so each
     device runs its half of the features on the whole batch; their generic-loop time is
     priced at the width a device holds. Data-parallel (kernels whole), nothing moves."""
     f32 = jax.ShapeDtypeStruct
@@ -578,7 +578,7 @@ def test_attention_heads_pay_the_copies_xla_cpu_makes_around_its_batched_matmuls
     """XLA:CPU runs a batched matmul on operands with the batch dims leading: attention's
     `bqhd,bkhd->bhqk` has both operands copied, the heads split out of q, k and v and the
     output merged back are materialized. The model names most of those arrays
-    (`reductions.dot_relayouts`, checked against the compiled program's layout changes,
+    (`grad_reductions.dot_relayouts`, checked against the compiled program's layout changes,
     independent of the model) and prices them as layout changes where the backend makes
     them (`DeviceSpec.relayouts_batched_dots`), which XLA's own replace when the model is
     fed its figures."""

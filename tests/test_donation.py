@@ -1,4 +1,4 @@
-"""Donation made safe and predictable (`calls.StepCall`).
+"""Donation made safe and predictable (`step_call.StepCall`).
 
 Passing a step the state it donated (the state from before the last step: an easy slip)
 crashed the process on a sharded plan (jax's own dispatch, exit 139) and raised XLA's raw

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import pytest
 
-from jaxwap.energy import EnergyMeter, EnergyReading, measure_energy
+from jaxwap.energy.meter import EnergyMeter, EnergyReading, measure_energy
 
 WATTS = 300.0
 
@@ -270,10 +270,10 @@ def test_measure_energy_blocks_on_jax_output_and_caps_repeats() -> None:
 
 
 def test_accelerator_probes_run_on_any_device_and_power_needs_nvml():
-    """The accelerator probes (`jaxwap.accel_probes`) are plain functions of a device:
+    """The accelerator probes (`jaxwap.calibration.accel_probes`) are plain functions of a device:
     on a CPU the bandwidth is a positive rate, the loads run and return their arrays, and
     without NVML the power probe says so (None) rather than inventing watts."""
-    from jaxwap import accel_probes
+    from jaxwap.calibration import accel_probes
 
     dev = jax.devices()[0]
     bw = accel_probes.stream_bandwidth(dev, 2**22)

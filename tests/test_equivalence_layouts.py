@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from models import CNN, MLP, TypedMLP, copy_tree, host_setup
 
 import jaxwap
-from jaxwap.hlo import compiled_figures
+from jaxwap.decide.xla_figures import compiled_figures
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -289,7 +289,7 @@ def test_forced_sharding_on_resnet50_small_gathers_each_weight_once_and_matches_
     too and gathered them back where the forward and backward passes read them (92
     all-gathers for 29 weights, measured 2.2x the data-parallel step on the two-process
     cluster); the step pins each ZeRO-1 gradient to its weight's layout where it is made
-    (`jaxwap.pins`). FSDP: a split batch-norm scale split the statistics computed with it,
+    (`runtime.grad_pins`). FSDP: a split batch-norm scale split the statistics computed with it,
     gathered back wherever they met the batch (86 all-gathers for 29 weights); the step
     gathers such a scale first and keeps its gradient whole (`compile.gathered_first`)."""
     w = zoo.small("resnet50")
@@ -459,10 +459,10 @@ def test_gpt2_small_under_plain_options_matches_single_device(gpt2):
 def test_gpt2_small_under_forced_zero1_pins_its_reduced_gradients_and_matches(gpt2):
     """ZeRO-1 on GPT-2-small: the step is evaluated again from its jaxpr with the
     gradients a reduction makes pinned (the layer norms' scales and offsets and the
-    biases; `jaxwap.pins`), through NNX's state, and gives the single-device numbers."""
-    from jaxwap.compile import zero1_weights
-    from jaxwap.pins import gradient_pins
-    from jaxwap.trace import layout_of
+    biases; `runtime.grad_pins`), through NNX's state, and gives the single-device numbers."""
+    from jaxwap.analysis.trace import layout_of
+    from jaxwap.runtime.compile import zero1_weights
+    from jaxwap.runtime.grad_pins import gradient_pins
 
     w, args, ref = gpt2
     sharded = jaxwap.auto_shard(w.step, w.params, strategies=("zero1",),

@@ -23,7 +23,7 @@ from jax._src import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxwap.fingerprint import jaxpr_fingerprint
+from jaxwap.plans.fingerprint import jaxpr_fingerprint
 
 TESTS = Path(__file__).resolve().parent
 F32 = jax.ShapeDtypeStruct((4, 4), jnp.float32)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxwap
-from jaxwap.frontier import pareto_front
+from jaxwap.plans.frontier import pareto_front
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

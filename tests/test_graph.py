@@ -1,6 +1,6 @@
 """graph.analyze: layers from the primitive table's rules, and the roofline adapter's checks.
 
-Inputs are built from `jax.make_jaxpr` and `jaxwap.state` alone, as the planner builds them.
+Inputs are built from `jax.make_jaxpr` and `analysis.roles` alone, as the planner builds them.
 """
 
 import dataclasses
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 from models import analyze_step as _analyze
 
-from jaxwap.graph import Graph
-from jaxwap.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info, roofline_rules
+from jaxwap.analysis.graph import Graph
+from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info, roofline_rules
 
 
 def _sgd(loss):
@@ -129,9 +129,9 @@ def test_roofline_adapter_rejects_changed_context(monkeypatch, fresh_adapter):
 def test_a_table_read_by_a_lookup_is_looked_up_and_a_matmul_weight_is_not():
     # the embedding table is cast to bf16 before the lookup (a form of it, as a
     # mixed-precision model reads its weights); the dense weight is only multiplied
-    from jaxwap.dataflow import looked_up
-    from jaxwap.flatten import flatten
-    from jaxwap.trace import layout_of
+    from jaxwap.analysis.dataflow import looked_up
+    from jaxwap.analysis.flatten import flatten
+    from jaxwap.analysis.trace import layout_of
 
     def step(params, tokens):
         def loss(p):
@@ -152,7 +152,7 @@ def test_a_table_read_by_a_lookup_is_looked_up_and_a_matmul_weight_is_not():
 def test_a_weight_without_the_data_axis_keeps_its_model_split():
     from jax.sharding import PartitionSpec as P
 
-    from jaxwap.compile import without_data
+    from jaxwap.runtime.compile import without_data
 
     assert without_data(P(None, "data")) == P(None, None)
     assert without_data(P(("replica", "data"), "model")) == P(None, "model")
@@ -176,7 +176,7 @@ def test_a_column_split_xla_would_not_keep_is_not_offered(name, leaking, megatro
 
     import jaxwap
     from jaxwap.planner import make_plan
-    from jaxwap.strategies import param_strategies
+    from jaxwap.search.strategies import param_strategies
 
     w = zoo.small("gpt2") if name == "gpt2" else zoo.llama()
     graph = make_plan(w.step, w.args, {}, params=w.params, options=jaxwap.PlanOptions(
@@ -197,9 +197,9 @@ def test_fused_elementwise_and_reduction_move_what_xla_fusions_move():
     """A chain of elementwise ops reduced at its end is one fusion: it reads its input
     and writes the reduced result, not every intermediate (the rule before counted each
     elementwise result written once more). A result a matmul reads is written once."""
-    from jaxwap.flatten import flatten
-    from jaxwap.graph import op_kinds
-    from jaxwap.opcost import op_costs
+    from jaxwap.analysis.flatten import flatten
+    from jaxwap.analysis.graph import op_kinds
+    from jaxwap.analysis.op_work import op_costs
 
     x = jnp.ones((256, 1024), jnp.float32)
 
@@ -224,9 +224,9 @@ def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
     batch the channels become) is kind 3 and takes `narrow_conv_efficiency`; the next
     layer's are plain convolutions; without the figure (a built-in profile) narrow ones
     price as any."""
-    from jaxwap.device import DeviceSpec
-    from jaxwap.hardware import Cluster
-    from jaxwap.optime import op_times
+    from jaxwap.cost.op_time import op_times
+    from jaxwap.hardware.cluster import Cluster
+    from jaxwap.hardware.device import DeviceSpec
 
     def conv(x, w):
         return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",

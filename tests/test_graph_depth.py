@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxwap.flatten import flatten
-from jaxwap.graph import Graph, analyze
-from jaxwap.liveness import _live_rows, dense_live_rows
-from jaxwap.primitives import FREE, MATMUL, prim_info, roofline_rules
-from jaxwap.trace import layout_of
+from jaxwap.analysis.flatten import flatten
+from jaxwap.analysis.graph import Graph, analyze
+from jaxwap.analysis.liveness import _live_rows, dense_live_rows
+from jaxwap.analysis.primitives import FREE, MATMUL, prim_info, roofline_rules
+from jaxwap.analysis.trace import layout_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

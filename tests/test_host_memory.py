@@ -10,8 +10,8 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.device import DeviceSpec
-from jaxwap.hardware import Cluster, HostMemory
+from jaxwap.hardware.cluster import Cluster, HostMemory
+from jaxwap.hardware.device import DeviceSpec
 from jaxwap.planner import make_plan
 
 MiB = 2**20

@@ -17,9 +17,9 @@ import pytest
 from models import MLP, abstract_setup, copy_tree, host_setup
 
 import jaxwap
-from jaxwap.comm import all_gather, all_reduce, fsdp_comm, hsdp_comm
+from jaxwap.core.records import DATA, MODEL, REPLICA
+from jaxwap.cost.collectives import all_gather, all_reduce, fsdp_comm, hsdp_comm
 from jaxwap.options import PlanOptions
-from jaxwap.records import DATA, MODEL, REPLICA
 
 GB = 1e9
 

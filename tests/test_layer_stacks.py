@@ -5,7 +5,7 @@ as Flax Linen's `nn.scan(Block, variable_axes={"params": 0}, length=L)` (MaxText
 `scan_layers`; with or without `nn.remat` inside), as NNX layers made with `nnx.vmap` and
 run by `nnx.scan`, or as a hand-written `jax.lax.scan`. A module whose length is fixed
 cannot be called with fewer layers, so the planner prices a stage's share of the stack
-from the traced jaxpr (`stack.stack_cut`). Each form: pipelines weighed for a cluster of
+from the traced jaxpr (`layer_scan.stack_cut`). Each form: pipelines weighed for a cluster of
 nodes and under a tight memory budget, and the forced pipeline on the 8 CPU devices equal
 to the plain step under `jax.jit` (f32, one Adam step, rtol 2e-5).
 """
@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 import jaxwap
-from jaxwap.records import STAGE
-from jaxwap.stack import NoLayerScan, find_layer_scan, stack_cut
+from jaxwap.core.records import STAGE
+from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan, stack_cut
 
 L, D, B, V = 8, 32, 16, 16
 
@@ -244,7 +244,7 @@ def test_a_pipeline_that_fails_to_build_leaves_the_plan_without_pipelines(monkey
     """An optional branch never takes the plan down: a failure anywhere in building the
     stages (here one jaxwap cannot foresee, simulated) is a note; forced, it is the plan's
     error."""
-    from jaxwap import pipeline_plan
+    from jaxwap.search import pipeline_search as pipeline_plan
 
     def boom(*args, **kwargs):
         raise RuntimeError("stage step exploded")

@@ -13,8 +13,8 @@ import optax
 import pytest
 
 import jaxwap
-from jaxwap.state import BATCH, OTHER, PARAM, LeafRole
-from jaxwap.trace import layout_of
+from jaxwap.analysis.roles import BATCH, OTHER, PARAM, LeafRole
+from jaxwap.analysis.trace import layout_of
 
 K1, K2, K3 = jax.random.split(jax.random.PRNGKey(0), 3)
 

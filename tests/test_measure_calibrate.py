@@ -11,8 +11,8 @@ import pytest
 from models import MLP, collectives_reproduced, copy_tree, setup
 
 import jaxwap
-import jaxwap.measure
-from jaxwap.calibrate import calibrate_full, calibration_path
+import jaxwap.decide.measure
+from jaxwap.calibration.calibrate import calibrate_full, calibration_path
 from jaxwap.planner import resolve_cluster
 
 
@@ -59,7 +59,7 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a cached calibration must not be measured again")
 
-    monkeypatch.setattr(importlib.import_module("jaxwap.probes"), "matmul_curve", boom)
+    monkeypatch.setattr(importlib.import_module("jaxwap.calibration.probes"), "matmul_curve", boom)
     assert jaxwap.calibrate(progress=False) == s
     # hardware=None plans with the calibrated profile (scaled to the host's devices)
     cluster, note = resolve_cluster(None, jax.devices())
@@ -81,7 +81,7 @@ def test_measured_choice_picks_the_measured_best(monkeypatch):
         t = 0.001 if n == 2 else 0.01
         return jaxwap.Measurement(t, 0.5 * t * n, "modeled", steps, "faked in the test")
 
-    monkeypatch.setattr(jaxwap.measure, "measure_step", fake_measure)
+    monkeypatch.setattr(jaxwap.decide.measure, "measure_step", fake_measure)
     sharded = jaxwap.auto_shard(step, params, hardware=jaxwap.Cluster("h100-sxm", 8),
                                 measure=2, cache=False)
     ref = jax.jit(step)(copy_tree(params), copy_tree(opt), batch)[0]
@@ -127,7 +127,7 @@ def test_measured_micro_batched_plan_runs_micro_batched(monkeypatch):
     need = plain.argument_size_in_bytes + plain.output_size_in_bytes + \
         plain.temp_size_in_bytes - plain.alias_size_in_bytes
     calls = []
-    monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
+    monkeypatch.setattr(jaxwap.decide.measure, "measure_step", _fake_measure(calls))
     sharded = jaxwap.auto_shard(step, params, num_devices=2, memory_budget=0.5 * need,
                                 hardware=jaxwap.Cluster("h100-sxm", 8), measure=1, verify=1,
                                 cache=False)
@@ -147,7 +147,7 @@ def test_measured_choice_is_what_the_cache_keeps(monkeypatch, tmp_path):
     a second run reads it back instead of silently skipping the measurement."""
     step, params, opt, batch = setup(MLP((128, 128, 10)), (32, 16))
     calls = []
-    monkeypatch.setattr(jaxwap.measure, "measure_step", _fake_measure(calls))
+    monkeypatch.setattr(jaxwap.decide.measure, "measure_step", _fake_measure(calls))
     kw = dict(hardware=jaxwap.Cluster("h100-sxm", 8), cache=jaxwap.PlanCache(tmp_path),
               verify=1)
     first = jaxwap.auto_shard(step, params, measure=2, **kw)

@@ -12,11 +12,11 @@ from jax.sharding import PartitionSpec as P
 from models import CNN, MLP, copy_tree, mixed_mlp_plan
 
 import jaxwap
-from jaxwap.compile import HOST, compile_layout
-from jaxwap.graph import NUM_CLASSES, RESIDENT, analyze
-from jaxwap.records import StepVariant, Strategy
-from jaxwap.trace import layout_of, trace_layout
-from jaxwap.train_step import ladder
+from jaxwap.analysis.graph import NUM_CLASSES, RESIDENT, analyze
+from jaxwap.analysis.trace import layout_of, trace_layout
+from jaxwap.core.records import StepVariant, Strategy
+from jaxwap.runtime.compile import HOST, compile_layout
+from jaxwap.runtime.train_step import ladder
 
 RTOL, ATOL = 2e-5, 2e-6
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
@@ -282,10 +282,10 @@ def test_repair_shards_optimizer_state_first():
     # enough is ZeRO-1 (state over the data axis), not FSDP, not host offload. The batch
     # is larger than the weights, so FSDP would gather them (at a smaller batch XLA
     # moves the activations instead, and FSDP is the cheaper move)
-    from jaxwap.cost import mesh_costs
-    from jaxwap.fitting import repair as _repair
-    from jaxwap.layout_memory import peak_memory
-    from jaxwap.strategies import param_strategies
+    from jaxwap.cost.layout_memory import peak_memory
+    from jaxwap.cost.mesh_cost import mesh_costs
+    from jaxwap.search.memory_repair import repair as _repair
+    from jaxwap.search.strategies import param_strategies
 
     step, params, opt, batch = mlp_problem((1024, 1024, 10), 1024, 2048)
     layout, closed = layout_of(step, (params, opt, batch), {}, None)
@@ -304,9 +304,9 @@ def test_repair_shards_optimizer_state_first():
 def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     # under Auto sharding XLA all-reduces the gradient inside the scan, once per
     # micro-batch: the model charges it k times, the HLO parser counts the loop's trips
-    from jaxwap.cost import mesh_costs
-    from jaxwap.hlo import compiled_figures
-    from jaxwap.solve import param_strategies
+    from jaxwap.cost.mesh_cost import mesh_costs
+    from jaxwap.decide.xla_figures import compiled_figures
+    from jaxwap.search.solve import param_strategies
 
     step, *args = mlp_problem((256, 256, 10), 64, 64)
     layout, closed = layout_of(step, tuple(args), {}, None)

@@ -17,7 +17,7 @@ import pytest
 
 import jaxwap
 from jaxwap import Cluster, DeviceSpec, Objective
-from jaxwap.hardware import builtin_for_kind
+from jaxwap.hardware.cluster import builtin_for_kind
 
 
 class Pred(NamedTuple):

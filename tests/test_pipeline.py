@@ -1,4 +1,4 @@
-"""Pipeline stages (`jaxwap.pipeline`): a pipelined stack equals the plain `lax.scan` over
+"""Pipeline stages (`jaxwap.runtime.schedule`): a pipelined stack equals the plain `lax.scan` over
 the same layers, forward and gradients, in float32 (rtol 1e-5, atol 1e-6).
 
 2 and 4 stages, each with a data axis, on the 8 simulated CPU devices; GPipe (one round)
@@ -18,7 +18,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxwap.pipeline import STAGE, micro_join, micro_split, pipelined, stage_order, to_stages
+from jaxwap.runtime.schedule import (
+    STAGE,
+    micro_join,
+    micro_split,
+    pipelined,
+    stage_order,
+    to_stages,
+)
 
 L, D, B = 8, 16, 16
 AUTO = jax.sharding.AxisType.Auto  # as jaxwap's meshes: XLA places what shard_map takes

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxwap
-from jaxwap.records import DATA, MODEL, STAGE
+from jaxwap.core.records import DATA, MODEL, STAGE
 
 L, D, B, V = 8, 32, 16, 16
 

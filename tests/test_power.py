@@ -17,9 +17,15 @@ import pytest
 
 import jaxwap
 from jaxwap import Cluster
-from jaxwap.calls import StepCall
-from jaxwap.hardware import DeviceSpec, device_spec
-from jaxwap.power import H100_SXM, VOLTAGE_KNEE, PhaseTimes, PowerProfile, step_energy
+from jaxwap.hardware.cluster import DeviceSpec, device_spec
+from jaxwap.hardware.power_model import (
+    H100_SXM,
+    VOLTAGE_KNEE,
+    PhaseTimes,
+    PowerProfile,
+    step_energy,
+)
+from jaxwap.runtime.step_call import StepCall
 from tests.models import MLP, abstract_setup, setup
 from tests.test_power_limit import FakeGpu, FakeNVML
 
@@ -160,7 +166,7 @@ def _applied_step(monkeypatch, nvml, mode="apply"):
     """auto_shard planning for 8 H100s (the energy objective picks a cap) and running on
     the CPU devices, its limit guard pointed at a fake NVML and fake GPUs."""
     import jaxwap.api as api
-    from jaxwap.power_limit import PowerLimitGuard as real
+    from jaxwap.energy.power_limit import PowerLimitGuard as real
 
     monkeypatch.setattr(api, "PowerLimitGuard", lambda devs, watts: real(
         [FakeGpu(i) for i in range(len(devs))], watts, nvml=nvml))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxwap.power_limit import PowerLimitGuard, limit_range_w, measure_clock_curve
+from jaxwap.energy.power_limit import PowerLimitGuard, limit_range_w, measure_clock_curve
 
 pytestmark = pytest.mark.filterwarnings("error")  # an unexpected warning fails the test
 
@@ -235,7 +235,7 @@ def test_interpreter_exit_restores_limits(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         from dataclasses import dataclass
-        from jaxwap.power_limit import PowerLimitGuard
+        from jaxwap.energy.power_limit import PowerLimitGuard
 
         @dataclass(frozen=True)
         class Gpu:
@@ -344,8 +344,8 @@ def test_measure_clock_curve_rejects_limits_outside_range() -> None:
 def test_calibration_profile_leaves_limits_alone_when_told() -> None:
     """`calibrate(set_power_limits=False)`'s path: the limits are read, never set, and the
     curve is the built-in profile's, with a note saying why."""
-    from jaxwap.hardware import device_spec
-    from jaxwap.power_limit import measured_power_profile
+    from jaxwap.energy.power_limit import measured_power_profile
+    from jaxwap.hardware.cluster import device_spec
 
     base = device_spec("h100-sxm")
     fake = FakeNVML(1)
@@ -364,8 +364,8 @@ def test_calibration_profile_measures_the_curve_by_setting_limits(monkeypatch) -
     curve replaces the built-in one, and the limit found is restored."""
     import functools
 
-    import jaxwap.power_limit as pl
-    from jaxwap.hardware import device_spec
+    import jaxwap.energy.power_limit as pl
+    from jaxwap.hardware.cluster import device_spec
 
     base = device_spec("h100-sxm")
     fake = FakeNVML(1, start_mw=350_000)

@@ -14,9 +14,9 @@ import pytest
 from models import MLP, abstract_setup, copy_tree, setup
 
 import jaxwap
-from jaxwap.comm import all_gather, all_reduce
-from jaxwap.graph import analyze
-from jaxwap.solve import device_counts, mesh_shapes
+from jaxwap.analysis.graph import analyze
+from jaxwap.cost.collectives import all_gather, all_reduce
+from jaxwap.search.solve import device_counts, mesh_shapes
 
 GB = 1e9
 
@@ -100,7 +100,7 @@ def test_model_axis_never_crosses_a_node():
 def test_nodes_of_one_device_may_split_layers_over_the_network_at_its_price():
     # a cluster of one device per node (the two-process CPU cluster) has no inside of a
     # node: the model axis may span nodes, and its collectives then pay the network
-    from jaxwap.comm import tp_group_cost
+    from jaxwap.cost.collectives import tp_group_cost
 
     step, params, opt, data = abstract_setup((512, 512, 512, 16), 256, 512)
     graph = analyze(*_analysis_inputs(step, params, opt, data))
@@ -128,7 +128,7 @@ def test_large_clusters_enumerate_powers_of_two_and_whole_nodes():
 
 
 def _analysis_inputs(step, params, opt, data):
-    from jaxwap.trace import layout_of
+    from jaxwap.analysis.trace import layout_of
 
     layout, closed = layout_of(step, (params, opt, data), {}, params, None)
     return (closed, layout.inputs.roles, layout.outputs.roles, layout.params,
@@ -238,7 +238,7 @@ def test_two_processes_planning_the_same_step_write_the_same_bytes():
 def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective):
     """Branch and bound skips only meshes that cannot win: the plan equals the best of
     solving every mesh shape (and hybrid-sharding the best of those, as the search does)."""
-    from jaxwap.solve import _hybrids, mesh_shapes, search, solve_mesh
+    from jaxwap.search.solve import _hybrids, mesh_shapes, search, solve_mesh
 
     step, params, opt, data = abstract_setup((2048, 2048, 2048, 16), 65536, 2048)
     graph = analyze(*_analysis_inputs(step, params, opt, data))

@@ -6,7 +6,7 @@ candidate; before, such a mesh was dropped without pricing its tensor-parallel l
 (`mesh_shape={"data": 1, "model": 4}` refused, and a free search on 4 devices over slow
 links chose a 2x2 layout sending 3.6x the bytes of the 1x4 mesh's Megatron pairs). Now
 the mesh is searched again for its best layout that splits a layer over the model axis
-(`chain.chain_dp(must_split=True)`), and every mesh's pick is improved by exact prices
+(`tp_chain.chain_dp(must_split=True)`), and every mesh's pick is improved by exact prices
 where the chain's additive costs misjudge what a data-axis trait costs (`solve._polish`).
 
 The property: with the device count fixed, the plan (objective "throughput", analytic)

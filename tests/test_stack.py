@@ -1,4 +1,4 @@
-"""The layer stack of a loss function (`jaxwap.stack`): found in its jaxpr from abstract
+"""The layer stack of a loss function (`runtime.layer_scan`): found in its jaxpr from abstract
 arguments, refused with the reason when it cannot be pipelined, and run pipelined by a
 rewritten loss that equals the original, value and gradients, in float32 (rtol 1e-5,
 atol 1e-6; one bf16 step for the weight cast through bf16), on 2 and 4 stages, GPipe
@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxwap
-from jaxwap.records import STAGE, StepVariant
-from jaxwap.stack import NoLayerScan, find_layer_scan, pipelined_loss
+from jaxwap.core.records import STAGE, StepVariant
+from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan, pipelined_loss
 
 L, D, B = 8, 16, 16
 AUTO = jax.sharding.AxisType.Auto

@@ -15,14 +15,14 @@ import pytest
 from models import MLP, abstract_setup, copy_tree, setup
 
 import jaxwap
-from jaxwap import probes
-from jaxwap.assemble import at_power_limit, call_time
-from jaxwap.cost import with_compiled
-from jaxwap.device import DeviceSpec
-from jaxwap.hardware import Cluster
+from jaxwap.calibration import probes
+from jaxwap.calibration.host_calls import python_call_seconds
+from jaxwap.cost.mesh_cost import with_compiled
+from jaxwap.cost.prediction import at_power_limit, call_time
+from jaxwap.decide.verify import compile_candidate
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.hardware.device import DeviceSpec
 from jaxwap.planner import make_plan
-from jaxwap.pytree_cost import python_call_seconds
-from jaxwap.verify import compile_candidate
 
 SPEC = DeviceSpec("test-cpu", peak_flops=1e11, memory_bandwidth=2e10, memory_bytes=8e9,
                   idle_watts=5, max_watts=50, kernel_overhead_s=1e-6)
@@ -248,7 +248,7 @@ def test_on_a_sharded_mesh_a_later_call_goes_to_the_program_and_matches_one_devi
 def _counting_signatures(monkeypatch):
     """Every `trace.signature` a step's call makes (the plan's key read from the
     arguments: what a call like the last one skips)."""
-    from jaxwap import calls
+    from jaxwap.runtime import step_call as calls
 
     made = []
     real = calls.signature

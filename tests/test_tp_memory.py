@@ -26,11 +26,11 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.compile import compile_layout
-from jaxwap.graph import NUM_CLASSES, Graph, analyze
-from jaxwap.layout_memory import memory_weights, peak_memory
-from jaxwap.solve import param_strategies
-from jaxwap.trace import layout_of
+from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
+from jaxwap.analysis.trace import layout_of
+from jaxwap.cost.layout_memory import memory_weights, peak_memory
+from jaxwap.runtime.compile import compile_layout
+from jaxwap.search.solve import param_strategies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

@@ -3,7 +3,7 @@
 A Llama block's q, k and v projections read one input, and so do its MLP's gate and up:
 they are siblings (`Graph.layer_groups`), and the Megatron layout makes all of them
 column-parallel, the layer after them (o, down) row-parallel. The chain prices a group of
-siblings once (`comm.tp_group_cost`: their input gathered once, each one's input gradient
+siblings once (`collectives.tp_group_cost`: their input gathered once, each one's input gradient
 reduced), and the ops between the pair (attention's scores and softmax, the gated product)
 run on 1/m of the work under that layout (`Graph.tp_op_param`). Both are checked against
 XLA's compiled program on a (2, 4) mesh of the simulated CPU devices: the collectives it
@@ -23,14 +23,14 @@ import numpy as np
 import pytest
 
 import jaxwap
-from jaxwap.comm import collective_cost, tp_chain_cost
-from jaxwap.compile import compile_layout
-from jaxwap.cost import mesh_costs, predict
-from jaxwap.graph import Graph, analyze
-from jaxwap.hlo import compiled_figures
-from jaxwap.records import MODEL
-from jaxwap.solve import param_strategies
-from jaxwap.trace import layout_of
+from jaxwap.analysis.graph import Graph, analyze
+from jaxwap.analysis.trace import layout_of
+from jaxwap.core.records import MODEL
+from jaxwap.cost.collectives import collective_cost, tp_chain_cost
+from jaxwap.cost.mesh_cost import mesh_costs, predict
+from jaxwap.decide.xla_figures import compiled_figures
+from jaxwap.runtime.compile import compile_layout
+from jaxwap.search.solve import param_strategies
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from models import abstract_setup
 
 import jaxwap
-from jaxwap.comm import collective_cost
-from jaxwap.hlo import axes_of, parse_collectives, replica_groups
+from jaxwap.cost.collectives import collective_cost
+from jaxwap.decide.xla_figures import axes_of, parse_collectives, replica_groups
 
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
 
@@ -179,10 +179,10 @@ def _forced_candidate(family: str, d: int = 4):
     """The planner's own candidate on a (d, 1) mesh with `family` forced, and with every
     parameter replicated, compiled by `verify.compile_candidate` (the function verification,
     the benchmarks and `auto_shard` compile a candidate through)."""
-    from jaxwap.constraints import LayoutRules
+    from jaxwap.decide.verify import compile_candidate
     from jaxwap.planner import make_plan
-    from jaxwap.solve import solve_mesh
-    from jaxwap.verify import compile_candidate
+    from jaxwap.search.constraints import LayoutRules
+    from jaxwap.search.solve import solve_mesh
 
     step, params, opt, batch = abstract_setup((64, 64, 16), 32, 32)
     planned = make_plan(step, (params, opt, batch), {}, params=None,

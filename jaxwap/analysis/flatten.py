@@ -1,0 +1,249 @@
+"""A step's jaxpr as one flat list of operations on numbered values.
+
+The cost model wants every real operation of the step in program order, each reading and
+writing values it can index into arrays. So calls (`jit`, `custom_jvp_call`, `remat`,
+whatever the primitive table marks `inline`) are inlined; a `scan` is inlined once with
+its ops marked repeated `length` times, so the liveness walk sees one iteration's
+temporaries, as the loop allocates them (slicing an iteration's input out of `xs` and
+stacking its output into `ys` become the synthetic ops `scan_slice` and `scan_stack`);
+`while` and `cond` stay opaque. Operations whose results nothing uses are dropped, as XLA
+drops them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxwap.analysis.primitives import prim_info
+
+
+@dataclass(frozen=True, slots=True)
+class Var:
+    """One value of the flat program."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    nbytes: int
+    size: int
+    repeat: int = 1        # iterations of the enclosing (inlined) scans
+    on_host: bool = False  # in host memory (a residual offloaded by a remat policy)
+
+
+@dataclass(frozen=True, slots=True)
+class FlatOp:
+    """One equation of the flat program; `ins` / `outs` index `FlatProgram.vars`."""
+
+    eqn: Any
+    ins: list[int]
+    outs: list[int]
+    repeat: int = 1
+
+    @property
+    def prim(self) -> str:
+        return self.eqn.primitive.name
+
+
+@dataclass(frozen=True)
+class _Prim:
+    name: str
+
+
+@dataclass(frozen=True)
+class _Synthetic:
+    """Stands in for an equation where a scan is inlined: slicing one iteration's input
+    out of the stacked `xs` (an alias), or stacking one iteration's output into `ys`."""
+
+    primitive: _Prim
+
+
+_SLICE, _STACK = _Synthetic(_Prim("scan_slice")), _Synthetic(_Prim("scan_stack"))
+
+
+@dataclass(frozen=True)
+class FlatProgram:
+    """The flat program, with per-value arrays the analysis passes index by value id."""
+
+    vars: tuple[Var, ...]
+    ops: tuple[FlatOp, ...]
+    in_ids: tuple[int, ...]
+    out_ids: tuple[int, ...]
+    size: np.ndarray      # [values] elements
+    nbytes: np.ndarray    # [values] bytes (float)
+    on_host: np.ndarray   # [values] bool
+
+
+def itemsize_of(dtype: Any) -> int:
+    """Bytes per element; extended dtypes (PRNG keys) say their own, else 8."""
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return getattr(dtype, "itemsize", 8) or 8
+
+
+def _var(aval: Any, repeat: int) -> Var:
+    shape = tuple(int(s) for s in getattr(aval, "shape", ()))
+    dtype = getattr(aval, "dtype", None)
+    size = math.prod(shape)
+    space = getattr(aval, "memory_space", None)
+    if space is None:
+        host = False
+    else:
+        name = getattr(space, "name", None)  # (str() of an enum member is slow)
+        host = (str(space) if name is None else name).lower().endswith("host")
+    return Var(shape, dtype, size * itemsize_of(dtype), size, repeat, host)
+
+
+def _sub_jaxpr(eqn: Any) -> Any | None:
+    """The body of a call the table says to inline, or None (also when it has none)."""
+    if not prim_info(eqn.primitive.name).inline:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is not None and (hasattr(sub, "eqns") or hasattr(sub, "jaxpr")):
+            return sub
+    return None
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(consts, carried values) at the head of a `scan` equation's inputs, in either form
+    jax writes them: `num_consts`/`num_carry` up to jax 0.10; from jax 0.11 the inputs'
+    grouping `ft_in`, a flat tree of (consts, carry, xs) (jax/_src/lax/control_flow/loops.py)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+class _Flattener:
+    """Walks nested jaxprs, numbering values and appending ops in program order."""
+
+    def __init__(self) -> None:
+        self.vars: list[Var] = []
+        self.ops: list[FlatOp] = []
+        self.repeat = 1
+        # a Var is a function of (aval, repeat) alone: the blocks of a deep model share
+        # their values' avals, so each distinct one is described once
+        self._described: dict[tuple[Any, int], Var] = {}
+
+    def new(self, aval: Any, repeat: int | None = None) -> int:
+        key = (aval, self.repeat if repeat is None else repeat)
+        try:
+            var = self._described.get(key)
+            if var is None:
+                var = self._described[key] = _var(aval, key[1])
+        except TypeError:  # an aval that cannot be hashed: described afresh
+            var = _var(aval, key[1])
+        self.vars.append(var)
+        return len(self.vars) - 1
+
+    def op(self, eqn: Any, ins: list[int], outs: list[int]) -> None:
+        self.ops.append(FlatOp(eqn, ins, outs, self.repeat))
+
+    def scan(self, eqn: Any, ins: list[int]) -> list[int]:
+        """Inline a scan's body once, its ops repeated `length` times."""
+        p = eqn.params
+        body, (nc, nk) = p["jaxpr"], scan_counts(p)
+        inner = body.jaxpr if hasattr(body, "jaxpr") else body
+        outer = self.repeat
+        self.repeat = outer * max(int(p["length"]), 1)
+        slices = []
+        for x, v in zip(ins[nc + nk:], inner.invars[nc + nk:], strict=True):
+            slices.append(self.new(v.aval))
+            self.op(_SLICE, [x], [slices[-1]])
+        outs = self.run(body, list(ins[: nc + nk]) + slices)
+        ys = []
+        for y, v in zip(outs[nk:], eqn.outvars[nk:], strict=True):
+            ys.append(self.new(v.aval, repeat=outer))  # the stacked ys: outside the loop
+            self.op(_STACK, [y], [ys[-1]])
+        self.repeat = outer
+        return list(outs[:nk]) + ys
+
+    def atom(self, a: Any, env: dict[Any, int]) -> int:
+        if type(a).__name__ == "Literal":
+            return self.new(a.aval)  # a fresh constant, never batched or owned
+        return env[a]
+
+    def run(self, jaxpr: Any, in_ids: Sequence[int]) -> list[int]:
+        inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+        env: dict[Any, int] = {v: self.new(v.aval) for v in inner.constvars}
+        for v, i in zip(inner.invars, in_ids, strict=True):
+            env[v] = i
+        for eqn in inner.eqns:
+            ins = [self.atom(a, env) for a in eqn.invars]
+            sub = _sub_jaxpr(eqn)
+            if sub is not None:
+                outs = self.run(sub, ins)
+            elif eqn.primitive.name == "scan":
+                outs = self.scan(eqn, ins)
+            else:
+                outs = [self.new(v.aval) for v in eqn.outvars]
+                self.op(eqn, ins, outs)
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+        return [self.atom(a, env) for a in inner.outvars]
+
+
+def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
+    """Run one equation on `ins` (values or tracers): its primitive bound with its params,
+    its results as a list."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # jax 0.10 returns the params (call primitives add `subfuns` to them); older versions
+    # returned (subfuns, params)
+    subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+             run: Callable[[int, Any, list[Any]], list[Any]] | None = None) -> list[Any]:
+    """A jaxpr (not closed) run on `args`, equation by equation: `run(index, eqn, inputs)`
+    gives each equation's results (`bind` by default). How every jaxwap evaluator of a
+    traced step runs it again (`stack` restructuring it, `pins` constraining values inside
+    it). Equations bind outside their recorded context (`eqn.ctx`): it holds the mesh of
+    the trace that made them, not the one they run in."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if type(v).__name__ == "Literal" else env[v]
+
+    for v, x in (*zip(jaxpr.constvars, consts, strict=True),
+                 *zip(jaxpr.invars, args, strict=True)):
+        env[v] = x
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in eqn.invars]
+        outs = bind(eqn, ins) if run is None else run(k, eqn, ins)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if type(v).__name__ != "DropVar":
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _dce(ops: list[FlatOp], out_ids: Sequence[int]) -> list[FlatOp]:
+    """Drop ops whose results reach no output and that have no effects."""
+    needed = set(out_ids)
+    keep = []
+    for op in reversed(ops):
+        if getattr(op.eqn, "effects", None) or any(o in needed for o in op.outs):
+            keep.append(op)
+            needed.update(op.ins)
+    keep.reverse()
+    return keep
+
+
+def flatten(closed_jaxpr: Any) -> FlatProgram:
+    """The step's (closed) jaxpr as a flat, dead-code-free program."""
+    fl = _Flattener()
+    in_ids = [fl.new(v.aval) for v in closed_jaxpr.jaxpr.invars]
+    out_ids = fl.run(closed_jaxpr, in_ids)
+    ops = _dce(fl.ops, out_ids)
+    V = fl.vars
+    return FlatProgram(
+        vars=tuple(V), ops=tuple(ops), in_ids=tuple(in_ids), out_ids=tuple(out_ids),
+        size=np.array([v.size for v in V], dtype=np.int64),
+        nbytes=np.array([v.nbytes for v in V], dtype=np.float64),
+        on_host=np.array([v.on_host for v in V], dtype=bool))

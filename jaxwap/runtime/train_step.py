@@ -1,0 +1,216 @@
+"""A training step jaxwap may restructure: `make_train_step(loss_fn, optimizer)`.
+
+An opaque user step can only be sharded (and its optimizer state offloaded): its code
+decides what the backward pass keeps alive. A step built here from a loss function and an
+optax optimizer has two more knobs the planner may turn when memory is short:
+
+- **rematerialization**: the loss is wrapped in `jax.checkpoint` with a policy, so the
+  backward pass recomputes (or fetches from host memory) what the forward pass did not
+  keep. Policies, by name: "dots" (keep matmul and convolution outputs, recompute the
+  elementwise work between them), "dots_no_batch" (keep only matmuls without batch
+  dimensions), "offload_dots" (as "dots_no_batch", but the kept values wait in pinned
+  host memory), "none".
+- **micro-batches**: the batch is split into `k` micro-batches whose gradients are summed
+  in a `lax.scan` before one optimizer update. Micro-batch `i` is rows `i, i+k, i+2k, ...`,
+  so a batch sharded over the data axis splits without moving data. With a loss that is
+  a mean over the batch, the result equals the full-batch step up to float rounding.
+
+The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both take it:
+
+    step = jaxwap.make_train_step(loss_fn, optax.adam(1e-3))
+    params, opt_state, loss = step(params, opt_state, batch)
+    # has_aux=True: loss_fn returns (loss, aux); the step returns (params, opt_state, (loss, aux))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxwap.analysis.roles import likeliest_batch
+from jaxwap.core.records import DATA, REPLICA, StepVariant
+from jaxwap.runtime.schedule import micro_join, micro_split
+
+
+def _policy(name: str) -> Any:
+    cp = jax.checkpoint_policies
+    return {"dots": cp.dots_saveable,
+            "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
+            "offload_dots": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}[name]
+
+
+class TrainStep:
+    """`step(params, opt_state, batch) -> (params, opt_state, loss)` built from a loss
+    function and an optax optimizer; see the module docstring. `variant` says how it is
+    restructured; `with_variant` gives the same step restructured another way."""
+
+    def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, *, has_aux: bool = False,
+                 variant: StepVariant | None = None) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(f"optimizer must be an optax GradientTransformation (with init "
+                            f"and update), got {type(optimizer).__name__}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.has_aux = bool(has_aux)
+        self.variant = variant or StepVariant()
+        self.__name__ = getattr(loss_fn, "__name__", "loss_fn") + "_train_step"
+
+    def with_variant(self, variant: StepVariant) -> TrainStep:
+        return TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux, variant=variant)
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state for `params` (`optimizer.init`)."""
+        return self.optimizer.init(params)
+
+    def loss_and_aux(self) -> Callable[..., Any]:
+        """`loss_fn` as `(params, batch) -> (loss, aux)`, aux None without `has_aux`."""
+        return self.loss_fn if self.has_aux else (lambda p, b: (self.loss_fn(p, b), None))
+
+    def _loss(self) -> Callable[..., Any]:
+        fn = self.loss_and_aux()
+        if self.variant.pipelined:
+            fn = _pipelined(fn, self.variant)
+        if self.variant.remat != "none":
+            fn = jax.checkpoint(fn, policy=_policy(self.variant.remat))
+        return fn
+
+    def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
+        """(loss, aux, gradients) of the whole batch, micro-batched as the variant says."""
+        vag = jax.value_and_grad(self._loss(), has_aux=True)
+        # a pipeline's micro-batches flow through its stages inside the loss
+        k = 1 if self.variant.pipelined else self.variant.micro_batches
+        if k == 1:
+            (loss, aux), g = vag(params, batch)
+            return loss, aux, g
+        # the leaves with the batch's leading dim are split; the rest (class weights, a
+        # temperature) go whole to every micro-batch
+        flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        b = likeliest_batch(Counter(int(np.shape(x)[0]) for _, x in flat if np.ndim(x)))
+        split = [np.ndim(x) > 0 and np.shape(x)[0] == b for _, x in flat]
+        micro = [_split(p, x, k) for (p, x), cut in zip(flat, split, strict=True) if cut]
+
+        def body(acc: Any, parts: Any) -> tuple[Any, Any]:
+            it = iter(parts)
+            mb = jax.tree_util.tree_unflatten(treedef, [next(it) if cut else x for (_, x), cut
+                                                        in zip(flat, split, strict=True)])
+            (loss, aux), g = vag(params, mb)
+            acc_g, acc_l = acc
+            return (jax.tree_util.tree_map(jnp.add, acc_g, g),
+                    acc_l + loss.astype(jnp.float32)), aux
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        # the loss sums in float32 (a mean loss is float32 in the usual step anyway)
+        (g, loss), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        g = jax.tree_util.tree_map(lambda x: x / k, g)
+        aux = jax.tree_util.tree_map(lambda x: _combine(x, (b or 0) // k), auxs)
+        return loss / k, aux, g
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
+        import optax
+
+        loss, aux, g = self.grads(params, batch)
+        updates, opt_state = self.optimizer.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, ((loss, aux) if self.has_aux else loss)
+
+    def __repr__(self) -> str:
+        return f"TrainStep({self.__name__}, {self.variant.describe()})"
+
+
+def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., Any]:
+    """`fn` with its layer stack (the `lax.scan` over stacked parameters `jaxwap.runtime.layer_scan`
+    finds) run as a pipeline over the stage axis of the mesh it is traced in, the batch
+    split over that mesh's data axes."""
+    from jaxwap.runtime.layer_scan import find_layer_scan, pipelined_loss
+
+    def loss(params: Any, batch: Any) -> Any:
+        names = jax.sharding.get_abstract_mesh().axis_names
+        data = tuple(a for a in (REPLICA, DATA) if a in names) or None
+        scan = find_layer_scan(fn, params, batch)
+        return pipelined_loss(fn, scan, stages=variant.stages,
+                              micro_batches=variant.micro_batches, repeats=variant.repeats,
+                              data_axis=data, param_specs=variant.stage_specs)(params, batch)
+    return loss
+
+
+def _split(path: Any, x: Any, k: int) -> Any:
+    """[B, ...] -> [k, B/k, ...], micro-batch i holding rows i, i+k, ...: a batch whose
+    rows are sharded in contiguous blocks over the data axis stays where it is."""
+    shape = np.shape(x)
+    if shape[0] % k:
+        where = f"batch{jax.tree_util.keystr(path)}"
+        raise ValueError(f"{where} with shape {tuple(shape)}: its leading (batch) dimension "
+                         f"must divide into {k} micro-batches")
+    return micro_split(jnp.asarray(x), k)
+
+
+def _combine(x: Any, rows: int) -> Any:
+    """Per-micro-batch aux values, stacked [k, ...], as the whole batch would give them:
+    one per example (`rows`, the micro-batch's batch size, leading) put back in the
+    batch's order (`_split`'s inverse); other floats averaged (a mean metric stays the
+    whole batch's mean), integers summed (counts over the batch add up), booleans and-ed
+    (a flag holds for the batch where it holds for every part)."""
+    if x.ndim > 1 and x.shape[1] == rows:
+        return micro_join(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x.mean(0)
+    return x.all(0) if x.dtype == jnp.bool_ else x.sum(0, dtype=x.dtype)
+
+
+def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
+                    has_aux: bool = False) -> TrainStep:
+    """A standard training step from `loss_fn(params, batch) -> loss` (or `(loss, aux)`
+    with `has_aux=True`) and an optax optimizer. The loss should be a mean over the batch,
+    so that micro-batching leaves the result unchanged. Under micro-batches an aux is
+    combined as the whole batch would give it where its kind says how: per-example
+    outputs (the batch's leading dim) reassembled, float metrics averaged, integers
+    summed (counts), booleans and-ed; a float sum or an integer that is not a count would
+    need the loss to return it per example. Batch leaves without the batch's leading dim
+    (class weights, a temperature) reach every micro-batch whole. `auto_shard` may
+    restructure the step (micro-batches, remat policy) when a plan does not fit
+    otherwise; calling it directly runs it as written."""
+    return TrainStep(loss_fn, optimizer, has_aux=has_aux)
+
+
+def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callable[..., Any]:
+    """`fn` restructured as `variant` says (itself for None or the step as written); only
+    a step `make_train_step` built can be."""
+    if variant is None or variant.is_plain:
+        return fn
+    if not isinstance(fn, TrainStep):
+        raise ValueError(f"a plan restructures the step ({variant.describe()}), but the step "
+                         f"is not one jaxwap.make_train_step built")
+    return fn.with_variant(variant)
+
+
+def ladder(batch_size: int | None, platform: str,
+           max_micro_batches: int = 64) -> list[StepVariant]:
+    """The variants to try when the step as written does not fit: ever more micro-batches
+    (each halves the activations held at once and adds launches).
+
+    Rematerialization is not on the ladder. The whole loss is checkpointed, so its
+    recomputation is one replay of the forward pass at the start of the backward pass, and
+    the memory model, which walks the program in order, sees every recomputed value live
+    until its use: the same peak as the step as written (checked on GPT-2 and a Llama
+    decoder, byte for byte). A rung the model cannot credit could never be chosen, and
+    would only cost a trace and an analysis of the whole step. (XLA:CPU drops remat
+    altogether.) `StepVariant(remat=...)` remains for a caller's own use; `platform` is
+    kept for the day a per-layer policy gives the model something to credit."""
+    del platform
+    out: list[StepVariant] = []
+    k = 2
+    while batch_size and k <= min(batch_size, max_micro_batches):
+        if batch_size % k == 0:
+            out.append(StepVariant(micro_batches=k))
+        k *= 2
+    return out
+
+
+__all__ = ["TrainStep", "ladder", "make_train_step", "restructured"]

@@ -1,0 +1,171 @@
+"""Making a layout fit the memory budget: the repair that moves parameters to layouts
+holding less at the peak, the lower bound on what any layout of a mesh can reach (which
+spares the search meshes that cannot fit), and that bound for a step split into
+micro-batches (which spares the planner traces of counts that cannot fit)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxwap.analysis.graph import NUM_CLASSES, Graph
+from jaxwap.core.records import Strategy
+from jaxwap.cost.layout_memory import memory_weights, peak_memory
+from jaxwap.cost.mesh_cost import MeshCosts
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.meshes import mesh_shapes
+from jaxwap.search.strategies import param_strategies, pins_hold
+
+#: peak points whose move tables `repair` keeps (the 70B's repair visits up to 562, and
+#: each table is 3 x parameters x strategies values: 64 keep the cost of a revisit down)
+KEPT_PEAKS = 64
+
+
+def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
+            budget: float) -> list[int]:
+    """Move parameters to variants that free memory at the peak until the candidate fits
+    (or no move frees anything): each time the move with the most bytes freed per second
+    of step time added. A tensor-parallel parameter keeps its kind (its neighbours' costs
+    depend on it); a replicated one may become tensor-parallel."""
+    d, m, r = mc.d, mc.m, mc.r
+    P = len(choice)
+    if peak_memory(graph, d, m, [mc.strategies[j][s] for j, s in enumerate(choice)], r)[0] \
+            <= budget:
+        return list(choice)
+    S = max(len(st) for st in mc.strategies)
+    inv = np.zeros((P, S, NUM_CLASSES))          # 1 / divisor per class (0: not on device)
+    cost = np.full((P, S), np.inf)               # time the strategy costs the step
+    kind = np.full((P, S), -1, dtype=np.int64)   # tensor-parallel kind: 0 none, 1 col, 2 row
+    codes = {"none": 0, "col": 1, "row": 2}
+    for j, strats in enumerate(mc.strategies):
+        for s, st in enumerate(strats):
+            inv[j, s] = 1.0 / np.asarray(st.divisors(d // r, m))
+            host = 2 * mc.host[j][s]
+            cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
+            kind[j, s] = codes[st.tp]
+    choice = list(choice)
+    idx = np.arange(P)
+    finite = np.isfinite(cost)
+    # per-point live bytes per device, kept up to date as parameters move: a move changes
+    # one parameter's classes only, so the update is one [points, classes] product
+    live = graph.live
+    weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m,
+                             r)
+    per_point = graph.live_at(weights)
+    cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
+    # each peak point's move tables, and the moves made since they were last brought up to
+    # date (the peak often returns to a point: only the parameters moved meanwhile have new
+    # rows there)
+    tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
+    history: list[int] = []
+    blocks: dict[int, Any] = {}
+
+    def row(j: int, at_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Parameter j's moves from its current strategy: bytes freed at the peak, time
+        added, and which are allowed (a tensor-parallel kind is kept)."""
+        c = choice[j]
+        sv = (at_peak[j][None, :] * (inv[j, c][None, :] - inv[j])).sum(-1)
+        return sv, cost[j] - cost[j, c], (sv > 0) & finite[j] & (
+            (kind[j, c] == 0) | (kind[j] == kind[j, c]))
+
+    for _ in range(NUM_CLASSES * P + 1):
+        k = int(np.argmax(per_point))
+        if per_point[k] <= budget:
+            # confirm on a fresh sum (the running one carries rounding)
+            strats = [mc.strategies[j][s] for j, s in enumerate(choice)]
+            per_point = graph.live_at(memory_weights(graph, d, strats, m, r))
+            k = int(np.argmax(per_point))
+            if per_point[k] <= budget:
+                break
+        at_peak = live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T  # [P, classes]
+        if k not in tables:
+            # a new peak point: every parameter's moves afresh
+            cur = np.asarray(choice)
+            saved = (at_peak[:, None, :] * (inv[idx, cur][:, None, :] - inv)).sum(-1)
+            added = cost - cost[idx, cur][:, None]
+            cur_kind = kind[idx, cur][:, None]
+            ok = (saved > 0) & finite & ((cur_kind == 0) | (kind == cur_kind))
+        else:
+            # a point seen before: only the parameters moved since have new moves
+            saved, added, ok, seen = tables.pop(k)
+            for j in dict.fromkeys(history[seen:]):
+                saved[j], added[j], ok[j] = row(j, at_peak)
+        tables[k] = (saved, added, ok, len(history))
+        if len(tables) > KEPT_PEAKS:   # the least recently used point's tables go
+            del tables[next(iter(tables))]
+        if not ok.any():
+            break
+        free = ok & (added <= 0)
+        if free.any():
+            # moves that cost nothing: the one that saves the most time, then memory
+            most = np.where(free, -added, -np.inf)
+            rank = np.where(most >= most.max() * (1 - 1e-9), saved, -np.inf)
+        else:
+            rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
+        j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
+        if kind[j, s] == kind[j, choice[j]]:
+            if j not in blocks:   # `live[:, cols[j]]`'s changes, sliced once a parameter
+                blocks[j] = graph.live_changes[:, cols[j]]
+            per_point += np.cumsum(blocks[j] @ (inv[j, s] - inv[j, choice[j]]))
+            choice[j] = s
+        else:   # a new tensor-parallel kind also splits activations: sum afresh
+            choice[j] = s
+            per_point = graph.live_at(memory_weights(
+                graph, d, [mc.strategies[i][c] for i, c in enumerate(choice)], m, r))
+        history.append(j)
+    return choice
+
+
+def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
+                  m: int, activation_share: float = 1.0, r: int = 1
+                  ) -> tuple[float, list[int]]:
+    """A lower bound on the peak memory any layout on this mesh can reach (every class
+    of every parameter at its smallest share at once, which no single layout may reach),
+    and a layout close to it: per parameter, the one least at that bound's peak.
+    `activation_share` scales the batched values (1/k: k micro-batches, estimated from
+    the step as written). With r replicas (HSDP) parameters shard d/r ways."""
+    P = len(graph.params)
+    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
+    for strats in strategies:
+        for st in strats:
+            if id(st) not in inv_of:
+                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d // r, m))
+    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in strategies]
+    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
+    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
+    # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
+    weights[0] = activation_share / d
+    weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)
+    weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
+    per_point = graph.live_at(weights)
+    k = int(np.argmax(per_point))
+    at_peak = graph.live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T
+    choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
+    return float(per_point[k]), choice
+
+
+def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_batches: int,
+                      offload: bool = True, allowed: LayoutRules | None = None,
+                      num_devices_exact: int | None = None,
+                      mesh: tuple[int, int] | None = None) -> float:
+    """An estimate, from the step as written, of the least peak memory per device the
+    step split into `micro_batches` could reach on any mesh: the activations held at once
+    shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
+    fit."""
+    node = cluster.node_size if cluster.num_nodes > 1 else None
+    shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
+                            micro_batches, mesh, node)
+    best = float("inf")
+    for d, m in shapes:
+        if pins_hold(graph, allowed, d, m, offload) is not None:
+            continue
+        strategies = [param_strategies(graph, j, d, m, offload, allowed)
+                      for j in range(len(graph.params))]
+        best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])
+    return best
+
+
+__all__ = ["memory_floor", "micro_batch_floor", "repair"]

@@ -1,0 +1,308 @@
+"""The pipelined candidates of a plan: stages, micro-batches and rounds, searched.
+
+A step `make_train_step` built, whose loss runs a `lax.scan` over stacked layer
+parameters (`layer_scan.find_layer_scan`), can run its stack as a pipeline over a stage mesh
+axis (`schedule.pipelined`). For each stage count p (a divisor of the layers leaving each
+stage at least two, powers of two first) the step is traced once more with the stack cut
+to L / p layers: that *stage step* is what each stage's devices run, the layers outside
+the stack replicated over the stages. It is solved like any other step on each (data,
+model) mesh a stage may get (every parameter's layout chosen as usual, tensor
+parallelism included), and `pipeline_cost` adds what the pipeline changes for every
+micro-batch count and number of rounds worth trying; the best of each stage count joins
+the search's candidates, its stacked parameters' leading dim over the stage axis.
+`mesh_shape` fixes the stage's (data, model) mesh: the stage axis is added outside it.
+
+When pipelining is not considered, the reason is returned for `explain()`.
+
+A stacked parameter the stage's solution shards over data (FSDP) stays sharded inside
+the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it. One
+it splits over the model axis stays split: XLA partitions the layer inside the loop
+(`schedule.pipelined`).
+
+Not searched (yet): hybrid-sharded stages, stages of one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
+from jaxwap.analysis.trace import ArgLayout, layout_of
+from jaxwap.core.objective import Objective
+from jaxwap.core.records import STAGE, StepVariant, Strategy
+from jaxwap.cost.layout_memory import memory_weights
+from jaxwap.cost.pipeline_cost import loop_memory, pipeline_prediction
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan, stack_cut
+from jaxwap.runtime.train_step import TrainStep
+from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.meshes import mesh_shapes
+from jaxwap.search.solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
+from jaxwap.search.strategies import pins_hold
+
+if TYPE_CHECKING:  # the record only: the options sit above the search, which reads its fields
+    from jaxwap.options import PlanOptions
+
+# Stage counts tried per plan: each costs a trace and an analysis of the stage step.
+MAX_STAGE_COUNTS = 4
+# Sizes of a stage's data axis tried per stage count: all the devices, half, ...
+MESH_SIZES = 4
+# Rounds of the circular schedule tried (1: GPipe).
+REPEATS = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Pipelines:
+    """The pipelined candidates found (best per stage count), or why there are none."""
+
+    results: tuple[MeshResult, ...]
+    reason: str | None      # why pipelining was not considered (None: it was)
+    seconds: float
+
+
+def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective: Objective,
+                   options: PlanOptions, usable: int, budget: float,
+                   rules: LayoutRules | None = None, tree_calls: int = 0) -> Pipelines:
+    """The best pipelined candidate per stage count for this step (its arguments as
+    `layout` holds them: global, abstract), or the reason there are none (not a
+    `make_train_step` step, no layer scan, too few devices, ...). `tree_calls`: the Python
+    calls a call makes on the step's pytrees (`Graph.tree_calls`)."""
+    t0 = time.perf_counter()
+    args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
+    kwargs = dict(zip(layout.kw_names, kw, strict=True))
+    batch = layout.inputs.batch_size
+
+    def none(reason: str) -> Pipelines:
+        return Pipelines((), reason, time.perf_counter() - t0)
+
+    forced = options.forced_pipeline
+    if options.pipeline is False:
+        return none("pipeline=False")
+    if not isinstance(fn, TrainStep):
+        return none("the step is not built by jaxwap.make_train_step, so jaxwap cannot "
+                    "restructure it into stages")
+    if not fn.variant.is_plain:
+        return none(f"the step is already restructured ({fn.variant.describe()})")
+    if kwargs or len(args) != 3:
+        return none("the step is not called as step(params, opt_state, batch)")
+    if usable < 2:
+        return none("one device")
+    if options.replicas > 1:
+        return none("the mesh is hybrid-sharded (mesh_shape names replicas): its stages "
+                    "are not searched")
+    params, _, batch_tree = args
+    try:
+        scan = find_layer_scan(fn.loss_and_aux(), params, batch_tree)
+    except NoLayerScan as e:
+        return none(str(e))
+    L = scan.length
+    counts = _stage_counts(L, usable, forced)
+    if not counts:
+        return none(f"no stage count divides the {L} layers into stages of two or more "
+                    f"on {usable} devices")
+    out = []
+    for p in counts:
+        try:
+            best = _best_for_stages(fn, args, scan, p, cluster, objective, options, usable,
+                                    budget, batch, forced, rules, tree_calls)
+        except NoLayerScan as e:        # what one stage count meets, every count meets
+            return none(str(e))
+        if best is not None:
+            out.append(best)
+    if not out:
+        return none(f"no stage count of {counts} leaves a stage mesh the batch of {batch} "
+                    f"splits over with micro-batches")
+    return Pipelines(tuple(out), None, time.perf_counter() - t0)
+
+
+def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
+                   cluster: Cluster, only: bool = False) -> SearchResult:
+    """The search's candidates and the pipelined ones (only those, when forced), ranked
+    together by the objective."""
+    if not found.results:
+        return result
+    results = list(found.results) if only else [*result.results, *found.results]
+    ranking = objective.rank(
+        [r.predicted if r.fits and uses_model_axis(r) else None for r in results],
+        max_watts=cluster.device.max_watts, num_devices_available=cluster.num_devices)
+    best = ranking.best
+    if best < 0:
+        best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)
+    return SearchResult(tuple(results), ranking.scores, best, result.skipped,
+                        -1 if only else result.baseline)
+
+
+def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[int]:
+    """Stage counts to try: the forced one, else divisors of L leaving >= 2 layers per
+    stage, powers of two first, at most `MAX_STAGE_COUNTS`."""
+    if forced is not None:
+        p = forced["stages"]
+        return [p] if L % p == 0 and L // p >= 2 and p <= usable else []
+    ok = [p for p in range(2, min(L // 2, usable) + 1) if L % p == 0]
+    ok.sort(key=lambda p: (p & (p - 1) != 0, p))
+    return sorted(ok[:MAX_STAGE_COUNTS])
+
+
+def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
+                rows: int) -> tuple[TrainStep, tuple[Any, ...]]:
+    """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
+    over `layers` of the stack's layers (`layer_scan.stack_cut`, from the traced jaxpr: the
+    user's loss is never called with fewer layers), the stacked leaves cut to `layers`
+    layers, the optimizer state made for them, the batch cut to `rows` rows."""
+    params, _, batch = args
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    stacked = set(scan.stacked)
+    cut = [jax.ShapeDtypeStruct((layers, *x.shape[1:]) if i in stacked else x.shape,
+                                x.dtype) for i, x in enumerate(leaves)]
+    stage_params = jax.tree_util.tree_unflatten(treedef, cut)
+    step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers), fn.optimizer,
+                     has_aux=True)
+    opt_state = jax.eval_shape(fn.init, stage_params)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+    return step, (stage_params, opt_state, abstract)
+
+
+def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
+                 rows: int, options: PlanOptions) -> Graph:
+    """The analysed step of one stage: `layers` layers of the stack, `rows` rows."""
+    step, stage_args = _stage_step(fn, args, scan, layers, rows)
+    layout, closed = layout_of(step, stage_args, {}, stage_args[0],
+                               rows if options.batch_size else None)
+    return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
+
+
+def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy, ...]:
+    """The stage step's layouts with each stacked parameter's leading dim (and its
+    optimizer state's) over the stage axis."""
+    def one(j: int, s: Strategy) -> Strategy:
+        if j not in stacked:
+            return s
+        state = None if s.state_spec is None else (STAGE, *s.state_spec[1:])
+        return dataclasses.replace(s, name=f"stage+{s.name}", spec=(STAGE, *s.spec[1:]),
+                                   state_spec=state)
+    return tuple(one(j, s) for j, s in enumerate(strategies))
+
+
+def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
+                 ) -> tuple[tuple[str | None, ...], ...]:
+    """`StepVariant.stage_specs` of the stage's layouts: for each stacked parameter (in
+    the scan's order) its spec beyond the layer dim (over data: FSDP, the loop gathers
+    its layers; over model: tensor parallelism); empty when none is sharded."""
+    specs = tuple(tuple(strategies[j].spec[1:]) for j in stacked)
+    return specs if any(a is not None for spec in specs for a in spec) else ()
+
+
+def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
+                     cluster: Cluster, objective: Objective, options: PlanOptions,
+                     usable: int, budget: float, batch: int | None,
+                     forced: dict[str, int] | None, rules: LayoutRules | None,
+                     tree_calls: int = 0) -> MeshResult | None:
+    """The best pipelined candidate with p stages: the stage step solved on each (data,
+    model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
+    every micro-batch count and number of rounds priced."""
+    B = batch or scan.batch_size
+    n = options.num_devices or usable
+    if options.mesh is not None:
+        sizes = [options.mesh[0] * options.mesh[1]] if p * math.prod(options.mesh) <= n \
+            else []
+    else:
+        # a stage's devices: all of them, or fewer (energy may prefer fewer devices)
+        sizes = [n // p >> i for i in range(1 if options.num_devices else MESH_SIZES)
+                 if n % p == 0 and n // p >> i >= 1]
+    if not sizes or B % p:
+        return None
+    # the stage step at the rows the layers outside the stack see (the batch is split
+    # over stage x data), and again with twice the layers: what the stack's k layers
+    # keep for the backward pass is the difference (the pipeline keeps it for all its
+    # micro-batches, p times these rows)
+    k = scan.length // p
+    graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options),
+                                tree_calls=tree_calls)
+    if not (graph.repeat == k).any():
+        return None
+    twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)
+    whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
+    stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
+    stacked = set(scan.stacked)
+    meshes = [dm for size in sizes for dm in mesh_shapes(
+        size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
+        node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]
+        if pins_hold(graph, rules, *dm, options.offload) is None]
+    best: MeshResult | None = None
+    for d, m in meshes:
+        variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr)
+                    for mb, rr in _shapes(B // d, p, k, forced)]
+        if not variants:
+            continue
+        # the stage's layouts must leave room for the least the loop holds beside them
+        room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
+                            for v in variants)
+        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
+        if not uses_model_axis(stage):
+            continue
+        strategies = _staged(stage.strategies, stacked)
+        specs = _stage_specs(stage.strategies, scan.stacked)
+        # what the tensor-parallel layers keep is split over the model axis too
+        kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
+        for variant in variants:
+            variant = dataclasses.replace(variant, stage_specs=specs)
+            pred = pipeline_prediction(graph, cluster, stage.predicted, d, m,
+                                       stage.strategies, sorted(stacked), variant, k,
+                                       scan.carry_row_bytes, B, kept)
+            cand = MeshResult(d, m, strategies, pred, stage.fits and
+                              pred.peak_memory_bytes <= budget, step=variant)
+            if best is None or _better(cand, best, objective, cluster):
+                best = cand
+    return best
+
+
+def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
+                ) -> float:
+    """What the stack's layers keep for the backward pass (all devices' bytes, split
+    over the model axis where `strategies` make them so): the most batched bytes live at
+    once in the stage step with twice the layers, less in the stage step itself. Batched
+    values only, those a tensor-parallel layout splits included (`Graph.tp_live_param`);
+    the parameters' own bytes are the layouts' business."""
+    def peak(g: Graph) -> float:
+        w = memory_weights(g, 1, strategies, m)
+        w[1:2 + NUM_CLASSES * len(g.params)] = 0.0
+        return float(g.live_at(w).max()) if len(g.live) else 0.0
+    return max(0.0, peak(twice) - peak(graph))
+
+
+def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None
+            ) -> list[tuple[int, int]]:
+    """(micro-batches, rounds) worth pricing: micro-batch counts from p (the least that
+    keeps every stage busy in the steady state) doubling while each holds a row per
+    device, and rounds that divide a stage's k layers (circular needs m >= p)."""
+    ms = [mb for mb in (p << i for i in range(12)) if mb <= rows and rows % mb == 0]
+    ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
+    rs = [r for r in REPEATS if k % r == 0]
+    if forced is not None:
+        if "micro_batches" in forced:
+            ms = [forced["micro_batches"]] if rows % forced["micro_batches"] == 0 else []
+        if "repeats" in forced:
+            rs = [forced["repeats"]] if k % forced["repeats"] == 0 else []
+    return [(mb, r) for mb in ms for r in rs if r == 1 or mb >= p]
+
+
+def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster) -> bool:
+    """Whether a beats b: fitting first, then the objective's score."""
+    if a.fits != b.fits:
+        return a.fits
+    if not a.fits:
+        return a.predicted.peak_memory_bytes < b.predicted.peak_memory_bytes
+    ranking = objective.rank([a.predicted, b.predicted], max_watts=cluster.device.max_watts,
+                             num_devices_available=cluster.num_devices)
+    return ranking.best == 0
+
+
+__all__ = ["Pipelines", "plan_pipelines", "with_pipelines"]
