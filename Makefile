@@ -2,6 +2,8 @@
 # test extras) when it is missing, so a fresh clone needs nothing else.
 PY := .venv/bin/python
 STAMP := .venv/.jaxwap-installed
+# pytest-xdist workers for `make test` (CI: 2 cores); TEST_WORKERS=0 runs in one process
+TEST_WORKERS ?= 2
 
 .PHONY: run test lint clean
 
@@ -16,7 +18,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	.venv/bin/ruff check jaxwap tests examples benchmarks
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	.venv/bin/ruff check jaxwap tests examples benchmarks

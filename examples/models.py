@@ -1,6 +1,6 @@
 """AlexNet and VGG-16 as Flax Linen modules, sized for ImageNet but usable at any image size.
 
-These are the two workloads the examples and `benchmarks/plan_time.py` hand to jaxwap. They
+These are the two workloads the examples and `benchmarks/planning/plan_time.py` hand to jaxwap. They
 are deliberately plain: no batch norm (the originals had none, and it would add mutable
 `batch_stats` to the variables), no dropout (so a training step is a pure, deterministic
 function of params, optimizer state and batch, which is what an auto-sharded step is compared

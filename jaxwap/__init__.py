@@ -6,19 +6,16 @@ compiles the step with `jax.jit` shardings.
 """
 
 from jaxwap.api import AutoShardedStep, auto_shard, plan
-from jaxwap.calibration.calibrate import calibrate, load_calibration
+from jaxwap.calibration.calibrate import calibrate
+from jaxwap.calibration.store import load_calibration
 from jaxwap.core.objective import Objective
 from jaxwap.core.records import STRATEGY_FAMILIES, Measurement, Prediction, StepVariant, Strategy
 from jaxwap.core.version import __version__
 from jaxwap.energy.meter import EnergyMeter, EnergyReading, measure_energy
+from jaxwap.hardware.builtin_profiles import builtin_device_names, device_spec
 from jaxwap.hardware.calibration import Calibration
-from jaxwap.hardware.cluster import (
-    Cluster,
-    DeviceSpec,
-    HostMemory,
-    builtin_device_names,
-    device_spec,
-)
+from jaxwap.hardware.cluster import Cluster, HostMemory
+from jaxwap.hardware.device import DeviceSpec
 from jaxwap.options import PlanOptions
 from jaxwap.plans.cache import PlanCache
 from jaxwap.plans.plan import Candidate, ParamPlacement, Plan

@@ -2,8 +2,10 @@
 
 `auto_shard`, `AutoShardedStep`, `jaxwap.plan` and the planner all take exactly these, so
 an option is declared, checked and documented once. Values are checked and canonicalised
-when the record is made (a bad value raises there, naming the option), and the record is
-part of the plan cache's key, so every option that can change a plan changes the key.
+when the record is made (a bad value raises there, naming the option; one value's own
+check is in `option_values.py`, the checks of options against each other and against a
+plan given are here), and the record is part of the plan cache's key, so every option
+that can change a plan changes the key.
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ from typing import Any
 import numpy as np
 
 from jaxwap.core.objective import Objective
-from jaxwap.core.records import DATA, MODEL, REPLICA, STRATEGY_FAMILIES, mesh_dims
-from jaxwap.hardware.cluster import Cluster, DeviceSpec
+from jaxwap.core.records import mesh_dims
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.hardware.device import DeviceSpec
+from jaxwap.option_values import (
+    canonical_measure,
+    canonical_mesh_shape,
+    canonical_pipeline,
+    canonical_strategies,
+    check_int,
+    is_number,
+)
 from jaxwap.plans.cache import PlanCache
 from jaxwap.plans.plan import Plan
 from jaxwap.search.constraints import LayoutRules, parse_constraints, resolve
 
 # What `power_limit=` may say: report the chosen limit, or set it while the step lives.
 POWER_LIMIT_MODES = ("recommend", "apply")
-# Steps measured per finalist by `measure=True`.
-DEFAULT_MEASURE_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -124,14 +133,30 @@ class PlanOptions:
     power_limit: str = field(default="recommend", compare=False)
 
     def __post_init__(self) -> None:
-        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        put("objective", Objective.parse(self.objective))
+        # in this order: where several options are wrong, the first named here is reported
+        self._check_target()
+        self._check_counts()
+        self._check_switches()
+        self._check_layout()
+        if self.power_limit not in POWER_LIMIT_MODES:
+            raise ValueError(f"power_limit must be one of {POWER_LIMIT_MODES}, got "
+                             f"{self.power_limit!r}")
+        self._check_plan()
+
+    def _put(self, name: str, value: Any) -> None:
+        """Keep an option's canonical form: the record is frozen to everyone else."""
+        object.__setattr__(self, name, value)
+
+    def _check_target(self) -> None:
+        """What is planned for: the objective, the hardware, the devices (each once: a
+        mesh holds a device once) and the memory budget per device."""
+        self._put("objective", Objective.parse(self.objective))
         if self.hardware is not None and not isinstance(self.hardware,
                                                         (Cluster, DeviceSpec, str)):
             raise TypeError(f"hardware must be None, a jaxwap.Cluster, a DeviceSpec or a "
                             f"profile name, got {type(self.hardware).__name__}")
         if self.devices is not None:
-            put("devices", tuple(self.devices))
+            self._put("devices", tuple(self.devices))
             if not self.devices:
                 raise ValueError("devices= is empty: jaxwap needs at least one device to "
                                  "plan for")
@@ -140,24 +165,30 @@ class PlanOptions:
                 raise ValueError(f"devices= lists {twice[0]} more than once: a mesh holds "
                                  f"each device once")
         if self.memory_budget is not None:
-            if not _is_number(self.memory_budget) or not self.memory_budget > 0:
+            if not is_number(self.memory_budget) or not self.memory_budget > 0:
                 raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget!r}")
-            put("memory_budget", float(self.memory_budget))
+            self._put("memory_budget", float(self.memory_budget))
+
+    def _check_counts(self) -> None:
+        """The counts, kept as plain ints (a numpy int would give another cache key)."""
         # its range (1..the devices usable) is checked where the devices are known
-        _check_int("num_devices", self.num_devices, None, none_ok=True, exc=TypeError)
-        _check_int("verify", self.verify, 0, what="how many candidates to compile")
-        _check_int("batch_size", self.batch_size, 1, none_ok=True)
-        put("verify", int(self.verify))
+        check_int("num_devices", self.num_devices, None, none_ok=True, exc=TypeError)
+        check_int("verify", self.verify, 0, what="how many candidates to compile")
+        check_int("batch_size", self.batch_size, 1, none_ok=True)
+        self._put("verify", int(self.verify))
         if self.num_devices is not None:
-            put("num_devices", int(self.num_devices))
+            self._put("num_devices", int(self.num_devices))
         if self.batch_size is not None:
-            put("batch_size", int(self.batch_size))
-        put("measure", _measure_steps(self.measure))
+            self._put("batch_size", int(self.batch_size))
+        self._put("measure", canonical_measure(self.measure))
+
+    def _check_switches(self) -> None:
+        """The compiler options, the cache, and the flags `donate` and `offload`."""
         if self.compiler_options is not None:
             if not isinstance(self.compiler_options, Mapping):
                 raise TypeError(f"compiler_options must be a dict of XLA options, got "
                                 f"{type(self.compiler_options).__name__}")
-            put("compiler_options", dict(self.compiler_options))
+            self._put("compiler_options", dict(self.compiler_options))
         if not isinstance(self.cache, (bool, PlanCache)):
             raise TypeError(f"cache must be True, False or a jaxwap.PlanCache, got "
                             f"{type(self.cache).__name__}")
@@ -167,28 +198,33 @@ class PlanOptions:
             if not isinstance(getattr(self, flag), (bool, np.bool_)):
                 raise TypeError(f"{flag} must be True or False, got "
                                 f"{getattr(self, flag)!r}")
-            put(flag, bool(getattr(self, flag)))
+            self._put(flag, bool(getattr(self, flag)))
+
+    def _check_layout(self) -> None:
+        """What the search may choose from: the mesh (which must agree with
+        `num_devices`), the strategy families, the pins and the pipeline."""
         if self.mesh_shape is not None:
-            put("mesh_shape", _mesh_shape(self.mesh_shape))
+            self._put("mesh_shape", canonical_mesh_shape(self.mesh_shape))
             n = math.prod(s for _, s in self.mesh_shape)
             if self.num_devices is not None and self.num_devices != n:
                 raise ValueError(f"num_devices={self.num_devices} contradicts mesh_shape="
                                  f"{dict(self.mesh_shape)} ({n} devices); give one of them")
         if self.strategies is not None:
-            put("strategies", _strategies(self.strategies))
+            self._put("strategies", canonical_strategies(self.strategies))
         if self.constraints is not None:
-            put("constraints", parse_constraints(self.constraints))
-        put("pipeline", _pipeline(self.pipeline))
-        if self.power_limit not in POWER_LIMIT_MODES:
-            raise ValueError(f"power_limit must be one of {POWER_LIMIT_MODES}, got "
-                             f"{self.power_limit!r}")
+            self._put("constraints", parse_constraints(self.constraints))
+        self._put("pipeline", canonical_pipeline(self.pipeline))
+
+    def _check_plan(self) -> None:
+        """A plan given (read from its file when a path): the options it would otherwise
+        ignore without a word must not contradict it (`_plan_contradicts`)."""
         if self.plan is not None and not isinstance(self.plan, Plan):
             if not isinstance(self.plan, (str, os.PathLike)):
                 raise TypeError(f"plan must be a jaxwap.Plan or the path of a plan's JSON, "
                                 f"got {type(self.plan).__name__}")
             path = Path(self.plan)
             try:
-                put("plan", Plan.from_json(path.read_text()))
+                self._put("plan", Plan.from_json(path.read_text()))
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"plan={str(path)!r} cannot be read as a jaxwap plan: "
                                  f"{e}") from e
@@ -265,75 +301,6 @@ class PlanOptions:
         return PlanCache() if self.cache else None
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value: Any, low: int | None, *, none_ok: bool = False,
-               what: str = "", exc: type[Exception] = ValueError) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise exc(f"{name} must be an int{' or None' if none_ok else ''}"
-                  f"{f' ({what})' if what else ''}, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}{f' ({what})' if what else ''}, "
-                         f"got {value!r}")
-
-
-def _measure_steps(measure: Any) -> int:
-    if isinstance(measure, bool):
-        return DEFAULT_MEASURE_STEPS if measure else 0
-    if isinstance(measure, (int, np.integer)) and measure >= 0:
-        return int(measure)
-    raise ValueError(f"measure must be a bool or a number of steps >= 0, got {measure!r}")
-
-
-def _mesh_shape(shape: Any) -> tuple[tuple[str, int], ...]:
-    """{"data": d, "model": m} (either may be left out) as ((DATA, d), (MODEL, m)), the
-    form the record keeps (and reads again when `dataclasses.replace` remakes it); with
-    "replica": r > 1 (HSDP: the data axis's part across nodes), ((REPLICA, r), ...)."""
-    if isinstance(shape, tuple) and all(isinstance(x, tuple) and len(x) == 2
-                                        and isinstance(x[0], str) for x in shape):
-        shape = dict(shape)
-    if not isinstance(shape, Mapping):
-        raise TypeError(f"mesh_shape must be a dict of axis name -> size such as "
-                        f"{{'{DATA}': 2, '{MODEL}': 4}}, got {shape!r}")
-    unknown = sorted(set(shape) - {DATA, MODEL, REPLICA})
-    if unknown:
-        raise ValueError(f"mesh_shape has unknown axis name(s) {unknown}; jaxwap's mesh axes "
-                         f"are {REPLICA!r} (optional), {DATA!r} and {MODEL!r}")
-    for axis, size in shape.items():
-        _check_int(f"mesh_shape[{axis!r}]", size, 1)
-    axes = (REPLICA, DATA, MODEL) if int(shape.get(REPLICA, 1)) > 1 else (DATA, MODEL)
-    return tuple((axis, int(shape.get(axis, 1))) for axis in axes)
-
-
-_PIPELINE_KEYS = ("stages", "micro_batches", "repeats")
-
-
-def _pipeline(value: Any) -> bool | tuple[tuple[str, int], ...] | None:
-    """None / True (weigh pipelines), False (never), or the forced shape as sorted
-    (name, value) pairs, checked."""
-    if value is None or value is True:
-        return None
-    if value is False:
-        return False
-    if isinstance(value, tuple) and all(isinstance(x, tuple) for x in value):
-        value = dict(value)
-    if not isinstance(value, Mapping):
-        raise TypeError(f"pipeline must be None, a bool or a dict such as {{'stages': 4, "
-                        f"'micro_batches': 8}}, got {value!r}")
-    unknown = sorted(set(value) - set(_PIPELINE_KEYS))
-    if unknown or "stages" not in value:
-        raise ValueError(f"pipeline={dict(value)!r}: "
-                         + (f"unknown key(s) {unknown}" if unknown else "'stages' is missing")
-                         + f"; its keys are {_PIPELINE_KEYS}")
-    for k, v in value.items():
-        _check_int(f"pipeline[{k!r}]", v, 2 if k == "stages" else 1)
-    return tuple((k, int(value[k])) for k in _PIPELINE_KEYS if k in value)
-
-
 def _plan_contradicts(o: PlanOptions) -> str | None:
     """What in `o`'s planning options the plan it was given breaks (they would otherwise be
     ignored without a word), or None: a family `strategies` leaves out, a pin of
@@ -356,23 +323,6 @@ def _plan_contradicts(o: PlanOptions) -> str | None:
         return (f"memory_budget={o.memory_budget:.4g} contradicts the plan given: it needs "
                 f"{memory:.4g} bytes per device")
     return None
-
-
-def _strategies(families: Any) -> tuple[str, ...]:
-    """The allowed strategy families, checked, in `STRATEGY_FAMILIES` order."""
-    if isinstance(families, str):
-        families = (families,)
-    try:
-        given = set(families)
-    except TypeError:
-        raise TypeError(f"strategies must be a tuple of names from {STRATEGY_FAMILIES}, got "
-                        f"{families!r}") from None
-    unknown = sorted(map(str, given - set(STRATEGY_FAMILIES)))
-    if unknown or not given:
-        raise ValueError(f"strategies={tuple(families)!r}: "
-                         + (f"unknown name(s) {unknown}" if unknown else "empty")
-                         + f"; choose from {STRATEGY_FAMILIES}")
-    return tuple(f for f in STRATEGY_FAMILIES if f in given)
 
 
 def split_options(kwargs: dict[str, Any], step: Any = None
@@ -401,5 +351,5 @@ def split_options(kwargs: dict[str, Any], step: Any = None
     return {k: v for k, v in kwargs.items() if k in names}, rest
 
 
-__all__ = ["DEFAULT_MEASURE_STEPS", "PlanOptions", "split_options"]
+__all__ = ["PlanOptions", "split_options"]
 

@@ -21,7 +21,8 @@ coordinator, num_processes, process_id = cluster_from_env()
 cache = Path(sys.argv[1]) / f"process{process_id}"
 os.environ["JAXWAP_CACHE_DIR"] = str(cache)  # before jaxwap reads it
 
-from jaxwap.calibration.calibrate import calibrate_full, load_calibration  # noqa: E402
+from jaxwap.calibration.calibrate import calibrate_full  # noqa: E402
+from jaxwap.calibration.store import load_calibration  # noqa: E402
 from jaxwap.cli.calibrate import main  # noqa: E402
 
 status = main(["calibrate", "--quick", "--coordinator", coordinator, "--num-processes",

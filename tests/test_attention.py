@@ -5,7 +5,7 @@ A Llama-shaped step written with `jax.nn.dot_product_attention(..., is_causal=Tr
 with `implementation="cudnn"` it traces for an H100 target here (jax's cuDNN checks
 answered for the target, `fused_attention.target_checks`), its two kernels priced at their
 FlashAttention flops (causal: half the scores), no T x T value in its memory; with
-`implementation="xla"` the scores are found (`attention_advice.score_sites`) and, at a
+`implementation="xla"` the scores are found (`fused_counterfactual.score_sites`) and, at a
 long sequence, `Plan.explain()` says what they take and what the fused kernel would give.
 The fused counterfactual of the XLA step is checked against the cuDNN step itself.
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
+from benchmarks.models import zoo
 from jaxwap.analysis.dataflow import dataflow, op_kinds
 from jaxwap.analysis.flatten import flatten
 from jaxwap.analysis.fused_attention import (
@@ -41,14 +40,11 @@ from jaxwap.analysis.graph import analyze
 from jaxwap.analysis.roles import BATCH
 from jaxwap.analysis.trace import layout_of
 from jaxwap.core.objective import Objective
-from jaxwap.decide.attention_advice import SHARE, _layout_prediction, score_sites, step_live
-from jaxwap.hardware.device import device_spec
+from jaxwap.decide.attention_advice import SHARE, _layout_prediction
+from jaxwap.decide.fused_counterfactual import score_sites, step_live
+from jaxwap.hardware.builtin_profiles import device_spec
 from jaxwap.plans.plan import Plan
 from jaxwap.search.solve import search
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
 
 H100 = device_spec("h100-sxm")
 H100X8 = jaxwap.Cluster("h100-sxm", 8)
@@ -255,7 +251,7 @@ def test_hand_written_attention_gets_the_advice_and_an_mlp_none():
 
 
 def test_advice_that_cannot_be_priced_is_a_note_not_a_failed_plan(monkeypatch):
-    import jaxwap.decide.attention_advice as scores
+    import jaxwap.decide.score_detection as scores
 
     def broken(*args, **kwargs):
         raise RuntimeError("the detection broke")

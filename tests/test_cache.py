@@ -380,7 +380,6 @@ VARIANTS = {
 
 
 def test_key_is_a_stable_sha256_hex_digest():
-    assert cache_mod.jaxpr_fingerprint is jaxpr_fingerprint  # planner imports it from here
     k = plan_key(**base_parts())
     assert len(k) == 64 and int(k, 16) >= 0
     assert plan_key(**base_parts()) == k  # rebuilt from fresh objects
@@ -473,7 +472,7 @@ def test_fingerprints_and_keys_are_the_same_in_another_process():
 
 def test_planning_reads_back_a_cached_plan_quickly(tmp_path):
     """Wired into the planner: a second planning of the same step is a cache read (its
-    speed is measured in benchmarks/plan_time.py, not asserted with a timer here)."""
+    speed is measured in benchmarks/planning/plan_time.py, not asserted with a timer here)."""
     from models import abstract_setup
 
     from jaxwap.planner import make_plan

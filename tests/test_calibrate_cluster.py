@@ -16,11 +16,12 @@ import jax
 import pytest
 from models import collectives_reproduced
 
-from jaxwap.calibration.calibrate import load_calibration
 from jaxwap.calibration.probes import cpu_bandwidth_bytes
+from jaxwap.calibration.store import load_calibration
 from jaxwap.hardware.calibration import Calibration
 from jaxwap.hardware.cluster import HostMemory, detect_cluster
-from jaxwap.runtime.launch import describe, free_port, launch_local, rendezvous, start_distributed
+from jaxwap.runtime.distributed import rendezvous, start_distributed
+from jaxwap.runtime.launch import describe, free_port, launch_local
 
 HERE = Path(__file__).parent
 
@@ -192,7 +193,7 @@ def test_a_record_of_an_older_format_is_stale(tmp_path, fmt):
     # collective costs inside a program: calibrating again beats planning with them
     path = tmp_path / "calibration"
     path.mkdir()
-    from jaxwap.calibration.calibrate import calibration_path
+    from jaxwap.calibration.store import calibration_path
     from jaxwap.hardware.calibration import CALIBRATION_FORMAT
     from jaxwap.hardware.cluster import builtin_for_kind
 

@@ -1,14 +1,10 @@
-"""benchmarks/cluster_timeline.py's reading of two processes' timelines: which part of a
+"""benchmarks/cluster/cluster_timeline.py's reading of two processes' timelines: which part of a
 collective is its own time and which the early process's wait, and what counts as
 compute. Synthetic timelines with known answers; the benchmark itself needs a cluster."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import cluster_timeline as tl  # noqa: E402
+from benchmarks.cluster import cluster_timeline as tl
 
 MS = 1_000_000   # ns
 
@@ -93,7 +89,7 @@ def test_an_operation_runs_to_its_end_mark_and_overlaps_are_shared_out():
     # part, and marks when its last part ends ("end: <op>"): it runs to that mark
     from types import SimpleNamespace as NS
 
-    import op_profile
+    from benchmarks.accuracy import op_profile
 
     def ev(name, start, dur):
         return NS(name=name, start_ns=start, duration_ns=dur)

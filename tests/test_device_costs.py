@@ -24,7 +24,8 @@ from jaxwap.cost.op_time import op_times
 from jaxwap.decide.verify import compile_candidate
 from jaxwap.decide.xla_figures import layout_changes
 from jaxwap.hardware.cluster import Cluster
-from jaxwap.hardware.device import DeviceSpec, efficiency_table
+from jaxwap.hardware.device import DeviceSpec
+from jaxwap.hardware.matmul_efficiency import efficiency_table
 from jaxwap.planner import make_plan
 from jaxwap.search.strategies import param_strategies
 
@@ -479,7 +480,7 @@ def test_gpu_profiles_price_the_expanded_pooling_gradient_and_batched_matmul_cop
     80gb-hbm3.md), and copies batched matmuls' operands like XLA:CPU: the GPU built-ins
     say so (`expands_pooling_grads`, `relayouts_batched_dots`), the CPU's does not expand.
     The gradient's op is priced at those bytes more, at the bandwidth; nothing else moves."""
-    from jaxwap.hardware.device import device_spec
+    from jaxwap.hardware.builtin_profiles import device_spec
 
     gpus = [device_spec(n) for n in ("h100-sxm", "h200", "a100-sxm-80gb", "v100-pcie")]
     assert all(d.expands_pooling_grads and d.relayouts_batched_dots for d in gpus)

@@ -10,9 +10,6 @@ what is tested: each sharded test compiles one program.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,11 +21,8 @@ from jax.sharding import PartitionSpec as P
 from models import CNN, MLP, TypedMLP, copy_tree, host_setup
 
 import jaxwap
+from benchmarks.models import zoo
 from jaxwap.decide.xla_figures import compiled_figures
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
 
 # float32: a sharded program sums its reductions (the batch mean, split contractions) in
 # another order, so results agree to rounding, not bit for bit.

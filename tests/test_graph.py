@@ -5,7 +5,6 @@ Inputs are built from `jax.make_jaxpr` and `analysis.roles` alone, as the planne
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,8 @@ import pytest
 from models import analyze_step as _analyze
 
 from jaxwap.analysis.graph import Graph
-from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info, roofline_rules
+from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL, prim_info
+from jaxwap.analysis.roofline_adapter import roofline_rules
 
 
 def _sgd(loss):
@@ -171,10 +171,8 @@ def test_a_column_split_xla_would_not_keep_is_not_offered(name, leaking, megatro
     # projection's split is cut into q, k and v, which XLA reshuffles. A Megatron column
     # layer's split ends at its row partner (Llama's separate q, k, v too). Only the
     # column kind of the others is withheld.
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import zoo
-
     import jaxwap
+    from benchmarks.models import zoo
     from jaxwap.planner import make_plan
     from jaxwap.search.strategies import param_strategies
 
@@ -197,8 +195,8 @@ def test_fused_elementwise_and_reduction_move_what_xla_fusions_move():
     """A chain of elementwise ops reduced at its end is one fusion: it reads its input
     and writes the reduced result, not every intermediate (the rule before counted each
     elementwise result written once more). A result a matmul reads is written once."""
+    from jaxwap.analysis.dataflow import op_kinds
     from jaxwap.analysis.flatten import flatten
-    from jaxwap.analysis.graph import op_kinds
     from jaxwap.analysis.op_work import op_costs
 
     x = jnp.ones((256, 1024), jnp.float32)

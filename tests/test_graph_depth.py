@@ -1,29 +1,25 @@
 """graph.analyze on deep models: figures consistent per block, costs priced once per
 distinct equation, live rows without the whole matrix, and stacked (scanned) parameters.
 
-The models are `benchmarks/zoo.py`'s tiny Llama (d 64, 4/2 heads, ffn 128, vocab 256,
+The models are `benchmarks/models/zoo.py`'s tiny Llama (d 64, 4/2 heads, ffn 128, vocab 256,
 batch 8 x 32 tokens), unrolled or with its blocks stacked and run by `lax.scan`.
 """
 
 from __future__ import annotations
 
-import sys
 from functools import cache
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.models import zoo
 from jaxwap.analysis.flatten import flatten
 from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.liveness import _live_rows, dense_live_rows
-from jaxwap.analysis.primitives import FREE, MATMUL, prim_info, roofline_rules
+from jaxwap.analysis.primitives import FREE, MATMUL, prim_info
+from jaxwap.analysis.roofline_adapter import roofline_rules
 from jaxwap.analysis.trace import layout_of
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
 
 CFG = zoo.LLAMA_CONFIGS["llama_tiny"]
 B, T, D, V = 8, CFG["seq_len"], CFG["d_model"], CFG["vocab"]

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxwap"
 
 # bottom up; a top-level module is a layer of its own
 LAYERS = ("core", "hardware", "energy", "analysis", "runtime", "cost", "search", "calibration",
-          "plans", "decide", "options", "plan_check", "planner", "api", "cli",
+          "plans", "decide", "option_values", "options", "planning", "planner", "api", "cli",
           "__init__", "__main__")
 
 # (importing module, imported module): why the upward import is allowed

@@ -12,8 +12,9 @@ from models import MLP, collectives_reproduced, copy_tree, setup
 
 import jaxwap
 import jaxwap.decide.measure
-from jaxwap.calibration.calibrate import calibrate_full, calibration_path
-from jaxwap.planner import resolve_cluster
+from jaxwap.calibration.calibrate import calibrate_full
+from jaxwap.calibration.store import calibration_path
+from jaxwap.planning.devices import resolve_cluster
 
 
 def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):

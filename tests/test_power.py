@@ -17,7 +17,8 @@ import pytest
 
 import jaxwap
 from jaxwap import Cluster
-from jaxwap.hardware.cluster import DeviceSpec, device_spec
+from jaxwap.hardware.builtin_profiles import device_spec
+from jaxwap.hardware.device import DeviceSpec
 from jaxwap.hardware.power_model import (
     H100_SXM,
     VOLTAGE_KNEE,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxwap.energy.power_limit import PowerLimitGuard, limit_range_w, measure_clock_curve
+from jaxwap.energy.clock_curve import measure_clock_curve
+from jaxwap.energy.power_limit import PowerLimitGuard, limit_range_w
 
 pytestmark = pytest.mark.filterwarnings("error")  # an unexpected warning fails the test
 
@@ -344,8 +345,8 @@ def test_measure_clock_curve_rejects_limits_outside_range() -> None:
 def test_calibration_profile_leaves_limits_alone_when_told() -> None:
     """`calibrate(set_power_limits=False)`'s path: the limits are read, never set, and the
     curve is the built-in profile's, with a note saying why."""
-    from jaxwap.energy.power_limit import measured_power_profile
-    from jaxwap.hardware.cluster import device_spec
+    from jaxwap.energy.clock_curve import measured_power_profile
+    from jaxwap.hardware.builtin_profiles import device_spec
 
     base = device_spec("h100-sxm")
     fake = FakeNVML(1)
@@ -364,8 +365,8 @@ def test_calibration_profile_measures_the_curve_by_setting_limits(monkeypatch) -
     curve replaces the built-in one, and the limit found is restored."""
     import functools
 
-    import jaxwap.energy.power_limit as pl
-    from jaxwap.hardware.cluster import device_spec
+    import jaxwap.energy.clock_curve as pl
+    from jaxwap.hardware.builtin_profiles import device_spec
 
     base = device_spec("h100-sxm")
     fake = FakeNVML(1, start_mw=350_000)

@@ -17,9 +17,7 @@ predicted."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -29,10 +27,7 @@ from hypothesis import strategies as st
 from models import abstract_setup
 
 import jaxwap
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
+from benchmarks.models import zoo
 
 # an accelerator with little compute (a five-thousandth of an H100's peak, a small launch
 # cost): a layer's matmuls dominate its step, so splitting them pays where the links let

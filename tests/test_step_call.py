@@ -15,7 +15,7 @@ import pytest
 from models import MLP, abstract_setup, copy_tree, setup
 
 import jaxwap
-from jaxwap.calibration import probes
+from jaxwap.calibration import dispatch_probes
 from jaxwap.calibration.host_calls import python_call_seconds
 from jaxwap.cost.mesh_cost import with_compiled
 from jaxwap.cost.prediction import at_power_limit, call_time
@@ -43,7 +43,7 @@ def _one_device(spec: DeviceSpec, devices: int = 1, **kw):
 def test_the_probe_times_one_device_and_all_and_each_array_costs():
     """On the 8 simulated devices: a row for one device and one for all 8, every figure
     >= 0 and each array > 0 (what the model prices per leaf)."""
-    rows = probes.step_call(jax.devices(), arrays=64, repeats=31)
+    rows = dispatch_probes.step_call(jax.devices(), arrays=64, repeats=31)
     assert [d for d, _, _ in rows] == [1, 8]
     assert all(a >= 0 and c > 0 for _, a, c in rows)
 

@@ -16,9 +16,7 @@ unrolled one, its dims named in the stacked parameter's own dims.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from functools import cache
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +24,12 @@ import pytest
 from models import abstract_setup
 
 import jaxwap
+from benchmarks.models import zoo
 from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
 from jaxwap.analysis.trace import layout_of
 from jaxwap.cost.layout_memory import memory_weights, peak_memory
 from jaxwap.runtime.compile import compile_layout
 from jaxwap.search.solve import param_strategies
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
 
 M = 4  # the model axis of the (1, M) mesh every comparison uses
 ROW = {"o", "down", "Dense_1"}  # a block's second linear layer of each pair

@@ -13,9 +13,7 @@ inserted on the model axis, and its flops per device.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from functools import cache
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ import numpy as np
 import pytest
 
 import jaxwap
+from benchmarks.models import zoo
 from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.trace import layout_of
 from jaxwap.core.records import MODEL
@@ -31,10 +30,6 @@ from jaxwap.cost.mesh_cost import mesh_costs, predict
 from jaxwap.decide.xla_figures import compiled_figures
 from jaxwap.runtime.compile import compile_layout
 from jaxwap.search.solve import param_strategies
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
 
 D, M = 2, 4
 CLUSTER = jaxwap.Cluster("h100-sxm", 8)

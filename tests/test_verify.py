@@ -105,8 +105,8 @@ def test_plan_carries_xla_figures():
     assert c.memory_bytes == pytest.approx(
         c.argument_bytes + c.output_bytes + c.temp_bytes - c.alias_bytes)
     assert c.alias_bytes > 0  # donation of the state works
-    # how close the model is, per quantity, is measured by benchmarks/fidelity.py; here only
-    # that the figures are XLA's per-device ones (flops: 1/8 of the step each)
+    # how close the model is, per quantity, is measured by benchmarks/accuracy/fidelity.py;
+    # here only that the figures are XLA's per-device ones (flops: 1/8 of the step each)
     assert c.flops == pytest.approx(plan.predicted.flops_per_device, rel=0.25)
     assert 0 < c.memory_bytes < 4 * plan.predicted.peak_memory_bytes
     assert plan.verified.peak_memory_bytes == c.memory_bytes

@@ -1,18 +1,13 @@
-"""The benchmarks' model zoo (benchmarks/zoo.py), small versions only: they build from shapes
+"""The benchmarks' model zoo (benchmarks/models/zoo.py), small versions only: they build from shapes
 alone, `init` and `synthetic` match `args`, and the steps run with a finite, falling loss."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import zoo  # noqa: E402
+from benchmarks.models import zoo
 
 
 def _same_structure(concrete, abstract) -> None:

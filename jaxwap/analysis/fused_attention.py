@@ -43,8 +43,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxwap.hardware.builtin_profiles import device_spec
 from jaxwap.hardware.cluster import Cluster
-from jaxwap.hardware.device import DeviceSpec, device_spec
+from jaxwap.hardware.device import DeviceSpec
 
 _MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 # the trace-time checks `target_checks` answers for the target

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxwap.analysis.batch_rules import batch_rule, default_batch
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
 from jaxwap.analysis.liveness import GRAD
-from jaxwap.analysis.primitives import MATMUL, batch_rule, default_batch, linear_in
+from jaxwap.analysis.primitives import MATMUL, linear_in
 from jaxwap.analysis.roles import BATCH, PARAM, LeafRole, ParamInfo
 
 
@@ -20,7 +21,7 @@ def batch_dims(prog: FlatProgram, batch_inputs: Sequence[int]
     partial sums of it.
 
     Batch inputs are split on their leading dim (as `compile_layout` places them); each
-    op's batch rule (`primitives.register_batch`) says where that dim goes in its results
+    op's batch rule (`batch_rules.register_batch`) says where that dim goes in its results
     and whether the op sums over it (a contraction over the batch, a reduction, a scatter
     of every row into one array). Returns the split dim of every value (None: whole on
     every device) and, per op, whether its results are such partial sums: one all-reduce

@@ -29,7 +29,7 @@ from jaxwap.analysis.roles import PARAM, LeafRole
 from jaxwap.analysis.tp_activations import ModelSplit
 
 if TYPE_CHECKING:
-    from jaxwap.analysis.graph import Layer
+    from jaxwap.analysis.op_splits import Layer
 
 # Classes of a parameter's own values (columns of Graph.live after batched and other).
 # WHOLE and REDUCED hold no value of the program: what an FSDP layout gathers whole for a

@@ -13,7 +13,8 @@ import numpy as np
 
 from jaxwap.analysis.flatten import FlatProgram, itemsize_of
 from jaxwap.analysis.fused_attention import fused_kind
-from jaxwap.analysis.primitives import ELEMENTWISE, FREE, MATMUL, RooflineRules, prim_info
+from jaxwap.analysis.primitives import ELEMENTWISE, FREE, MATMUL, prim_info
+from jaxwap.analysis.roofline_adapter import RooflineRules
 
 # elementwise primitives a CPU evaluates as a polynomial or series per element, far
 # slower than their bytes (`DeviceSpec.transcendental_s`); sqrt and rsqrt are instructions
@@ -56,7 +57,7 @@ def expanded_pool_grad(eqn: Any) -> float:
     Beyond what the op's own operands and result count: 4 + 8 x rank bytes per pooled
     element, and the result's bytes once more. On an H100 here VGG-16's five took 6.8 ms
     a step, 16.9 GB in XLA's program, where the operands and results alone are 3.5 GB
-    (gpu_trace_nvidia-h100-80gb-hbm3.md)."""
+    (gpu_trace/nvidia-h100-80gb-hbm3.md)."""
     if not eqn.primitive.name.startswith("select_and_scatter"):
         return 0.0
     src, out = eqn.invars[0].aval, eqn.outvars[0].aval

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxwap.analysis.batch_rules import batch_rule, default_batch
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
-from jaxwap.analysis.primitives import MATMUL, batch_rule, default_batch
+from jaxwap.analysis.primitives import MATMUL
 from jaxwap.analysis.roles import ParamInfo
 
 if TYPE_CHECKING:  # the record only: the analysis (graph.py) calls this module
-    from jaxwap.analysis.graph import Layer
+    from jaxwap.analysis.op_splits import Layer
 
 TP_KINDS = ("col", "row")
 
@@ -69,7 +70,7 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     for each kind, the weight dim that kind splits (`tp_dims`) lands in the result, where
     the matmul keeps it (h = x @ W1 when W1 is column-parallel, dh = dy @ W2^T when W2 is
     row-parallel) or is summed away (a partial sum: all-reduced, whole on every device).
-    Every op then moves the split dim by its batch rule (`primitives.batch_rule`, the
+    Every op then moves the split dim by its batch rule (`batch_rules.batch_rule`, the
     rules `grad_reductions.batch_dims` follows for the data axis) and drops it where the rule sums
     over it (a contraction, a reduction). Each value keeps one such split: of the
     candidates, the operands' in operand order, then the op's own weight's ("col" before
@@ -129,7 +130,7 @@ def model_splits(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
 
 def _moved(op: FlatOp, axes: Sequence[int | None]) -> Sequence[int | None]:
     """Where the op puts a split dim of its operands (`axes`, None: not split) in each of
-    its results, by its batch rule (`primitives.batch_rule`)."""
+    its results, by its batch rule (`batch_rules.batch_rule`)."""
     try:
         outs, _ = batch_rule(op.prim)(op.eqn, axes)
     except Exception:  # noqa: BLE001 - an equation its rule does not expect

@@ -22,7 +22,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxwap.calibration.probes import _repeated, _stream, in_program, operand
+from jaxwap.calibration.probes import stream
+from jaxwap.calibration.timing import in_program, operand, repeated
 
 #: seconds of load before a power window opens: clocks and board power settle
 SETTLE_S = 0.5
@@ -31,15 +32,15 @@ POWER_WINDOW_S = 2.0
 
 
 def _passes(v: Any) -> Any:
-    """One memory pass that XLA cannot fuse with the next (`_stream`, then a barrier)."""
-    return jax.lax.optimization_barrier(_stream(v))
+    """One memory pass that XLA cannot fuse with the next (`stream`, then a barrier)."""
+    return jax.lax.optimization_barrier(stream(v))
 
 
 def warm_up(device: Any, seconds: float = 1.0) -> None:
     """Run matmuls for `seconds`, so the probes after it time the device at its working
     clock, not at the idle clock it starts from."""
     w = operand(device, (4096, 4096), jnp.bfloat16, 4096)
-    chain = jax.jit(_repeated(lambda v, w: v @ w)(8))
+    chain = jax.jit(repeated(lambda v, w: v @ w)(8))
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         jax.block_until_ready(chain(w, w))
@@ -50,7 +51,7 @@ def stream_bandwidth(device: Any, nbytes: int) -> float:
     of a chain inside one program (`in_program`), so no dispatch or synchronisation falls
     inside the timing."""
     x = operand(device, (nbytes // 4,), jnp.float32)
-    return 2.0 * nbytes / in_program(_repeated(_passes), (x,), 8)
+    return 2.0 * nbytes / in_program(repeated(_passes), (x,), 8)
 
 
 def power_loads(device: Any, n: int, nbytes: int, chain: int = 16
@@ -61,8 +62,8 @@ def power_loads(device: Any, n: int, nbytes: int, chain: int = 16
     first call (on a CPU without NVML it is never needed)."""
     dtype = jnp.float32 if device.platform == "cpu" else jnp.bfloat16
     w = operand(device, (n, n), dtype, n)
-    matmuls = jax.jit(_repeated(lambda v, w: v @ w)(chain))
-    passes = jax.jit(_repeated(_passes)(chain))
+    matmuls = jax.jit(repeated(lambda v, w: v @ w)(chain))
+    passes = jax.jit(repeated(_passes)(chain))
 
     @functools.cache
     def vec() -> Any:

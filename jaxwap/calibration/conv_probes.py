@@ -4,7 +4,7 @@ Convolutions with their gradients against the matmul curve (their share of its r
 work-weighted figure), over maps smaller than their window (a backend's generic loop, per
 width), a chain of tiny ones (what each costs whatever its size), and a network's first
 layers over RGB, which both an accelerator and XLA:CPU run far below the rest
-(`narrow_conv_efficiency`). `calibration/calibrate.py` runs them.
+(`narrow_conv_efficiency`). `calibration/device_figures.py` runs them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxwap.analysis.flatten import flatten
-from jaxwap.analysis.primitives import roofline_rules
-from jaxwap.calibration.probes import _repeated, in_program, operand, time_it
+from jaxwap.analysis.roofline_adapter import roofline_rules
+from jaxwap.calibration.timing import in_program, operand, repeated, time_it
 
 
 def _conv(x: Any, w: Any) -> Any:
@@ -32,9 +32,9 @@ CONV_SHAPES = ((8, 16, 64, 64), (8, 8, 128, 128), (8, 8, 32, 64))
 # the same at an accelerator's scale, where the small ones time the launch alone: ResNet's
 # bottleneck layers and VGG's at training batches, 12-460 Gflop a pass, work-weighted. Alone,
 # cuDNN's share rises with the work (on an H100 here 0.41-0.59 at 12-29 Gflop, 0.90-0.97
-# at 226-462; benchmarks/results/conv_probe_nvidia-h100-80gb-hbm3.md), but inside a
+# at 226-462; benchmarks/results/conv_probe/nvidia-h100-80gb-hbm3.md), but inside a
 # training step ResNet-50's small layers ran at 0.83 and VGG-16's at 1.05 (profiler trace,
-# gpu_trace_nvidia-h100-80gb-hbm3.md): the work-weighted figure (0.92 there) is the one
+# gpu_trace/nvidia-h100-80gb-hbm3.md): the work-weighted figure (0.92 there) is the one
 # that held. A share by work fitted to these probes put ResNet-50's step 11% above its
 # queued time (flat: 0%), 39% when each probe was one call waited for
 ACCEL_CONV_SHAPES = ((64, 56, 64, 64), (64, 14, 256, 256), (64, 56, 128, 128),
@@ -143,7 +143,7 @@ def tiny_conv(device: Any, chain: int = 32) -> tuple[float, float]:
     convolution costs whatever its size (`DeviceSpec.conv_overhead_s`)."""
     x = jax.device_put(jnp.ones((8, 8, 8, 16), jnp.float32), device)
     w = jax.device_put(jnp.ones((3, 3, 16, 16), jnp.float32), device)
-    chained = _repeated(lambda v, w: jnp.tanh(_conv(v, w)))
+    chained = repeated(lambda v, w: jnp.tanh(_conv(v, w)))
     return in_program(chained, (x, w), chain - 1, repeats=9), conv_flops(_conv, x, w)
 
 

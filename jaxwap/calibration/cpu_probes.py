@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxwap.calibration.probes import _repeated, _stream, in_program
+from jaxwap.calibration.probes import stream
+from jaxwap.calibration.timing import in_program, repeated
 
 # (rows contracted, K, N): a dense layer's kernel gradient at CI and mid sizes
 TRANSPOSED_SHAPES = ((1024, 256, 64), (4096, 256, 64))
@@ -30,7 +31,7 @@ def transposed_matmul_efficiency(device: Any,
     """The share of its matmul rate a matmul contracting both operands over their first
     dim (x^T dy, `op_work.transposed_matmul`) reaches against the same work as x @ w: the
     median over `shapes` of the two times' ratio, each timed in a dependent chain of 16
-    inside a program (`probes.in_program`, 15 times each), capped at 1. XLA:CPU runs the
+    inside a program (`timing.in_program`, 15 times each), capped at 1. XLA:CPU runs the
     first on its generic dot, the second in its matmul library. Chains of 8 timed 7 times
     each read 0.43-0.75 on this 2-core VM in five tries, which moved GPT-2-small's
     predicted step by 20%; chains of 16 timed 15 times read 0.44-0.48 (2.2 s a try)."""
@@ -39,8 +40,8 @@ def transposed_matmul_efficiency(device: Any,
         w, x, d = (jax.device_put(jnp.full(s, 0.01, jnp.float32), device)
                    for s in ((k, n), (m, k), (m, n)))
         # each link's product feeds the next (its input moved by the last weight's row)
-        grad = in_program(_repeated(_weight_gradient), (w, x, d), 16, repeats=15)
-        fwd = in_program(_repeated(_forward), (w, x, d), 16, repeats=15)
+        grad = in_program(repeated(_weight_gradient), (w, x, d), 16, repeats=15)
+        fwd = in_program(repeated(_forward), (w, x, d), 16, repeats=15)
         ratios.append(fwd / grad)
     return float(min(np.median(ratios), 1.0))
 
@@ -57,13 +58,13 @@ def _pool_grad(v: Any) -> Any:   # a CNN's pool, at stride 2; its gradient has v
 def pooling(device: Any, shape: tuple[int, ...] = (8, 32, 32, 32)) -> tuple[float, float]:
     """(seconds per window tap of a 3x3 max pool, seconds per element of its gradient's
     result at stride 2, as CNNs pool): each timed in a chain inside a program
-    (`probes.in_program`) on an f32 map of `shape` (1 MiB); the gradient's link also pools
+    (`timing.in_program`) on an f32 map of `shape` (1 MiB); the gradient's link also pools
     forward, which is taken out."""
     x = jax.device_put(jnp.linspace(0.0, 1.0, int(np.prod(shape)), dtype=jnp.float32)
                        .reshape(shape), device)
-    per_tap = in_program(_repeated(_pool), (x,), 4) / (float(np.prod(shape)) * 9)
+    per_tap = in_program(repeated(_pool), (x,), 4) / (float(np.prod(shape)) * 9)
     taps = float(np.prod(jax.eval_shape(lambda u: _pool(u, 2), x).shape)) * 9
-    grad = in_program(_repeated(_pool_grad), (x,), 4) - per_tap * taps
+    grad = in_program(repeated(_pool_grad), (x,), 4) - per_tap * taps
     return per_tap, max(grad, 0.0) / float(np.prod(shape))
 
 
@@ -73,9 +74,9 @@ def _host_work(device: Any, nbytes: int) -> dict[str, Callable[[], Any]]:
     reading its operand transposed (a layout change) over an n x n array of about a
     sixteenth of that, one writing a fresh output of a quarter of it (scratch)."""
     n = 1 << max(int(np.log2(nbytes // 64)) // 2, 6)
-    ops = {"stream": (_stream, (nbytes // 4,)), "layout": (lambda y, v: y * 0.9 + 0.1 * v.T,
+    ops = {"stream": (stream, (nbytes // 4,)), "layout": (lambda y, v: y * 0.9 + 0.1 * v.T,
                                                           (n, n)),
-           "fresh": (_stream, (nbytes // 16,))}
+           "fresh": (stream, (nbytes // 16,))}
     out = {}
     for kind, (fn, shape) in ops.items():
         x = jax.device_put(jnp.ones(shape, jnp.float32), device)

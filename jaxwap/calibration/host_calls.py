@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxwap.analysis.trace import ArgLayout, signature
-from jaxwap.calibration.probes import time_it
+from jaxwap.calibration.timing import time_it
 
 
 def _counted(work: Callable[[], Any]) -> int:

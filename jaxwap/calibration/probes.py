@@ -1,111 +1,37 @@
-"""Timed probes: what each figure of a device profile stands for, measured on a device.
+"""Timed probes of one device's compute and memory: what each figure of a profile stands for.
 
-Matmuls of several sizes (peak flop/s and the efficiency curve), a large in-place
-elementwise op (memory bandwidth), a chain of tiny matmuls (per-kernel overhead),
-convolutions with their gradients (their share of the matmul rate) and over maps smaller
-than their window (a backend's generic loop), all-reduces from 4 KiB up (link bandwidth
-and latency), chains of small all-reduces and all-gathers inside a program (what each
-collective costs there), a combined all-reduce of many small buffers (latency per
-buffer). `calibration/accel_probes.py` holds those that mean something on an accelerator alone
-(NVML power among them). `calibration/calibrate.py` runs them and keeps the profile; each probe is a
-plain function of devices to figures. The collective probes must be called by every process (SPMD).
+Matmuls of several sizes (peak flop/s and the efficiency curve), dense layers in a
+training step's forms, a large in-place elementwise op (memory bandwidth), memory mapped
+afresh and arrays moved into another layout, a chain of tiny matmuls (per-kernel
+overhead), a transcendental function and reductions; and the sizes a calibration times
+them at. How each is timed is `calibration/timing.py`'s; the links' probes are
+`calibration/link_probes.py`'s, the host's dispatch of a step `calibration/dispatch_probes.py`'s,
+convolutions `calibration/conv_probes.py`'s, and those that mean something on an
+accelerator alone (NVML power among them) `calibration/accel_probes.py`'s.
+`calibration/calibrate.py` runs them and keeps the profile; each probe is a plain function
+of a device to figures.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jaxwap.calibration.timing import (
+    fit_line,
+    in_place,
+    in_program,
+    in_programs,
+    operand,
+    repeated,
+    time_it,
+)
 from jaxwap.core.progress import Progress
-from jaxwap.runtime.compile import make_mesh
-
-
-# --------------------------------------------------------------------------- timing
-def time_it(fn: Callable[[], Any], repeats: int = 5, times: list[float] | None = None) -> float:
-    """Median seconds of fn() after one warm-up call (fn must block until done); `times`,
-    when given, receives every timing."""
-    fn()
-    times = [] if times is None else times
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def fit_line(x: Sequence[float], y: Sequence[float],
-              relative: bool = False) -> tuple[float, float]:
-    """Least-squares slope and intercept (intercept clipped at 0). `relative` weighs each
-    point by 1/y, so a small (latency-bound) point counts as much as a large one."""
-    ys = np.asarray(y, float)
-    w = 1.0 / np.maximum(ys, 1e-12) if relative else None
-    slope, intercept = np.polyfit(np.asarray(x, float), ys, 1, w=w)
-    return float(slope), float(max(intercept, 0.0))
-
-
-# --------------------------------------------------------------------------- measurements
-def in_program(make: Callable[[int], Callable[..., Any]], args: Sequence[Any],
-               reps: int, repeats: int = 7) -> float:
-    """Seconds one repetition of an op takes inside a compiled program: `make(r)` builds a
-    function that applies the op r times in a dependent chain, and the difference between
-    r = reps + 1 and r = 1, over reps, is what each repetition adds. A training step runs
-    its ops back to back inside one program, so this, not the time of a call of its own,
-    is what an op costs there: a call of its own also pays the dispatch and the wake-up
-    of the host's thread pool (about 50 us each on a 2-core CPU, far more than a small
-    matmul). The two are timed in turn, not one after the other, so the machine's drift
-    falls on both alike (`benchmarks/calibration_spread.py`)."""
-    return in_programs([(make, args, reps)], repeats)[0]
-
-
-def in_programs(chains: Sequence[tuple[Callable[[int], Callable[..., Any]], Sequence[Any], int]],
-                repeats: int = 7) -> list[float]:
-    """`in_program` of several (make, args, reps) at once, every chain timed once in each
-    of `repeats` rounds: a spell of the machine's drift falls on all of them alike, not on
-    whichever was being timed (on this project's 2-core VM, dense layers timed size by
-    size read 1.15-1.96x apart at one size across 12 curves in 3 processes, 1.10-1.36x
-    timed in rounds: `benchmarks/calibration_spread.py --dense`)."""
-    progs = [(jax.jit(make(1)), jax.jit(make(reps + 1)), args, reps)
-             for make, args, reps in chains]
-    t1: list[list[float]] = [[] for _ in progs]
-    tr: list[list[float]] = [[] for _ in progs]
-    for _ in range(repeats):
-        for i, (one, many, args, _) in enumerate(progs):
-            time_it(lambda one=one, args=args: jax.block_until_ready(one(*args)), 1, t1[i])
-            time_it(lambda many=many, args=args: jax.block_until_ready(many(*args)), 1, tr[i])
-    return [max((float(np.median(b)) - float(np.median(a))) / reps, 1e-9)
-            for a, b, (_, _, _, reps) in zip(t1, tr, progs, strict=True)]
-
-
-def operand(device: Any, shape: tuple[int, ...], dtype: Any, fan_in: float = 1.0) -> Any:
-    """A probe's operand whose products keep their scale: on a CPU the constant 1/fan_in
-    (its speed does not depend on the data; the CPU figures in benchmarks/results were
-    measured so), on an accelerator N(0, 1/fan_in): a GPU's matmul runs faster and draws
-    less power on predictable data (13% faster on zeros on an H200 here), so its rate and
-    power are measured on data like a training step's."""
-    if device.platform == "cpu":
-        return jax.device_put(jnp.full(shape, 1.0 / fan_in, dtype), device)
-    with jax.default_device(device):
-        return jax.random.normal(jax.random.key(0), shape, dtype) * (fan_in ** -0.5)
-
-
-def _repeated(link: Callable[..., Any]) -> Callable[[int], Callable[..., Any]]:
-    """`make(k)` for `in_program`: a function of (v, *rest) that applies `v = link(v,
-    *rest)` k times, each link depending on the one before."""
-    def make(k: int) -> Callable[..., Any]:
-        def f(v: Any, *rest: Any) -> Any:
-            for _ in range(k):
-                v = link(v, *rest)
-            return v
-        return f
-    return make
 
 
 def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
@@ -122,7 +48,7 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
         work = 2.0 * n ** 3
         reps = int(min(64, max(2, target // work)))
         works.append(work)
-        times.append(in_program(_repeated(lambda v, w: v @ w), (w, w), reps))
+        times.append(in_program(repeated(lambda v, w: v @ w), (w, w), reps))
         progress.step(f"matmul {np.dtype(dtype).name} {n}")
     slope, intercept = fit_line(works, times)
     best = max(w / t for w, t in zip(works, times, strict=True))
@@ -134,7 +60,7 @@ def matmul_curve(device: Any, dtype: Any, sizes: Sequence[int],
 def _dense_layers(r: int) -> Callable[[Any, Any, Any], Any]:
     """r pairs of token-major dense layers (t, k) -> (t, n) -> (t, k), forward and both
     gradients: each matmul runs in the three forms a training step runs it in."""
-    layers = _repeated(lambda x, a, b: (x @ a) @ b)(r)
+    layers = repeated(lambda x, a, b: (x @ a) @ b)(r)
     return jax.value_and_grad(lambda x, a, b: layers(x, a, b).sum(), argnums=(0, 1, 2))
 
 
@@ -161,25 +87,14 @@ def matmul_training(device: Any, dtype: Any, sizes: Sequence[int],
     return out
 
 
-def in_place(fn: Callable[..., Any], first: Any, *rest: Any, repeats: int = 5) -> float:
-    """Seconds of `fn(first, *rest)` run as a training step runs its donated state: the
-    last result is the next call's `first`, donated, so the output takes its memory
-    (median of `repeats` calls)."""
-    f = jax.jit(fn, donate_argnums=0)
-    box = [f(first, *rest)]
-
-    def step() -> None:
-        box[0] = f(box[0], *rest)
-        box[0].block_until_ready()
-
-    return time_it(step, repeats)
-
 
 def _ones(device: Any, *shape: int) -> Any:
     return jax.device_put(jnp.ones(shape, jnp.float32), device)
 
 
-def _stream(v: Any) -> Any:
+def stream(v: Any) -> Any:
+    """The memory probes' op: one read and one write of each element, nothing to fold
+    away (also the load `accel_probes` and `cpu_probes` stream)."""
     return v * 1.0001 + 1.0
 
 
@@ -187,7 +102,7 @@ def bandwidth(device: Any, nbytes: int) -> float:
     """Bytes/s of an elementwise op that reads and writes nbytes each, in place (its input
     donated), as a training step with donated state updates it: a fresh output each call
     would time the operating system handing out new pages, not the memory."""
-    return 2.0 * nbytes / in_place(_stream, _ones(device, nbytes // 4))
+    return 2.0 * nbytes / in_place(stream, _ones(device, nbytes // 4))
 
 
 def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
@@ -195,12 +110,12 @@ def fresh_memory(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
     size over writing it in place (its input donated): the allocator mapping new memory
     and the OS faulting its pages in. A step pays it for its scratch memory every step;
     where the allocator keeps a pool (XLA:GPU) it is about 0."""
-    fresh = jax.jit(_stream)
+    fresh = jax.jit(stream)
     out = []
     for nbytes in sizes:
         x = _ones(device, nbytes // 4)
         t_fresh = time_it(lambda x=x: fresh(x).block_until_ready())
-        t_in_place = in_place(_stream, _ones(device, nbytes // 4))
+        t_in_place = in_place(stream, _ones(device, nbytes // 4))
         out.append((nbytes, max(t_fresh - t_in_place, 0.0) / nbytes))
     return out
 
@@ -270,39 +185,7 @@ def layout_change(device: Any, sizes: Sequence[int]) -> list[tuple[int, float]]:
 def kernel_overhead(device: Any, chain: int = 64) -> float:
     """Seconds per extra kernel: a chain of tiny dependent matmuls that cannot fuse."""
     x = jax.device_put(jnp.ones((8, 8), jnp.float32), device)
-    return in_program(_repeated(lambda v: jnp.tanh(v @ v)), (x,), chain - 1, repeats=9)
-
-
-def call_seconds(devices: Sequence[Any], arrays: int, repeats: int = 101) -> float:
-    """Median seconds the host takes to call a compiled program over `devices` that adds
-    one to each of its `arrays` donated arguments (16 floats each, replicated), in place:
-    jax's dispatch of a step's arrays with next to no work (`step_call`). A program that
-    handed them back as they were would write nothing, as no step does: with GPT-2-small's
-    87 arrays it took 0.12 ms here, this one 0.21-0.23, the step's own call 0.47-0.57."""
-    sharding = NamedSharding(make_mesh(1, len(devices), list(devices)), P())
-    xs = [jax.device_put(jnp.full((16,), i, jnp.float32), sharding) for i in range(arrays)]
-    call = jax.jit(lambda *a: tuple(x + 1 for x in a), donate_argnums=tuple(range(arrays)))
-    xs = list(call(*xs))
-
-    def once() -> None:
-        xs[:] = jax.block_until_ready(call(*xs))
-    return time_it(once, repeats)
-
-
-def step_call(devices: Sequence[Any], arrays: int = 64, repeats: int = 101
-              ) -> list[tuple[int, float, float]]:
-    """[(d, seconds, seconds per array)]: the host's call of a compiled program over d of
-    `devices` (this process's own; d = 1 and all of them) passing n arrays in and as many
-    out takes seconds + 2n x per array: jax's dispatch of a training step, which
-    `in_program` leaves out and a step pays once (parsing its arguments, the donation,
-    making its results, on each device). Timed by `call_seconds` at n = 1 and `arrays`
-    (`benchmarks/step_call.py` times it at more counts)."""
-    out = []
-    for d in sorted({1, len(devices)}):
-        one, many = (call_seconds(devices[:d], n, repeats) for n in (1, arrays))
-        per_array = max(many - one, 0.0) / (2 * (arrays - 1))
-        out.append((d, max(one - 2 * per_array, 0.0), per_array))
-    return out
+    return in_program(repeated(lambda v: jnp.tanh(v @ v)), (x,), chain - 1, repeats=9)
 
 
 def transcendental(device: Any, elements: int = 2**20) -> float:
@@ -313,7 +196,7 @@ def transcendental(device: Any, elements: int = 2**20) -> float:
     included, timed in a chain of them inside a program (a barrier keeps each its own
     kernel)."""
     x = jax.device_put(jnp.ones((elements // 256, 256), jnp.float32), device)
-    chained = _repeated(lambda v: jax.lax.optimization_barrier(jnp.tanh(v)))
+    chained = repeated(lambda v: jax.lax.optimization_barrier(jnp.tanh(v)))
     return in_program(chained, (x,), 8) / elements
 
 
@@ -327,7 +210,7 @@ def reduction(device: Any, sizes: Sequence[int], bandwidth_Bps: float, launch_s:
         v = v + jnp.sum(v, axis=0, keepdims=True) * 1e-6
         return v + jnp.sum(v, axis=1, keepdims=True) * 1e-6
 
-    chained, out = _repeated(sums), []
+    chained, out = repeated(sums), []
     for n in sizes:
         x = jax.device_put(jnp.zeros((max(n // 1024, 1), 256), jnp.float32), device)
         each = in_program(chained, (x,), 8) / 2
@@ -335,99 +218,6 @@ def reduction(device: Any, sizes: Sequence[int], bandwidth_Bps: float, launch_s:
     return out
 
 
-def link_sizes(on_cpu: bool, quick: bool) -> list[int]:
-    """All-reduce sizes from latency-bound (4 KiB) to bandwidth-bound, so the fit pins
-    both figures; a GPU link needs far larger messages to reach its peak, and a CPU's
-    must pass its last-level cache (64 MiB), as a model's gradients do."""
-    if on_cpu:
-        return [2**12, 2**16, 2**20] if quick else [2**12, 2**16, 2**20, 2**22, 2**24, 2**26]
-    return [2**12, 2**20, 2**25] if quick else [2**12, 2**20, 2**24, 2**27]
-
-
-def buffer_latency(devices: Sequence[Any], buffers: int = 16, repeats: int = 10) -> float:
-    """Seconds a combined all-reduce pays per buffer it carries: one reduction of
-    `buffers` small blocks in a tuple (the form XLA's combiner gives gradient reductions)
-    against one of a single block, per extra buffer. About 0 where the collective library
-    groups them (NCCL); a round trip each where it reduces them apart (gloo on CPU).
-    Every process must call it (SPMD)."""
-    n = len(devices)
-    mesh = make_mesh(n, 1, devices)
-    rows = NamedSharding(mesh, P("data"))
-    mine = sum(1 for d in devices if d.process_index == jax.process_index())
-    per = 64
-    xs = [jax.make_array_from_process_local_data(
-        rows, np.full((mine, per), float(i), np.float32), (n, per)) for i in range(buffers)]
-    out = NamedSharding(mesh, P())
-    one = jax.jit(lambda v: v.sum(0), out_shardings=out)
-    many = jax.jit(lambda *vs: tuple(v.sum(0) for v in vs), out_shardings=(out,) * buffers)
-    t1 = time_it(lambda: jax.block_until_ready(one(xs[0])), repeats)
-    tk = time_it(lambda: jax.block_until_ready(many(*xs)), repeats)
-    return max((tk - t1) / (buffers - 1), 0.0)
-
-
-def collective_latency(devices: Sequence[Any], reps: int = 8,
-                       repeats: int = 10) -> tuple[float, float]:
-    """(all-reduce, all-gather) seconds each of a small collective (64 floats a device)
-    over `devices` costs inside a program, as a step runs its collectives: a chain of
-    reps + 1 against one (`in_program`). A call of its own times less than that (the
-    all-reduces from 4 KiB up fit 3.3 ms at zero bytes on this project's 2-process gloo
-    cluster, where one in a program cost 4.0 ms and an all-gather 2.7). Every process
-    must call it (SPMD)."""
-    n = len(devices)
-    mesh = make_mesh(n, 1, devices)
-    rows, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-    mine = sum(1 for d in devices if d.process_index == jax.process_index())
-    x = jax.make_array_from_process_local_data(rows, np.ones((mine, 64), np.float32), (n, 64))
-
-    def reduced(v: Any) -> Any:     # an all-reduce, then each device keeps its rows
-        s = jax.lax.with_sharding_constraint(v.sum(0, keepdims=True), whole)
-        return jax.lax.with_sharding_constraint(jnp.broadcast_to(s, v.shape) * 0.5, rows)
-
-    def gathered(v: Any) -> Any:    # an all-gather, then each device keeps its rows
-        return jax.lax.with_sharding_constraint(
-            jax.lax.with_sharding_constraint(v, whole) * 1.0001, rows)
-
-    return tuple(in_program(_repeated(op), (x,), reps, repeats)   # type: ignore[return-value]
-                 for op in (reduced, gathered))
-
-
-def all_reduce(devices: Sequence[Any], sizes: Sequence[int],
-                repeats: int = 10) -> dict[str, Any] | None:
-    """Link bandwidth (B/s) and latency (s) from timed all-reduces over `devices`, which may
-    span processes: every process must call it with the same devices and sizes (SPMD)."""
-    n = len(devices)
-    if n < 2:
-        return None
-    mesh = make_mesh(n, 1, devices)
-    rows = NamedSharding(mesh, P("data"))
-    mine = sum(1 for d in devices if d.process_index == jax.process_index())
-    f = jax.jit(lambda v: v.sum(0), out_shardings=NamedSharding(mesh, P()))
-    ts, fastest = [], []
-    for nbytes in sizes:
-        per = max(nbytes // 4, 1)
-        # each process passes its own rows: a host array cannot go to another's devices
-        x = jax.make_array_from_process_local_data(rows, np.ones((mine, per), np.float32),
-                                                   (n, per))
-        ts.append(time_it(lambda x=x: f(x).block_until_ready(), repeats, raw := []))
-        fastest.append(min(raw))
-    # ring all-reduce: t = 2(n-1)/n * B / bw + 2(n-1) * lat
-    xs = [2 * (n - 1) / n * s for s in sizes]
-    slope, intercept = fit_line(xs, ts, relative=True)
-    bw = 1.0 / slope if slope > 0 else xs[-1] / ts[-1]
-    procs = len({d.process_index for d in devices})
-    via = str(getattr(jax.config, "jax_cpu_collectives_implementation", "cpu")) \
-        if procs > 1 and devices[0].platform == "cpu" else devices[0].platform
-    return {"what": f"all-reduce (sum) of one float32 block per device over {n} devices "
-                    f"in {procs} process(es) ({via}); median of {repeats} after a warm-up",
-            "model": "t = 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency, fitted by "
-                     "least squares weighted by 1/t",
-            "sizes_bytes": list(sizes), "seconds": ts, "fastest_seconds": fastest,
-            "repeats": repeats,
-            "bandwidth_Bps": bw, "latency_s": intercept / (2 * (n - 1))}
-
-
-__all__ = ["all_reduce", "bandwidth", "buffer_latency", "cpu_bandwidth_bytes", "fit_line",
-           "fresh_memory",
-           "fresh_memory_sizes", "in_place", "in_program", "kernel_overhead", "layout_change",
-           "link_sizes", "matmul_curve", "matmul_training", "operand", "reduction", "sizes_for",
-           "time_it", "transcendental"]
+__all__ = ["bandwidth", "cpu_bandwidth_bytes", "fresh_memory", "fresh_memory_sizes",
+           "kernel_overhead", "layout_change", "matmul_curve", "matmul_training", "reduction",
+           "sizes_for", "stream", "transcendental"]

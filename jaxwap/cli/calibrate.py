@@ -16,9 +16,10 @@ from typing import Any
 
 import jax
 
-from jaxwap.calibration.calibrate import calibrate_full, calibration_path
+from jaxwap.calibration.calibrate import calibrate_full
+from jaxwap.calibration.store import calibration_path
 from jaxwap.core.progress import interrupted
-from jaxwap.runtime.launch import start_distributed
+from jaxwap.runtime.distributed import start_distributed
 
 
 def add_command(subparsers: Any) -> argparse.ArgumentParser:

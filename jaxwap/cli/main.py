@@ -33,7 +33,9 @@ from jaxwap.api import plan as plan_step
 from jaxwap.cli.calibrate import add_command as add_calibrate
 from jaxwap.cli.calibrate import run_command
 from jaxwap.core.objective import KINDS, Objective
-from jaxwap.hardware.cluster import Cluster, DeviceSpec, builtin_device_names, device_spec
+from jaxwap.hardware.builtin_profiles import builtin_device_names, device_spec
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.hardware.device import DeviceSpec
 from jaxwap.options import PlanOptions
 from jaxwap.plans.plan import Plan
 

@@ -27,7 +27,8 @@ from jaxwap.core.records import DATA, MODEL, REPLICA, Collective, Strategy
 from jaxwap.hardware.cluster import Cluster
 
 if TYPE_CHECKING:
-    from jaxwap.analysis.graph import Graph, Layer
+    from jaxwap.analysis.graph import Graph
+    from jaxwap.analysis.op_splits import Layer
 
 
 def _step(cluster: Cluster, across: bool) -> tuple[float, float]:

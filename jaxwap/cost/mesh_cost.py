@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxwap.analysis.graph import GRAD, OPT, Graph, Layer
+from jaxwap.analysis.graph import GRAD, OPT, Graph
+from jaxwap.analysis.op_splits import Layer
 from jaxwap.analysis.tp_activations import TP_KINDS
 from jaxwap.core.records import DATA, MODEL, CompiledFigures, Prediction, Strategy
 from jaxwap.cost.collectives import (

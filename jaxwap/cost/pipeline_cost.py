@@ -59,7 +59,7 @@ module adds what pipelining changes:
   each moving the chunks that change stage, with the reordered copy held beside the
   original.
 
-The figures are predicted; `benchmarks/pipeline.py` reports them, and verification
+The figures are predicted; `benchmarks/pipelines/pipeline.py` reports them, and verification
 compiles the pipelined step for XLA's memory.
 """
 

@@ -30,7 +30,8 @@ from jaxwap.core.records import (
 )
 from jaxwap.core.version import __version__
 from jaxwap.cost.prediction import at_power_limit
-from jaxwap.decide.attention_advice import ScoreSites, planned_advice
+from jaxwap.decide.attention_advice import planned_advice
+from jaxwap.decide.fused_counterfactual import ScoreSites
 from jaxwap.decide.verify import Verification
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.plans.frontier import pareto_front
@@ -58,7 +59,7 @@ class PlanContext:
     # counted where the profile prices them; every graph of the plan carries it
     tree_calls: int = 0
     # the step's materialized attention scores and its fused counterfactual
-    # (`attention_advice.score_sites`), which the plan's advice prices on its candidate
+    # (`fused_counterfactual.score_sites`), which the plan's advice prices on its candidate
     attention: ScoreSites | None = field(default=None, compare=False)
 
 

@@ -21,7 +21,7 @@ from jaxwap.core.progress import Progress
 from jaxwap.core.records import Measurement
 from jaxwap.energy.meter import MIN_WINDOW_S, measure_energy
 from jaxwap.runtime.compile import compile_layout
-from jaxwap.runtime.launch import process_median
+from jaxwap.runtime.distributed import process_median
 from jaxwap.runtime.train_step import restructured
 
 

@@ -39,7 +39,7 @@ def library_calls(text: str) -> dict[str, int]:
     """{target: count} of the program's calls into a vendor library (XLA:GPU's cuBLAS
     matmuls and cuDNN convolutions). `Compiled.cost_analysis()` counts no flops for them:
     on an H200 it gave AlexNet's step 2.5e10 flops of the 7.8e11 its convolutions and
-    matmuls do, GPT-2's 2.5e12 of 7.0e12 (`benchmarks/gpu_sweep.py`, 2026-11-26)."""
+    matmuls do, GPT-2's 2.5e12 of 7.0e12 (`benchmarks/gpu/gpu_sweep.py`, 2026-11-26)."""
     out: dict[str, int] = {}
     for target in _LIBRARY_CALL.findall(text):
         out[target] = out.get(target, 0) + 1
@@ -61,7 +61,7 @@ def operation_bytes(hlo_text: str) -> dict[str, int]:
     """{instruction: bytes} each instruction of the program reads and writes as a kernel
     of its own: its result's and its operands' (by their results' shapes). An XLA:CPU
     operation event carries its instruction's name, so this gives each operation's
-    bandwidth in a profile (`benchmarks/op_profile.py`)."""
+    bandwidth in a profile (`benchmarks/accuracy/op_profile.py`)."""
     shapes, operands = {}, {}
     for line in hlo_text.splitlines():
         m = _NAMED.match(_COMMENT.sub("", line))

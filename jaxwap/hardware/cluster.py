@@ -1,7 +1,7 @@
 """Clusters: what the cost model knows about the devices a step runs on together.
 
 A plan is a prediction, so the hardware it is made for must be explicit. A `Cluster` is
-N devices (each a `device.DeviceSpec`, re-exported here) in nodes, joined by links of a
+N devices (each a `device.DeviceSpec`) in nodes, joined by links of a
 given bandwidth and latency. Planning for hardware that is not present is a feature:
 tests ask what the planner would choose on 8 H100s while the chosen mesh still runs on
 simulated CPU devices. `detect_cluster` builds the cluster of the devices jax sees.
@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxwap.core.units import si
-from jaxwap.hardware.device import (
-    _BUILTIN,
-    _KIND_PATTERNS,
-    DeviceSpec,
-    builtin_device_names,
+from jaxwap.hardware.builtin_profiles import (
+    BUILTIN_PROFILES,
+    KIND_PATTERNS,
     device_spec,
 )
+from jaxwap.hardware.device import DeviceSpec
 
 if TYPE_CHECKING:  # the record imports this module (builtin_for_kind)
     from jaxwap.hardware.calibration import Calibration
@@ -234,7 +233,7 @@ def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:
     """The built-in profile for a jax `device_kind` (a generic one, with a warning, when
     the kind is unknown)."""
     low = kind.lower()
-    name = next((prof for pat, prof in _KIND_PATTERNS if pat in low), None)
+    name = next((prof for pat, prof in KIND_PATTERNS if pat in low), None)
     if name is None and platform == "cpu":
         name = "cpu"
     if name is None:
@@ -242,7 +241,7 @@ def builtin_for_kind(kind: str, platform: str) -> DeviceSpec:
         warnings.warn(f"device kind {kind!r} has no built-in profile; planning with {name!r}. "
                       f"Run `jaxwap calibrate`, or pass hardware=jaxwap.Cluster("
                       f"jaxwap.DeviceSpec(...), n) for real figures.", stacklevel=3)
-    return _BUILTIN[name]
+    return BUILTIN_PROFILES[name]
 
 
 def detect_cluster(devices: Sequence[Any], calibration: Calibration | None = None
@@ -363,5 +362,5 @@ def device_memory_limit(device: Any) -> int | None:
     return int(limit) if limit else None
 
 
-__all__ = ["HOST_KINDS", "Cluster", "DeviceSpec", "HostMemory", "builtin_device_names",
-           "builtin_for_kind", "detect_cluster", "device_memory_limit", "device_spec"]
+__all__ = ["HOST_KINDS", "Cluster", "HostMemory", "builtin_for_kind", "detect_cluster",
+           "device_memory_limit"]

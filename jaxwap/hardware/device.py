@@ -5,26 +5,21 @@ draws, what a kernel launch costs, and the slow paths a backend takes (generic-l
 convolutions, memory the host allocator maps afresh each step). Built-ins are datasheet
 numbers (dense, no sparsity) except `efficiency_half_flops` and `kernel_overhead_s`,
 typical values until calibration measures them. `cluster.Cluster` joins N by links.
+
+This module holds the record, its checks and the tables it reads; the built-in profiles
+are in `builtin_profiles`, the matmul efficiency curve's arithmetic in `matmul_efficiency`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from jaxwap.hardware.power_model import (
-    A100_SXM,
-    H100_SXM,
-    H200_SXM,
-    V100_IDLE_W,
-    V100_PCIE,
-    PowerProfile,
-    default_profile,
-)
+from jaxwap.hardware.matmul_efficiency import efficiency_at
+from jaxwap.hardware.power_model import PowerProfile, default_profile
 
 GB = 1e9
 GiB = 2**30
@@ -41,18 +36,6 @@ _NON_NEGATIVE = ("kernel_overhead_s", "python_call_s", "link_latency_s",
 # the (size, value) tables of a DeviceSpec
 _TABLES = ("small_input_conv_rates", "fresh_memory_cost", "layout_change_cost",
            "matmul_efficiency", "reduction_cost")
-
-
-def efficiency_table(timed: Sequence[tuple[float, float]], peak_flops: float,
-                     launch_s: float) -> tuple[tuple[float, float], ...]:
-    """`DeviceSpec.matmul_efficiency` from (flops, seconds) timings of single matmuls at a
-    device's `peak_flops`, `launch_s` of each being the kernel launch the model charges
-    apart: (w / peak, (w / peak) / (t - launch)), kept within (0, 1]."""
-    out = []
-    for w, t in timed:
-        at_peak = w / peak_flops
-        out.append((at_peak, float(min(max(at_peak / max(t - launch_s, 1e-12), 1e-6), 1.0))))
-    return tuple(sorted(out))
 
 
 def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
@@ -328,14 +311,8 @@ class DeviceSpec:
 
     def matmul_efficiency_at(self, peak_s: np.ndarray) -> np.ndarray:
         """Efficiency of matmuls whose work takes `peak_s` seconds at the peak rate, from
-        `matmul_efficiency` (which must not be empty): interpolated in log time, held past
-        the longest measured; below the shortest, `t / (t + h)` with the fixed cost h that
-        gives the shortest its measured efficiency."""
-        times, eff = (np.asarray(v, float) for v in zip(*self.matmul_efficiency, strict=True))
-        t = np.maximum(np.asarray(peak_s, float), 1e-15)
-        inside = np.interp(np.log(t), np.log(times), eff)
-        fixed = times[0] * (1.0 / max(eff[0], 1e-9) - 1.0)
-        return np.where(t < times[0], t / (t + fixed), inside)
+        `matmul_efficiency` (which must not be empty; `matmul_efficiency.efficiency_at`)."""
+        return efficiency_at(self.matmul_efficiency, peak_s)
 
     def reduction_s(self, nbytes: np.ndarray) -> np.ndarray:
         """Seconds of reductions moving `nbytes` each (`reduction_cost`; 0 without it)."""
@@ -376,106 +353,4 @@ class DeviceSpec:
         return cls(**d)
 
 
-# cuDNN's fused attention on an H100 SXM5 (BF16, head dim 128, sequence 8k), published in
-# FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, Figs. 5 and 6): causal forward
-# 529 Tflop/s, backward 518, of the 989 dense peak. The H200 is the same GPU (the same
-# peak) with more memory bandwidth: its kernels are priced at the same shares.
-_ATTENTION_FWD, _ATTENTION_BWD = 529 / 989, 518 / 989
-
-_BUILTIN: dict[str, DeviceSpec] = {
-    spec.name: spec
-    for spec in (
-        DeviceSpec("h100-sxm", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=3.35e12, memory_bytes=80 * GB, idle_watts=79,
-                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="9.0", attention_fwd_efficiency=_ATTENTION_FWD,
-                   attention_bwd_efficiency=_ATTENTION_BWD),
-        # datasheet peaks; the convolutions' shares of the matmul rate as `jaxwap calibrate`
-        # measured them on one H200 here (benchmarks/results/gpu_nvidia-h200.json): 0.57
-        # for 3x3 layers at a training batch, 0.029 over 3 input channels (first layers);
-        # idle: nvidia-smi's power samples there before any work, 116 W on average
-        DeviceSpec("h200", peak_flops=989e12, peak_flops_f32=494e12,
-                   memory_bandwidth=4.8e12, memory_bytes=141 * GB, idle_watts=116,
-                   max_watts=700, kernel_overhead_s=4e-6, efficiency_half_flops=1e9,
-                   conv_efficiency=0.57, narrow_conv_efficiency=0.029,
-                   link_bandwidth=450 * GB, link_latency_s=3e-6,
-                   host_bandwidth=50 * GB, network_bandwidth=50 * GB, power=H200_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="9.0", attention_fwd_efficiency=_ATTENTION_FWD,
-                   attention_bwd_efficiency=_ATTENTION_BWD),
-        DeviceSpec("a100-sxm-80gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=2.039e12, memory_bytes=80 * GB, idle_watts=60,
-                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="8.0"),
-        DeviceSpec("a100-sxm-40gb", peak_flops=312e12, peak_flops_f32=156e12,
-                   memory_bandwidth=1.555e12, memory_bytes=40 * GB, idle_watts=60,
-                   max_watts=400, kernel_overhead_s=5e-6, efficiency_half_flops=4e8,
-                   link_bandwidth=300 * GB, link_latency_s=4e-6,
-                   host_bandwidth=25 * GB, power=A100_SXM,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="8.0"),
-        DeviceSpec("v100-sxm2", peak_flops=125e12, peak_flops_f32=15.7e12,
-                   memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=40,
-                   max_watts=300, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
-                   link_bandwidth=150 * GB, link_latency_s=5e-6,
-                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="7.0"),
-        # the 250 W PCIe card (no NVLink: its peers over PCIe 3.0), the V100 the published
-        # power trace `benchmarks/power.py` checks against ran on
-        DeviceSpec("v100-pcie", peak_flops=112e12, peak_flops_f32=14e12,
-                   memory_bandwidth=0.9e12, memory_bytes=32 * GB, idle_watts=V100_IDLE_W,
-                   max_watts=250, kernel_overhead_s=6e-6, efficiency_half_flops=2e8,
-                   link_bandwidth=12 * GB, link_latency_s=10e-6,
-                   host_bandwidth=12 * GB, network_bandwidth=12.5 * GB, power=V100_PCIE,
-                   relayouts_batched_dots=True, expands_pooling_grads=True,
-                   compute_capability="7.0"),
-        # One host CPU core as an XLA device: AVX2/AVX-512 FMA throughput actually
-        # reached by XLA's CPU matmuls, a core's share of DRAM bandwidth and of socket power.
-        # Simulated CPU devices share the host's cores: `detect_cluster` scales this.
-        DeviceSpec("cpu", peak_flops=5e10, peak_flops_f32=5e10, memory_bandwidth=1e10,
-                   memory_bytes=8 * GiB, idle_watts=3, max_watts=15,
-                   kernel_overhead_s=2e-6, efficiency_half_flops=1e6,
-                   link_bandwidth=10 * GB, link_latency_s=5e-6, host_bandwidth=1e10,
-                   overlaps_collectives=False, combines_collectives=False,
-                   relayouts_conv_grads=True, fuses_reductions=False,
-                   relayouts_batched_dots=True,
-                   network_bandwidth=1.25 * GB, network_latency_s=50e-6),
-    )
-}
-
-# jax `device_kind` substrings -> built-in profile, most specific first.
-_KIND_PATTERNS: tuple[tuple[str, str], ...] = (
-    ("h200", "h200"),
-    ("h100", "h100-sxm"),
-    ("a100-sxm4-80gb", "a100-sxm-80gb"),
-    ("a100 80gb", "a100-sxm-80gb"),
-    ("a100", "a100-sxm-40gb"),
-    ("v100-pcie", "v100-pcie"),
-    ("v100", "v100-sxm2"),
-    ("cpu", "cpu"),
-)
-
-
-def device_spec(name: str | DeviceSpec) -> DeviceSpec:
-    """A built-in profile by name (or the spec itself)."""
-    if isinstance(name, DeviceSpec):
-        return name
-    key = str(name).lower()
-    if key not in _BUILTIN:
-        raise ValueError(f"unknown device profile {name!r}; built-ins are "
-                         f"{sorted(_BUILTIN)} (or pass a jaxwap.DeviceSpec)")
-    return _BUILTIN[key]
-
-
-def builtin_device_names() -> tuple[str, ...]:
-    return tuple(sorted(_BUILTIN))
-
-
-__all__ = ["BACKEND_FLAGS", "GB", "GiB", "DeviceSpec", "builtin_device_names", "device_spec"]
+__all__ = ["BACKEND_FLAGS", "GB", "GiB", "DeviceSpec"]

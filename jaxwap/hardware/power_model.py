@@ -35,7 +35,7 @@ DVFS_EXPONENT = 3.0
 # falls only linearly with the clock: a deep cap costs more clock than the cube law says.
 # Fitted to the one published cap-versus-GEMM figure (a GB300 at a 500 W cap of 1400 W kept
 # 0.28-0.39 of its throughput; 0.35 here with idle 150 W); checked against the Zeus V100
-# trace in `benchmarks/power.py`.
+# trace in `benchmarks/gpu/power.py`.
 VOLTAGE_KNEE = 0.75
 # No sustained clock below this share of the default (the lowest DVFS states).
 MIN_CLOCK_FRACTION = 0.2
@@ -127,7 +127,7 @@ class PowerProfile:
         (`comm_watts`: the device in its working state, its memory clocked up), not idle:
         a capped device is busy. Without a measured curve the dynamic power above that
         floor follows the clock's cube down to `VOLTAGE_KNEE`, then falls linearly.
-        Checked against published traces (`benchmarks/power.py`): a V100 PCIe training
+        Checked against published traces (`benchmarks/gpu/power.py`): a V100 PCIe training
         ResNet-50 kept 0.52-0.58 of its throughput at 100 of 250 W (0.46-0.50 here; the
         cube law over idle said 0.68-0.70), and 0.85-0.95 at 150-200 W (within 1.2%)."""
         if limit is None or load_watts <= limit:
@@ -281,18 +281,18 @@ def curve_from_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[floa
 #   400 W), 1328 GB/s (85% of its bandwidth), draws 239.3 W per GPU, the average of the
 #   8 (github.com/FlagOpen/FlagPerf, base/benchmarks/main_memory-bandwidth/nvidia/A100/
 #   README.md, commit 1b5a030); the same page set measures GEMMs (BF16 338.4 W at 83% of
-#   peak, TF32 383.5 W at 79%), which `benchmarks/power.py` sets the model against.
+#   peak, TF32 383.5 W at 79%), which `benchmarks/gpu/power.py` sets the model against.
 # - V100 PCIe: the Zeus trace (You et al., NSDI'23; github.com/ml-energy/zeus, examples/
 #   research_reproducibility/zeus_nsdi23/trace/summary_power_v100.csv) sets limits from
 #   100 to 250 W on its V100 (below the SXM2's 150 W minimum: a 250 W PCIe card), and its
 #   least loaded job (NCF) averages 34.8 W, which bounds the idle power from above; its
-#   ResNet-50 and BERT figures are checks (`benchmarks/power.py`), not inputs.
+#   ResNet-50 and BERT figures are checks (`benchmarks/gpu/power.py`), not inputs.
 # - Not found in reach: a published table of clock or throughput at each limit for the
 #   H100, H200 or A100 (Ujeniya et al., arXiv 2604.11391, and Mayr et al., arXiv
 #   2603.16164, measured such curves; only their abstracts could be read), and an A100's
 #   waiting power. So the clock curve is the DVFS model (`DVFS_EXPONENT`), and the A100's
 #   waiting power takes the H100's share of the dynamic range; `source` says so.
-#   `benchmarks/power.py` sets the DVFS model against the published cap-versus-throughput
+#   `benchmarks/gpu/power.py` sets the DVFS model against the published cap-versus-throughput
 #   figures found (a GB300 GEMM, the V100's ResNet-50).
 H100_IDLE_W = 79.0
 HOPPER_SOURCE = ("published: limits, idle, waiting and memory-bound power (hardware/power_model.py "
@@ -301,7 +301,7 @@ H100_SXM = PowerProfile(matmul_watts=700.0, memory_watts=300.0, comm_watts=145.0
                         limit_range_w=(200.0, 700.0), default_limit_w=700.0,
                         source=HOPPER_SOURCE)
 # - H200 (measured here, not published): `jaxwap calibrate` on one H200 SXM lent to this
-#   project (benchmarks/results/gpu_nvidia-h200.json, 2026-11-26; limits left alone):
+#   project (benchmarks/results/gpu_sweep/nvidia-h200_run1.json, 2026-11-26; limits left alone):
 #   chained bf16 matmuls on random data draw 690 W at the 700 W default limit, elementwise
 #   passes streaming HBM 535 W, idle after work 121 W (nvidia-smi: 116 W on average over
 #   2.4 s before any work, 80-130 W); training steps there drew 531-698 W. The waiting

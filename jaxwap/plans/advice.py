@@ -1,7 +1,7 @@
 """The advice a plan carries about attention: what materialized scores cost in its step and
 what cuDNN's fused kernel would give instead. The record and its lines in `explain()` live
-here, with the plan; `decide.attention_advice` finds the scores and prices the
-alternative."""
+here, with the plan; `decide.score_detection` finds the scores, `decide.fused_counterfactual`
+builds the step without them and `decide.attention_advice` prices the alternative."""
 
 from __future__ import annotations
 

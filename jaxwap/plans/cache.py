@@ -36,7 +36,7 @@ import jaxlib
 
 from jaxwap.core.paths import ENV_VAR, default_cache_dir
 from jaxwap.core.version import __version__ as JAXWAP_VERSION
-from jaxwap.plans.fingerprint import _encode, jaxpr_fingerprint
+from jaxwap.plans.key_encoding import encode
 from jaxwap.plans.plan import Plan
 
 # Version of the entry file's layout. Bump it when the layout or the meaning of a key
@@ -118,8 +118,8 @@ def plan_key(**parts: Any) -> str:
     a false hit a wrong plan, so the encoding errs on the side of misses.
     """
     h = hashlib.sha256()
-    _encode({"key_format": KEY_FORMAT, "jaxwap": JAXWAP_VERSION, "jax": jax.__version__,
-             "jaxlib": jaxlib.__version__, "parts": parts}, h.update)
+    encode({"key_format": KEY_FORMAT, "jaxwap": JAXWAP_VERSION, "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__, "parts": parts}, h.update)
     return h.hexdigest()
 
 
@@ -254,4 +254,4 @@ class PlanCache:
 
 
 __all__ = ["CACHE_FORMAT", "ENV_VAR", "KEY_FORMAT", "PlanCache", "PlanCacheWarning",
-           "default_cache_dir", "jaxpr_fingerprint", "plan_key"]
+           "default_cache_dir", "plan_key"]

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 
 def _memory_summary(plan: Plan) -> str:
+    """The memory repairs on the step line: optimizer state sharded over data (ZeRO-1) or
+    kept in host memory, counted in parameters ('' where none)."""
     zero1 = sum(1 for p in plan.params if p.state_spec is not None)
     off = sum(1 for p in plan.params if p.offload)
     parts = []
@@ -37,6 +39,7 @@ def _memory_summary(plan: Plan) -> str:
     if off:
         parts.append(f"optimizer state of {off} params in host memory")
     return ("   memory: " + "; ".join(parts)) if parts else ""
+
 
 def _nodes_summary(plan: Plan) -> list[str]:
     """Which mesh axis spans nodes, on a cluster of several."""
@@ -63,6 +66,7 @@ def _nodes_summary(plan: Plan) -> list[str]:
     return [f"nodes: {nodes} of {hw.num_nodes} used; {where}; the {MODEL} axis of {m} "
             f"stays inside a node"]
 
+
 def _inside_stage(plan: Plan) -> str:
     """What a pipeline's other blocking communication is: each layer's gathers
     (FSDP inside a stage) and the model axis's collectives (tensor parallelism)."""
@@ -72,13 +76,32 @@ def _inside_stage(plan: Plan) -> str:
     rest = plan.predicted.tp_comm_time_s - plan.predicted.send_time_s
     return f"; {rest * 1e3:.3f} ms {' and '.join(what)}, every loop step" if what else ""
 
+
 def explain(plan: Plan, max_params: int = 40) -> str:
     """A report a person reads: the decision, the layout, the figures, the losers."""
-    pr = plan.predicted
+    lines = [*_header(plan), "", *_predicted(plan)]
+    if plan.attention is not None:
+        lines += ["", "advice (predicted):", *plan.attention.lines()]
+    if plan.compiled is not None:
+        lines += ["", *_compiled(plan)]
+    if plan.measured is not None:
+        lines += ["", *_measured(plan)]
+    lines += ["", *_parameters(plan, max_params)]
+    lines += ["", *_candidates(plan)]
+    t = plan.planning_time_s
+    lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _header(plan: Plan) -> list[str]:
+    """What was decided and for what: the mesh and objective, the hardware (and how a
+    host's shared memory slows this mesh), the devices, batch and budget, the step variant
+    and its memory repairs, and which axis spans nodes."""
     hw = plan.hardware
     dev = hw.device
     mesh = named_mesh(plan.mesh_shape.items())
-    lines = [
+    return [
         f"jaxwap plan: {plan.num_devices} of {hw.num_devices} devices, mesh {mesh}, "
         f"objective {plan.objective.describe()}",
         f"hardware: {hw.num_devices} x {hw.device.name} "
@@ -93,7 +116,14 @@ def explain(plan: Plan, max_params: int = 40) -> str:
         f"{si(plan.memory_budget_bytes, 'B')} per device",
         f"step: {plan.step.describe()}" + _memory_summary(plan),
         *_nodes_summary(plan),
-        "",
+    ]
+
+
+def _predicted(plan: Plan) -> list[str]:
+    """The model's figures for the plan, labelled predicted: time and its parts, energy,
+    memory, the power limit, and a pipeline's bubble and sends."""
+    pr = plan.predicted
+    lines = [
         "predicted (model, not measured):",
         f"  step time       {pr.step_time_s * 1e3:10.3f} ms   "
         f"({pr.samples_per_s:,.0f} samples/s)",
@@ -121,43 +151,52 @@ def explain(plan: Plan, max_params: int = 40) -> str:
             f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
             f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
             f"over the {STAGE} axis" + _inside_stage(plan))
-    if plan.attention is not None:
-        lines += ["", "advice (predicted):", *plan.attention.lines()]
-    if plan.compiled is not None:
-        c, v = plan.compiled, plan.verified
-        kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}"
-                        for x in c.collectives)
-        lines += [
-            "",
-            "compiled (XLA's own analysis of this plan, per device):",
-            f"  memory          {si(c.memory_bytes, 'B'):>10}   "
-            f"(model {_err(pr.peak_memory_bytes, c.memory_bytes)})   "
-            f"argument {si(c.argument_bytes, 'B')}, output {si(c.output_bytes, 'B')}, "
-            f"temp {si(c.temp_bytes, 'B')}, aliased {si(c.alias_bytes, 'B')}"
-            + (f"; less {si(c.host_unverified_bytes, 'B')} of optimizer state planned "
-               f"for host memory, which this backend's analysis cannot show (modelled)"
-               if c.host_unverified_bytes else ""),
-            f"  flops           {si(c.flops, 'flop'):>10}   "
-            f"(model {_err(pr.flops_as_xla_counts, c.flops)})",
-            f"  communication   {si(c.comm_bytes, 'B'):>10}   "
-            f"(model {_err(pr.comm_bytes, c.comm_bytes)})   "
-            f"{', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'no collectives'}",
-        ]
-        if v is not None:
-            lines.append(f"  model fed these figures: step {v.step_time_s * 1e3:.3f} ms, "
-                         f"{si(v.energy_per_step_j, 'J')}/step (what the choice was made on)")
-    if plan.measured is not None:
-        ms = plan.measured
-        lines += ["", f"measured on the devices ({ms.steps} steps; energy "
-                      f"{ms.energy_source}{': ' + ms.note if ms.note else ''}):",
-                  f"  step time       {ms.step_time_s * 1e3:10.3f} ms   "
-                  f"(model {pr.step_time_s * 1e3:.3f} ms)",
-                  f"  energy          {si(ms.energy_per_step_j, 'J'):>10}/step "
-                  f"(model {si(pr.energy_per_step_j, 'J')}/step)"]
-    lines += [
-        "",
-        "parameters:",
+    return lines
+
+
+def _compiled(plan: Plan) -> list[str]:
+    """XLA's own analysis of the compiled plan beside the model's figures (their error),
+    and the figures the model was fed for the choice."""
+    c, v, pr = plan.compiled, plan.verified, plan.predicted
+    assert c is not None
+    kinds = Counter(f"{x.kind} over {'+'.join(x.axes) or 'no axis'}" for x in c.collectives)
+    lines = [
+        "compiled (XLA's own analysis of this plan, per device):",
+        f"  memory          {si(c.memory_bytes, 'B'):>10}   "
+        f"(model {_err(pr.peak_memory_bytes, c.memory_bytes)})   "
+        f"argument {si(c.argument_bytes, 'B')}, output {si(c.output_bytes, 'B')}, "
+        f"temp {si(c.temp_bytes, 'B')}, aliased {si(c.alias_bytes, 'B')}"
+        + (f"; less {si(c.host_unverified_bytes, 'B')} of optimizer state planned "
+           f"for host memory, which this backend's analysis cannot show (modelled)"
+           if c.host_unverified_bytes else ""),
+        f"  flops           {si(c.flops, 'flop'):>10}   "
+        f"(model {_err(pr.flops_as_xla_counts, c.flops)})",
+        f"  communication   {si(c.comm_bytes, 'B'):>10}   "
+        f"(model {_err(pr.comm_bytes, c.comm_bytes)})   "
+        f"{', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'no collectives'}",
     ]
+    if v is not None:
+        lines.append(f"  model fed these figures: step {v.step_time_s * 1e3:.3f} ms, "
+                     f"{si(v.energy_per_step_j, 'J')}/step (what the choice was made on)")
+    return lines
+
+
+def _measured(plan: Plan) -> list[str]:
+    """What ran on the devices, beside the model's figures."""
+    ms, pr = plan.measured, plan.predicted
+    assert ms is not None
+    return [f"measured on the devices ({ms.steps} steps; energy "
+            f"{ms.energy_source}{': ' + ms.note if ms.note else ''}):",
+            f"  step time       {ms.step_time_s * 1e3:10.3f} ms   "
+            f"(model {pr.step_time_s * 1e3:.3f} ms)",
+            f"  energy          {si(ms.energy_per_step_j, 'J'):>10}/step "
+            f"(model {si(pr.energy_per_step_j, 'J')}/step)"]
+
+
+def _parameters(plan: Plan, max_params: int) -> list[str]:
+    """The layout: the largest `max_params` parameters, in the model's order, with their
+    specs (and their optimizer state's where sharded apart)."""
+    lines = ["parameters:"]
     width = max((len(p.keystr) for p in plan.params), default=10)
     width = min(max(width, 10), 60)
     sw = max([14] + [len(p.strategy) for p in plan.params])
@@ -170,11 +209,7 @@ def explain(plan: Plan, max_params: int = 40) -> str:
                      + (f"  state {P(*p.state_spec)}" if p.state_spec is not None else ""))
     if len(plan.params) > max_params:
         lines.append(f"  ... {len(plan.params) - max_params} smaller parameters not shown")
-    lines += ["", *_candidates(plan)]
-    t = plan.planning_time_s
-    lines += ["", "planning time: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items())]
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
+    return lines
 
 
 _BASIS = {MEASURED: "measured", COMPILED: "XLA", PREDICTED: "model"}

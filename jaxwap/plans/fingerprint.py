@@ -1,9 +1,10 @@
-"""Deterministic fingerprints: the canonical encoding behind `plan_key`, and a structural
-hash of a jaxpr; equal for equal inputs in any process (any hash seed, any addresses).
+"""A structural hash of a jaxpr, part of `plan_key`: equal for equal jaxprs in any process
+(any hash seed, any addresses), different when what the planner reads differs.
 
 `jaxpr_fingerprint` walks the jaxpr instead of printing it: printing a GPT-2 step takes
 ten times as long as tracing it again, and a cached plan should cost little more than the
-trace. A low module: of jaxwap it imports hardware and objective (`_canonical_object`).
+trace. Params it meets are written in `key_encoding`'s canonical encoding where that
+encoding accepts them (shardings, meshes, dtypes), so the key and the walk agree on them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import re
 import types
 import weakref
 from collections.abc import Callable
@@ -24,143 +24,7 @@ from jax._src import core as jcore  # Jaxpr, Var, Literal, ShapedArray: no publi
 from jax._src import linear_util, literals
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from jaxwap.core.objective import Objective
-from jaxwap.hardware.cluster import Cluster, DeviceSpec
-
-# ` at 0x7f...`: an object's address in Python's default repr, which differs between runs
-_ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-# --------------------------------------------------------------------------- canonical
-def _encode(x: Any, out: Callable[[bytes], object]) -> None:
-    """Write x as a self-delimiting, type-tagged byte string: no two different values (of
-    the types accepted) share an encoding, and equal values always have the same one."""
-    if x is None:
-        out(b"N")
-    elif isinstance(x, bool):
-        out(b"T" if x else b"F")
-    elif isinstance(x, int):
-        out(b"i%d;" % x)
-    elif isinstance(x, float):
-        out(b"f" + float.hex(x).encode() + b";")  # exact; nan/inf spelled out
-    elif isinstance(x, str):
-        _blob(b"s", x.encode("utf-8"), out)
-    elif isinstance(x, bytes):
-        _blob(b"b", x, out)
-    elif isinstance(x, np.generic):
-        _encode(x.item(), out)
-    elif isinstance(x, (list, tuple)):
-        out(b"l%d[" % len(x))
-        for item in x:
-            _encode(item, out)
-        out(b"]")
-    elif isinstance(x, dict):
-        for k in x:
-            if not isinstance(k, str):
-                raise TypeError(f"plan_key: dict keys must be str, got {type(k).__name__} "
-                                f"key {k!r}")
-        out(b"d%d{" % len(x))
-        for k in sorted(x):
-            _blob(b"s", k.encode("utf-8"), out)
-            _encode(x[k], out)
-        out(b"}")
-    elif isinstance(x, (set, frozenset)):
-        # element order varies with the hash seed: sort the elements' encodings instead
-        items = []
-        for item in x:
-            buf: list[bytes] = []
-            _encode(item, buf.append)
-            items.append(b"".join(buf))
-        out(b"S%d{" % len(items) + b"".join(sorted(items)) + b"}")
-    else:
-        tag, data = _canonical_object(x)
-        _blob(b"o", tag.encode(), out)
-        _encode(data, out)
-
-
-def _blob(tag: bytes, data: bytes, out: Callable[[bytes], object]) -> None:
-    out(tag + b"%d:" % len(data) + data)
-
-
-def _canonical_object(x: Any) -> tuple[str, Any]:
-    """(type tag, plain data) for the non-builtin types plan_key accepts."""
-    if isinstance(x, (Cluster, Objective, DeviceSpec)):
-        return type(x).__name__, x.to_dict()
-    if isinstance(x, enum.Enum):
-        return "enum", (_qualname(type(x)), x.name)
-    if isinstance(x, np.dtype) or _is_extended_dtype(x):
-        return "dtype", str(x)
-    if isinstance(x, type) and (issubclass(x, np.generic) or hasattr(x, "dtype")):
-        try:  # scalar types: np.float32, jnp.bfloat16
-            return "dtype", str(np.dtype(x))
-        except TypeError:
-            pass
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return "aval", {"shape": tuple(int(d) for d in x.shape), "dtype": str(x.dtype),
-                        "weak_type": bool(getattr(x, "weak_type", False)),
-                        "sharding": x.sharding}
-    if isinstance(x, PartitionSpec):
-        return "spec", {"partitions": tuple(_spec_entry(e) for e in x),
-                        "unreduced": frozenset(x.unreduced), "reduced": frozenset(x.reduced)}
-    if isinstance(x, NamedSharding):
-        mesh = x.mesh
-        ids = [int(d.id) for d in mesh.devices.flat] if isinstance(mesh, Mesh) else None
-        return "named_sharding", {
-            "axis_names": tuple(mesh.axis_names), "axis_sizes": tuple(mesh.axis_sizes),
-            "axis_types": tuple(str(t) for t in mesh.axis_types), "device_ids": ids,
-            "spec": x.spec, "memory_kind": x.memory_kind}
-    if isinstance(x, SingleDeviceSharding):
-        (device,) = x.device_set
-        return "single_device_sharding", {"device": device, "memory_kind": x.memory_kind}
-    if isinstance(x, jax.Device):
-        return "device", {"id": int(x.id), "platform": x.platform, "kind": x.device_kind,
-                          "process_index": int(x.process_index)}
-    if isinstance(x, jax.tree_util.PyTreeDef):
-        text = str(x)
-        if _ADDRESS_RE.search(text):
-            raise TypeError(f"plan_key: this PyTreeDef's text holds an object address, "
-                            f"which differs between runs: {text[:200]}")
-        return "treedef", text
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return "dataclass:" + _qualname(type(x)), {
-            f.name: getattr(x, f.name) for f in dataclasses.fields(x) if f.compare}
-    raise TypeError(
-        f"plan_key cannot encode a {_qualname(type(x))} ({_short_repr(x)}): pass str, "
-        f"numbers, None, bools, lists/tuples, dicts with str keys, jaxwap.Cluster / "
-        f"Objective, dataclasses, dtypes, ShapeDtypeStruct, PartitionSpec, NamedSharding "
-        f"or devices, or convert it to one of those (see plan_key's docstring)")
-
-
-def _spec_entry(e: Any) -> Any:
-    if e is None or isinstance(e, str):
-        return e
-    if isinstance(e, tuple):
-        return tuple(e)
-    if e is PartitionSpec.UNCONSTRAINED:
-        return ("UNCONSTRAINED",)  # a 1-tuple of this text cannot be a real entry
-    raise TypeError(f"plan_key: unexpected PartitionSpec entry {e!r}")
-
-
-def _is_extended_dtype(x: Any) -> bool:
-    if isinstance(x, (np.dtype, type)):
-        return False
-    try:
-        return bool(jax.dtypes.issubdtype(x, jax.dtypes.extended))
-    except Exception:  # noqa: BLE001 - arbitrary objects: "not a dtype" is the answer
-        return False
-
-
-def _qualname(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-def _short_repr(x: Any) -> str:
-    try:
-        r = repr(x)
-    except Exception:  # noqa: BLE001 - only for an error message
-        r = "<unrepresentable>"
-    return r if len(r) <= 80 else r[:77] + "..."
-
+from jaxwap.plans.key_encoding import ADDRESS_RE, encode, is_extended_dtype, qualname
 
 # --------------------------------------------------------------------------- jaxprs
 # Types in a value nest (see `_Walker`): each equal only to itself, printed `@name`.
@@ -192,7 +56,7 @@ def jaxpr_fingerprint(closed_jaxpr: Any) -> str:
         closed_jaxpr = closed_jaxpr.jaxpr
     elif not isinstance(closed_jaxpr, jcore.Jaxpr):
         raise TypeError(f"jaxpr_fingerprint takes a ClosedJaxpr or a Jaxpr (as "
-                        f"jax.make_jaxpr returns), got {_qualname(type(closed_jaxpr))}")
+                        f"jax.make_jaxpr returns), got {qualname(type(closed_jaxpr))}")
     return _Walker().digest(closed_jaxpr)
 
 
@@ -285,7 +149,7 @@ class _Walker:
         """Shape, dtype, weak type, and where set what else `str(aval)` shows: sharding
         spec (and mesh), memory space (host offload), varying / unreduced axes."""
         if a.__class__ is not jcore.ShapedArray:  # tokens, refs, ...: rare and short
-            return (_AVAL, _qualname(type(a)), _ADDRESS_RE.sub(" at 0x?", str(a)))
+            return (_AVAL, qualname(type(a)), ADDRESS_RE.sub(" at 0x?", str(a)))
         code = (a.shape, _dtype_name(a.dtype), _TRUE if a.weak_type else _FALSE)
         sharding = _sharding_extra(a.sharding)
         mat, ms = a.manual_axis_type, a.memory_space
@@ -332,17 +196,18 @@ def _sharding_extra(s: Any) -> Any:
                 and s.memory_kind is None):
             return None
         return (_canon(spec), _mesh(s.mesh), s.memory_kind)
-    return (_REPR, _qualname(type(s)), _ADDRESS_RE.sub(" at 0x?", repr(s)))
+    return (_REPR, qualname(type(s)), ADDRESS_RE.sub(" at 0x?", repr(s)))
 
 
 def _canon(x: Any) -> tuple[Any, bytes]:
     buf: list[bytes] = []
-    _encode(x, buf.append)
+    encode(x, buf.append)
     return (_CANON, b"".join(buf))
 
 
 def _mesh(m: Any) -> tuple[Any, ...]:
-    """As `_canonical_object` has a NamedSharding's mesh (device ids if it has them)."""
+    """As `key_encoding.canonical_object` has a NamedSharding's mesh (device ids if it has
+    them)."""
     ids = (tuple(int(d.id) for d in m.devices.flat if d is not None)  # Mesh(): a None
            if isinstance(m, Mesh) else None)
     return (_MESH, tuple(m.axis_names), tuple(m.axis_sizes),
@@ -352,8 +217,8 @@ def _mesh(m: Any) -> tuple[Any, ...]:
 def _repr_fallback(w: _Walker, v: Any) -> Any:
     """Any other object: type and repr, addresses masked, so that an unknown param still
     fingerprints the same in every run (rare: see `_resolve`)."""
-    return w.memoised(v, lambda x: (_REPR, _qualname(type(x)),
-                                    _ADDRESS_RE.sub(" at 0x?", repr(x))))
+    return w.memoised(v, lambda x: (_REPR, qualname(type(x)),
+                                    ADDRESS_RE.sub(" at 0x?", repr(x))))
 
 
 def _seq(w: _Walker, v: Any) -> Any:
@@ -366,13 +231,13 @@ def _fn_name(v: Any) -> Any:
     if isinstance(v, functools.partial):
         return (_fn_name(v.func), len(v.args), tuple(sorted(v.keywords)))
     name = getattr(v, "__qualname__", None) or getattr(v, "__name__", None)
-    return name if isinstance(name, str) else _qualname(type(v))
+    return name if isinstance(name, str) else qualname(type(v))
 
 
 def _function(w: _Walker, v: Any) -> Any:
     """By name only: a closure's identity differs between traces, and what it computes is
     in the jaxprs beside it (the thunks of custom_jvp_call / custom_vjp_call)."""
-    return (_FN, _qualname(type(v)), _fn_name(v))
+    return (_FN, qualname(type(v)), _fn_name(v))
 
 
 def _dtype(w: _Walker, v: Any) -> Any:
@@ -380,7 +245,7 @@ def _dtype(w: _Walker, v: Any) -> Any:
 
 
 def _canonical(w: _Walker, v: Any) -> Any:
-    try:  # _canonical_object refuses e.g. a class, a PyTreeDef whose text holds an address
+    try:  # canonical_object refuses e.g. a class, a PyTreeDef whose text holds an address
         return w.memoised(v, _canon)
     except (TypeError, AttributeError):
         return _repr_fallback(w, v)
@@ -389,7 +254,7 @@ def _canonical(w: _Walker, v: Any) -> Any:
 def _number(w: _Walker, x: Any) -> Any:
     """A subclass of int, float, ...: jax's TypedInt, TypedFloat (with a dtype)."""
     base = next(b for b in (int, float, complex, str, bytes) if isinstance(x, b))
-    return (_NUM, _qualname(type(x)), w.conv(base(x)), _dtype_name(getattr(x, "dtype", None)))
+    return (_NUM, qualname(type(x)), w.conv(base(x)), _dtype_name(getattr(x, "dtype", None)))
 
 
 def _resolve(t: type, v: Any) -> tuple[_Handler, bool]:
@@ -397,18 +262,18 @@ def _resolve(t: type, v: Any) -> tuple[_Handler, bool]:
     have equal encodings, as `_EQ_EXACT` records (not so for floats: -0.0 == 0.0)."""
     if issubclass(t, tuple) and hasattr(t, "_fields"):  # ConvDimensionNumbers, ...
         return (lambda w, x: w.memoised(x, lambda y: (
-            _TUPLE, _qualname(type(y)), tuple(y._fields), _seq(w, y)))), True
+            _TUPLE, qualname(type(y)), tuple(y._fields), _seq(w, y)))), True
     for kinds, handler, exact in _KINDS:
         if issubclass(t, kinds):
             return handler, exact
-    if _is_extended_dtype(v):
+    if is_extended_dtype(v):
         return _dtype, True
     if dataclasses.is_dataclass(t):  # e.g. checkpoint policies, effects
-        return (lambda w, x: w.memoised(x, lambda y: (_FIELDS, _qualname(type(y)), tuple(
+        return (lambda w, x: w.memoised(x, lambda y: (_FIELDS, qualname(type(y)), tuple(
             (f.name, w.conv(getattr(y, f.name))) for f in dataclasses.fields(y)
             if f.compare)))), False
     if t.__name__ == "UnspecifiedValue":  # jax's stateless "no sharding given" marker
-        return (lambda w, x: (_TYPE, _qualname(type(x)))), True
+        return (lambda w, x: (_TYPE, qualname(type(x)))), True
     if callable(v) and isinstance(getattr(v, "__name__", None), str):
         return _function, True
     return _repr_fallback, False
@@ -417,7 +282,7 @@ def _resolve(t: type, v: Any) -> tuple[_Handler, bool]:
 _KINDS: tuple[tuple[Any, _Handler, bool], ...] = (  # in order: the first that matches
     (jcore.ClosedJaxpr, lambda w, x: (_CLOSED, w.digest(x.jaxpr)), True),  # consts: types
     (jcore.Jaxpr, lambda w, x: (_JAXPR, w.digest(x)), True),
-    (enum.Enum, lambda w, x: (_ENUM, _qualname(type(x)), x.name), True),  # IntEnum: an int
+    (enum.Enum, lambda w, x: (_ENUM, qualname(type(x)), x.name), True),  # IntEnum: an int
     ((np.integer, np.bool_), lambda w, x: w.conv(x.item()), True),
     (np.generic, lambda w, x: w.conv(x.item()), False),
     (np.ndarray, lambda w, x: (_ARRAY, _dtype_name(x.dtype), x.shape,

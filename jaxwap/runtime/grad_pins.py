@@ -13,7 +13,7 @@ its mean and variance from, so XLA split those statistics by channel too, and ga
 them back where the activations read them. ResNet-50-small (29 parameters) under ZeRO-1 on
 2 devices compiled to 92 all-gathers, 63 of them inside the forward and backward passes,
 where ZeRO-1 needs 29 (one per updated weight). On the two-process gloo cluster of
-`benchmarks/measured.py` that step measured 472 ms against 219 ms for data parallelism;
+`benchmarks/accuracy/measured.py` that step measured 472 ms against 219 ms for data parallelism;
 the model, pricing ZeRO-1, said 322.
 
 So each such gradient is pinned to its weight's own layout (`with_sharding_constraint`)

@@ -1,0 +1,271 @@
+"""The step variants a plan weighs, cheapest first, until one fits: the step as written
+(with its pipelined candidates beside it), then, for a step built by `make_train_step`,
+the ladder of restructurings (`train_step.ladder`: micro-batches), found by bisection.
+
+Each variant is traced and analysed, searched (`verified_search.step_searcher`) and, with
+`verify=`, checked by XLA (`verified_search.verify_finalists`, `verified_search.tighten`).
+Pipelines and restructurings are optional branches: one that cannot be built is skipped
+with a note, and only the step as written must succeed. When nothing fits, the error says
+what was tried and what cuDNN's fused attention would give (`attention_advice`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jaxwap.analysis.graph import Graph, analyze
+from jaxwap.analysis.trace import ArgLayout, trace_layout
+from jaxwap.core.records import StepVariant
+from jaxwap.core.units import si
+from jaxwap.decide.attention_advice import fused_alternative
+from jaxwap.decide.choose import PlanContext
+from jaxwap.decide.no_fit import nothing_fits, nothing_fits_compiled
+from jaxwap.decide.verify import Verification
+from jaxwap.hardware.cluster import Cluster
+from jaxwap.options import PlanOptions
+from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
+from jaxwap.runtime.train_step import TrainStep, ladder, restructured
+from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.memory_repair import micro_batch_floor
+from jaxwap.search.pipeline_search import Pipelines, plan_pipelines, with_pipelines
+from jaxwap.search.solve import SearchResult
+
+
+@dataclass(frozen=True)
+class FoundVariant:
+    """The step variant that fits, and what its planning found."""
+
+    rung: StepVariant
+    fn: Callable
+    graph: Graph
+    search: SearchResult
+    verification: Verification | None
+
+
+def variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
+    """The step restructured as `variant` says (None: the step as written)."""
+    return None if variant.is_plain else restructured(fn, variant)
+
+
+def _failed(e: BaseException) -> str:
+    """An optional branch's failure, as a plan note says it: the exception and its first
+    line (the branch is skipped; the plan goes on without it)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def optional_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster,
+                       options: PlanOptions, usable: int, budget: float,
+                       rules: LayoutRules | None, calls: int, notes: list[str]
+                       ) -> Pipelines:
+    """The pipelined candidates, an optional branch: a step that jaxwap cannot build into
+    stages (a failure anywhere in tracing, cutting or solving its stages) is planned
+    without them, the reason in `notes`. Only a pipeline the user forced makes the
+    failure the plan's."""
+    t0 = time.perf_counter()
+    try:
+        pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable,
+                               budget, rules, tree_calls=calls)
+    except Exception as e:  # noqa: BLE001 - the plan goes on without pipelines, saying why
+        if options.forced_pipeline is not None:
+            raise
+        pipes = Pipelines((), f"building the stages failed ({_failed(e)})",
+                          time.perf_counter() - t0)
+    if pipes.reason is not None:
+        if options.forced_pipeline is not None:
+            raise ValueError(f"pipeline={options.forced_pipeline} cannot be used: "
+                             f"{pipes.reason}")
+        notes.append(f"pipelining not considered: {pipes.reason}")
+    return pipes
+
+
+class _Trials:
+    """The variants tried so far, for one `search_variants` call: each attempt's planning
+    (graph, search, verification) and the record of those that did not fit (`tried`, the
+    first one's error, the step as written's graph for the micro-batch floor and the
+    fused-attention sentence). A working state, not a record: attempts add to it."""
+
+    def __init__(self, fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
+                 options: PlanOptions, usable: int, timing: dict[str, float],
+                 notes: list[str], pipes: Pipelines, rules: LayoutRules | None) -> None:
+        self.fn, self.layout, self.closed, self.ctx = fn, layout, closed, ctx
+        self.options, self.usable, self.timing, self.notes = options, usable, timing, notes
+        self.pipes, self.rules = pipes, rules
+        self.tried: list[str] = []
+        self.first_error: str | None = None
+        self.plain_graph: Graph | None = None
+
+    def attempt(self, rung: StepVariant) -> FoundVariant | None:
+        """Plan one variant; None (and what was tried, and why not) when nothing fits."""
+        ctx, options = self.ctx, self.options
+        fn_v = variant_fn(self.fn, rung) or self.fn
+        ta = time.perf_counter()
+        graph = self._graph(rung, fn_v)
+        if graph is None:
+            return None
+        tb = time.perf_counter()
+        base = step_searcher(ctx, options, self.usable, self.rules, rung.micro_batches)
+
+        def searcher(budget: float) -> SearchResult:   # tighten searches smaller budgets
+            return base(graph, budget=budget)
+        try:
+            result = searcher(ctx.budget)
+        except ValueError as e:
+            if rung.is_plain:
+                raise
+            self.tried.append(f"{rung.describe()}: {str(e).split('(')[0].strip()}")
+            return None
+        if rung.is_plain:
+            result = with_pipelines(result, self.pipes, ctx.objective, ctx.cluster,
+                                    only=options.forced_pipeline is not None)
+        self.timing["analyze"] += tb - ta
+        self.timing["search"] += time.perf_counter() - tb
+        best = result.results[result.best]
+        result, ver, error = self._checked(result, fn_v, searcher)
+        if error is None:
+            return FoundVariant(rung, fn_v, graph, result, ver)
+        self.first_error = self.first_error or error
+        self.tried.append(f"{rung.describe()}: " + (
+            f"needs {si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
+            if not best.fits else "no candidate fits by XLA's analysis"))
+        return None
+
+    def _graph(self, rung: StepVariant, fn_v: Callable) -> Graph | None:
+        """The variant traced and analysed (the step as written: its trace already made);
+        None, with a note, where a restructuring cannot be built."""
+        layout = self.layout
+        try:
+            graph = dataclasses.replace(
+                analyze(self.closed if rung.is_plain else trace_layout(fn_v, layout),
+                        layout.inputs.roles, layout.outputs.roles, layout.params,
+                        layout.inputs.batch_size),
+                tree_calls=self.ctx.tree_calls)
+        except Exception as e:  # noqa: BLE001 - a restructuring is optional: skip it, say why
+            if rung.is_plain:
+                raise
+            self.tried.append(f"{rung.describe()}: could not be built ({_failed(e)})")
+            self.notes.append(f"step variant skipped: {self.tried[-1]}")
+            return None
+        if rung.is_plain:
+            self.plain_graph = graph
+        return graph
+
+    def _checked(self, result: SearchResult, fn_v: Callable,
+                 searcher: Callable[[float], SearchResult]
+                 ) -> tuple[SearchResult, Verification | None, str | None]:
+        """(the search, its verification, why nothing fits or None): the model's verdict,
+        then, with `verify=`, XLA's on the compiled finalists (searched again with a
+        tightened budget where XLA needs more than predicted)."""
+        ctx, options = self.ctx, self.options
+        B = self.layout.inputs.batch_size
+        if not result.results[result.best].fits:
+            return result, None, nothing_fits(result, ctx.budget, B, self.rules, ctx.params)
+        if not options.verify:
+            return result, None, None
+        verifier = functools.partial(verify_finalists, fn_v, self.layout, ctx, options)
+        ver = verifier(result)
+        self.timing["verify"] = self.timing.get("verify", 0.0) + ver.verify_time_s
+        if ver.best < 0 and ver.figures:
+            result, ver = tighten(result, ver, searcher, verifier, ctx.budget, self.timing,
+                                  self.notes)
+        error = nothing_fits_compiled(ver, result, ctx.budget, B) if ver.best < 0 else None
+        return result, ver, error
+
+    def no_fit(self) -> MemoryError:
+        """The error when no variant fits: the first one's reason, what else was tried,
+        and what cuDNN's fused attention would give the step as written."""
+        tried, layout = self.tried, self.layout
+        more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
+                if len(tried) > 1 else "")
+        more += fused_alternative(
+            self.plain_graph, self.closed, layout.inputs.roles, layout.outputs.roles,
+            layout.params, self.ctx.cluster.device,
+            step_searcher(self.ctx, self.options, self.usable, self.rules))
+        return MemoryError(f"{self.first_error}{more}")
+
+
+def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
+                    options: PlanOptions, usable: int, timing: dict[str, float],
+                    notes: list[str], platform: str, pipes: Pipelines,
+                    rules: LayoutRules | None = None) -> FoundVariant:
+    """The step as written first; a step built by make_train_step may then be
+    restructured (remat, micro-batches), in order of expected cost, until a plan fits.
+    `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat). The pipelined
+    candidates `pipes` are weighed beside the step as written (alone when forced)."""
+    rungs = [StepVariant()]
+    # a forced pipeline is its own restructuring: no other rung may stand in for it
+    if isinstance(fn, TrainStep) and fn.variant.is_plain and options.forced_pipeline is None:
+        rungs += ladder(layout.inputs.batch_size, platform)
+    timing.update(analyze=0.0, search=0.0)
+    trials = _Trials(fn, layout, closed, ctx, options, usable, timing, notes, pipes, rules)
+    # the step as written, then remat policies, in order; then the fewest micro-batches
+    # that fit
+    fixed = [r for r in rungs if r.micro_batches == 1]
+    micro = [r for r in rungs if r.micro_batches > 1]
+    found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
+    if found is None:
+        found = _fewest_micro_batches(trials, micro)
+    if found is None:
+        raise trials.no_fit()
+    if found.graph.unmodeled:
+        notes.append("ops priced by a generic rule (no roofline rule): "
+                     + ", ".join(found.graph.unmodeled))
+    if not found.rung.is_plain:
+        notes.append(f"the step as written does not fit ({trials.tried[0]}); restructured: "
+                     f"{found.rung.describe()}")
+    if isinstance(fn, TrainStep) and trials.tried:
+        notes.append("rematerialization not tried: the memory model credits no saving to "
+                     "a whole-step checkpoint (its recomputation replays the forward pass at "
+                     "once); micro-batches were")
+    return found
+
+
+def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant]) -> FoundVariant | None:
+    """The fewest micro-batches that fit, found by bisection (more micro-batches hold
+    fewer activations at once, so whether k fits is monotone in k): a few traces instead
+    of one per count. Counts below the floor are not traced (`_above_floor`)."""
+    lo, hi = _above_floor(trials, micro), len(micro) - 1
+    found = None
+    mid = lo
+    while found is None and lo <= hi:
+        got = trials.attempt(micro[mid])
+        if got is None:
+            lo = mid + 1
+        else:
+            found, hi = got, mid - 1
+            while lo <= hi:   # a smaller count may fit too
+                mid = (lo + hi) // 2
+                smaller = trials.attempt(micro[mid])
+                if smaller is None:
+                    lo = mid + 1
+                else:
+                    found, hi = smaller, mid - 1
+        mid = (lo + hi) // 2
+    return found
+
+
+def _above_floor(trials: _Trials, micro: list[StepVariant]) -> int:
+    """The index of the first count in `micro` worth tracing: counts whose activations
+    alone, estimated from the step as written, leave no layout within the budget are
+    skipped, each said in `trials.tried` (5% margin for the estimate; the last count is
+    always tried)."""
+    lo, hi = 0, len(micro) - 1
+    if not micro or trials.plain_graph is None:
+        return lo
+    ctx, options = trials.ctx, trials.options
+    floor = functools.partial(micro_batch_floor, trials.plain_graph, ctx.cluster, trials.usable,
+                              offload=options.offload, allowed=trials.rules,
+                              num_devices_exact=options.num_devices, mesh=options.mesh)
+    while lo < hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
+        trials.tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
+                            f"device (estimated)")
+        lo += 1
+    return lo
+
+
+__all__ = ["FoundVariant", "optional_pipelines", "search_variants", "variant_fn"]
