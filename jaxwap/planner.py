@@ -3,7 +3,7 @@
 The hardware and the devices usable (`planning.devices`) -> trace (`trace.layout_of`) -> plan
 cache lookup -> for each step variant, in order of cost (the step as written, then
 micro-batches, for a `make_train_step` step; `step_variants`): graph (`graph.analyze`) ->
-search (`solve.search`) -> verification (`verified_search`, XLA compiles of the
+search (`across_meshes.search`) -> verification (`verified_search`, XLA compiles of the
 finalists) -> the decision and the Plan (`choose.build_plan`). Measured choice (`measure`)
 runs later, on real arrays, and comes back through `record_measurements`, which builds
 the plan again with its measurements.

@@ -44,7 +44,7 @@ from jaxwap.decide.attention_advice import SHARE, _layout_prediction
 from jaxwap.decide.fused_counterfactual import score_sites, step_live
 from jaxwap.hardware.builtin_profiles import device_spec
 from jaxwap.plans.plan import Plan
-from jaxwap.search.solve import search
+from jaxwap.search.across_meshes import search
 
 H100 = device_spec("h100-sxm")
 H100X8 = jaxwap.Cluster("h100-sxm", 8)

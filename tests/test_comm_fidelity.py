@@ -28,11 +28,12 @@ from jaxwap.analysis.grad_reductions import batch_split
 from jaxwap.analysis.graph import analyze
 from jaxwap.analysis.trace import layout_of
 from jaxwap.cost.collectives import all_gather, all_reduce, batch_reduce_comm, ring_fit
-from jaxwap.cost.mesh_cost import mesh_costs, predict
+from jaxwap.cost.mesh_cost import mesh_costs
+from jaxwap.cost.mesh_prediction import predict
 from jaxwap.decide.xla_figures import compiled_figures
 from jaxwap.hardware.device import DeviceSpec
 from jaxwap.runtime.compile import compile_layout
-from jaxwap.search.solve import param_strategies
+from jaxwap.search.strategies import param_strategies
 
 CLUSTER = jaxwap.Cluster("h100-sxm", 8)
 B, T, V, C = 8, 4, 64, 16

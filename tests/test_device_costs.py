@@ -19,7 +19,8 @@ from models import abstract_setup, analyze_step
 import jaxwap
 from jaxwap.core.records import DATA
 from jaxwap.cost.collectives import fsdp_moves
-from jaxwap.cost.mesh_cost import mesh_costs, predict, with_compiled
+from jaxwap.cost.mesh_cost import mesh_costs
+from jaxwap.cost.mesh_prediction import predict, with_compiled
 from jaxwap.cost.op_time import op_times
 from jaxwap.decide.verify import compile_candidate
 from jaxwap.decide.xla_figures import layout_changes

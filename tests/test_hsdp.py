@@ -5,7 +5,7 @@ FSDP and ZeRO-1 shard over the data devices of one node only, and each gradient 
 all-reduced across the replicas. So FSDP's gathers stay on the node's links and only the
 gradient shards cross the network, for more memory per device than sharding over every
 data device. The search tries it on its best meshes of a multi-node cluster
-(`solve._hybrids`); `mesh_shape={"replica": r, "data": d}` asks for it.
+(`across_meshes._hybrids`); `mesh_shape={"replica": r, "data": d}` asks for it.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ as Flax Linen's `nn.scan(Block, variable_axes={"params": 0}, length=L)` (MaxText
 `scan_layers`; with or without `nn.remat` inside), as NNX layers made with `nnx.vmap` and
 run by `nnx.scan`, or as a hand-written `jax.lax.scan`. A module whose length is fixed
 cannot be called with fewer layers, so the planner prices a stage's share of the stack
-from the traced jaxpr (`layer_scan.stack_cut`). Each form: pipelines weighed for a cluster of
-nodes and under a tight memory budget, and the forced pipeline on the 8 CPU devices equal
+from the traced jaxpr (`layer_scan_rewrite.stack_cut`). Each form: pipelines weighed for a
+cluster of nodes and under a tight memory budget, and the forced pipeline on the 8 CPU devices equal
 to the plain step under `jax.jit` (f32, one Adam step, rtol 2e-5).
 """
 
@@ -22,7 +22,8 @@ from flax import nnx
 
 import jaxwap
 from jaxwap.core.records import STAGE
-from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan, stack_cut
+from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan
+from jaxwap.runtime.layer_scan_rewrite import stack_cut
 
 L, D, B, V = 8, 32, 16, 16
 

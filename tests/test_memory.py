@@ -306,7 +306,7 @@ def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     # micro-batch: the model charges it k times, the HLO parser counts the loop's trips
     from jaxwap.cost.mesh_cost import mesh_costs
     from jaxwap.decide.xla_figures import compiled_figures
-    from jaxwap.search.solve import param_strategies
+    from jaxwap.search.strategies import param_strategies
 
     step, *args = mlp_problem((256, 256, 10), 64, 64)
     layout, closed = layout_of(step, tuple(args), {}, None)

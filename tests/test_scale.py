@@ -16,7 +16,7 @@ from models import MLP, abstract_setup, copy_tree, setup
 import jaxwap
 from jaxwap.analysis.graph import analyze
 from jaxwap.cost.collectives import all_gather, all_reduce
-from jaxwap.search.solve import device_counts, mesh_shapes
+from jaxwap.search.meshes import device_counts, mesh_shapes
 
 GB = 1e9
 
@@ -238,7 +238,9 @@ def test_two_processes_planning_the_same_step_write_the_same_bytes():
 def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective):
     """Branch and bound skips only meshes that cannot win: the plan equals the best of
     solving every mesh shape (and hybrid-sharding the best of those, as the search does)."""
-    from jaxwap.search.solve import _hybrids, mesh_shapes, search, solve_mesh
+    from jaxwap.search.across_meshes import _hybrids, search
+    from jaxwap.search.meshes import mesh_shapes
+    from jaxwap.search.solve import solve_mesh
 
     step, params, opt, data = abstract_setup((2048, 2048, 2048, 16), 65536, 2048)
     graph = analyze(*_analysis_inputs(step, params, opt, data))

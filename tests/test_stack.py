@@ -1,8 +1,8 @@
-"""The layer stack of a loss function (`runtime.layer_scan`): found in its jaxpr from abstract
-arguments, refused with the reason when it cannot be pipelined, and run pipelined by a
-rewritten loss that equals the original, value and gradients, in float32 (rtol 1e-5,
-atol 1e-6; one bf16 step for the weight cast through bf16), on 2 and 4 stages, GPipe
-and circular, and through a whole training step.
+"""The layer stack of a loss function: found in its jaxpr from abstract arguments
+(`runtime.layer_scan`), refused with the reason when it cannot be pipelined, and run
+pipelined by a rewritten loss (`runtime.layer_scan_rewrite`) that equals the original,
+value and gradients, in float32 (rtol 1e-5, atol 1e-6; one bf16 step for the weight cast
+through bf16), on 2 and 4 stages, GPipe and circular, and through a whole training step.
 
 The model's layer is written the way real ones are: it reshapes with its own batch size
 (the stage runs it on a micro-batch), calls a `jax.jit` helper and `custom_jvp` functions
@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxwap
 from jaxwap.core.records import STAGE, StepVariant
-from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan, pipelined_loss
+from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan
+from jaxwap.runtime.layer_scan_rewrite import pipelined_loss
 
 L, D, B = 8, 16, 16
 AUTO = jax.sharding.AxisType.Auto

@@ -17,7 +17,7 @@ from models import MLP, abstract_setup, copy_tree, setup
 import jaxwap
 from jaxwap.calibration import dispatch_probes
 from jaxwap.calibration.host_calls import python_call_seconds
-from jaxwap.cost.mesh_cost import with_compiled
+from jaxwap.cost.mesh_prediction import with_compiled
 from jaxwap.cost.prediction import at_power_limit, call_time
 from jaxwap.decide.verify import compile_candidate
 from jaxwap.hardware.cluster import Cluster

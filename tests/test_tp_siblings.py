@@ -26,10 +26,11 @@ from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.trace import layout_of
 from jaxwap.core.records import MODEL
 from jaxwap.cost.collectives import collective_cost, tp_chain_cost
-from jaxwap.cost.mesh_cost import mesh_costs, predict
+from jaxwap.cost.mesh_cost import mesh_costs
+from jaxwap.cost.mesh_prediction import predict
 from jaxwap.decide.xla_figures import compiled_figures
 from jaxwap.runtime.compile import compile_layout
-from jaxwap.search.solve import param_strategies
+from jaxwap.search.strategies import param_strategies
 
 D, M = 2, 4
 CLUSTER = jaxwap.Cluster("h100-sxm", 8)

@@ -28,7 +28,7 @@ again, ``--rounds``), so the machine's drift falls on all of them alike; the med
 every timed step is kept, and how far the rounds' medians lie apart is recorded. Each is
 set against the step time the planner predicted for it, twice: the analytic model's (what
 the search ranks every candidate with) and the same model fed XLA's figures of that
-compiled program (`mesh_cost.with_compiled`: what verification ranks the compiled finalists
+compiled program (`mesh_prediction.with_compiled`: what verification ranks the compiled finalists
 with).
 
 Then plan quality against the measured oracle: the planner's default choice (`jaxwap.plan`
@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     from benchmarks.models import zoo
     from benchmarks.models.layouts import VARIANTS, variant_candidate
     from jaxwap.calibration.calibrate import calibrate_full
-    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.cost.mesh_prediction import with_compiled
     from jaxwap.decide.verify import compile_candidate
     from jaxwap.hardware.calibration import Calibration
     from jaxwap.hardware.cluster import detect_cluster

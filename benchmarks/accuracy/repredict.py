@@ -11,7 +11,7 @@ cluster `cluster.detect_cluster` makes for them, from stand-in devices), and its
 candidate is remade as `measured.py` made it (`layouts.mesh_candidate`). The analytic
 prediction is remade; with ``--compiled`` the XLA-fed one too for the one-device rows of
 the single set-up (compiled here, on this machine's one CPU device, as `measured.py`
-compiled them: `verify.compile_candidate`, then `mesh_cost.with_compiled`); the cluster's
+compiled them: `verify.compile_candidate`, then `mesh_prediction.with_compiled`); the cluster's
 need its processes.
 
 `--check` asserts that the predictions are the record's to the last digit, which holds
@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     import jaxwap
     from benchmarks.models import zoo
     from benchmarks.models.layouts import mesh_candidate
-    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.cost.mesh_prediction import with_compiled
     from jaxwap.decide.verify import compile_candidate
     from jaxwap.hardware.calibration import CALIBRATION_FORMAT, Calibration
     from jaxwap.hardware.cluster import detect_cluster

@@ -102,7 +102,7 @@ def worker(args: argparse.Namespace) -> None:
     from benchmarks.models import zoo
     from benchmarks.models.layouts import mesh_candidate
     from jaxwap.cost.collectives import collective_cost
-    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.cost.mesh_prediction import with_compiled
     from jaxwap.decide.verify import compile_candidate
     from jaxwap.decide.xla_figures import parse_collectives
     from jaxwap.hardware.calibration import Calibration

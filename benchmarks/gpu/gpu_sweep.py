@@ -105,7 +105,7 @@ def model_worker(args: argparse.Namespace) -> None:
     import jax.numpy as jnp
 
     import jaxwap
-    from jaxwap.cost.mesh_cost import with_compiled
+    from jaxwap.cost.mesh_prediction import with_compiled
     from jaxwap.decide.measure import measure_step
     from jaxwap.decide.verify import compile_candidate
     from jaxwap.decide.xla_figures import library_calls

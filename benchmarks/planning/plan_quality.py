@@ -30,7 +30,7 @@ import jax
 
 import jaxwap
 from benchmarks import harness
-from jaxwap.cost.mesh_cost import with_compiled
+from jaxwap.cost.mesh_prediction import with_compiled
 from jaxwap.decide.verify import compile_candidate, run_verification
 
 GOAL_REGRET, GOAL_PLAN_S = 0.03, 1.0

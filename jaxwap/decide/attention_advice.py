@@ -24,7 +24,8 @@ from jaxwap.analysis.graph import Graph
 from jaxwap.analysis.roles import LeafRole, ParamInfo
 from jaxwap.core.records import Prediction
 from jaxwap.core.units import si
-from jaxwap.cost.mesh_cost import mesh_costs, op_model_split, predict
+from jaxwap.cost.mesh_cost import mesh_costs, op_model_split
+from jaxwap.cost.mesh_prediction import predict
 from jaxwap.cost.op_time import op_times
 from jaxwap.decide.fused_counterfactual import ScoreSites, score_sites
 from jaxwap.hardware.cluster import Cluster

@@ -3,7 +3,7 @@
 The analytic search ranks every candidate on the model's figures; this stage compiles the
 best few (and the best plain data-parallel layout, whatever its rank), reads XLA's own
 per-device figures (`xla_figures.compiled_figures`), feeds them back into the cost model in place
-of its own guesses (`mesh_cost.with_compiled`), and ranks the candidates that fit by XLA's
+of its own guesses (`mesh_prediction.with_compiled`), and ranks the candidates that fit by XLA's
 memory analysis with the objective's one ranking. A candidate XLA says does not fit never
 becomes the plan.
 """
@@ -19,7 +19,7 @@ from typing import Any
 from jaxwap.analysis.fused_attention import compiles_here, uses_fused_attention
 from jaxwap.core.objective import Objective, Ranking
 from jaxwap.core.records import CompiledFigures, Prediction, judge
-from jaxwap.cost.mesh_cost import with_compiled
+from jaxwap.cost.mesh_prediction import with_compiled
 from jaxwap.decide.xla_figures import compiled_figures
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.compile import CompiledStep, compile_layout, host_resident_bytes

@@ -19,8 +19,9 @@ from jaxwap.core.units import si
 from jaxwap.decide.choose import PlanContext
 from jaxwap.decide.verify import Verification, compile_candidate, run_verification
 from jaxwap.options import PlanOptions
+from jaxwap.search.across_meshes import search
 from jaxwap.search.constraints import LayoutRules
-from jaxwap.search.solve import SearchResult, search
+from jaxwap.search.solve import SearchResult
 
 
 def step_searcher(ctx: PlanContext, options: PlanOptions, usable: int,

@@ -30,8 +30,8 @@ temporaries for 4.2 MB of stage weights and 1 MB of consts). The circular schedu
 computing the bubble kept round q's chunk once per loop step (2 stages, 8 micro-batches,
 2 rounds: 45.6 MB of temporaries then, 11.1 MB now).
 
-The planner's side is `runtime.layer_scan` (finding the scan, rewriting the loss) and the cost
-model (`pipeline_cost`, `pipeline_plan`).
+The planner's side is `runtime.layer_scan` (finding the scan), `runtime.layer_scan_rewrite`
+(rewriting the loss onto the pipeline) and the cost model (`pipeline_cost`, `pipeline_plan`).
 """
 
 from __future__ import annotations
@@ -140,6 +140,32 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     # the axes the loop runs by hand; the rest of the mesh is XLA's to partition
     manual = frozenset({STAGE, *((data_axis,) if isinstance(data_axis, str)
                                  else (data_axis or ()))})
+    stage_step = _stage_step(layer, r, manual, param_specs)
+
+    def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
+        here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        if here is None or not here.axis_names:
+            raise ValueError("pipelined() needs a mesh: pass one, or trace inside "
+                             "`with jax.set_mesh(mesh):`")
+        p = _check_schedule(here, m, r)
+        params, specs = _stage_specs(params, param_specs, mesh, here, manual)
+        staged = jax.shard_map(_per_stage(stage_step, m, r, p), mesh=mesh,
+                               in_specs=(specs, batch_spec, *(P() for _ in consts)),
+                               out_specs=batch_spec, check_vma=False,
+                               axis_names=set(manual & set(here.axis_names)))
+        return micro_join(staged(params, micro_split(x, m), *consts))
+
+    return f
+
+
+def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
+                param_specs: Any) -> Callable[..., jax.Array]:
+    """`stage_step(chunks, q, h, busy, consts)`: round q's chunk of a stage's layers on
+    `h` where `busy`, `h` as it is in the bubble (under `lax.cond`, so an idle device
+    idles), checkpointed to keep everything but views (`_keep_all_but_views`: the weights
+    are sliced again in the backward pass rather than kept once per loop step). Each
+    layer's weights are gathered whole over the loop's own axes (`manual`) just before it
+    runs."""
 
     def gather_layer(w: Any) -> Any:
         """One layer's weights whole over the loop's own axes (`param_specs`' data
@@ -168,70 +194,71 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
         return lax.cond(busy, run_layers, idle, chunk, h, consts)
 
     # inside the loop, CSE across steps cannot happen anyway: no barriers needed
-    stage_step = jax.checkpoint(stage_step, policy=_keep_all_but_views, prevent_cse=False)
+    return jax.checkpoint(stage_step, policy=_keep_all_but_views, prevent_cse=False)
 
-    def make(p: int) -> Callable[..., jax.Array]:
-        def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
-            s = lax.axis_index(STAGE)
-            # this stage's chunks: [r, k, ...]
-            chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]),
-                                  local)
-            steps = m * r + p - 1
-            shift = [(i, (i + 1) % p) for i in range(p)]
 
-            def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-                recv, buf, out = carry
-                w = i - s                                   # this stage's work item
-                b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
-                first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
-                h_in = jnp.where(s == 0, first, recv)
-                busy = (w >= 0) & (w < m * r)
-                h = stage_step(chunks, q, h_in, busy, consts)
-                done = (s == p - 1) & (q == r - 1) & busy
-                out = out.at[b].set(jnp.where(done, h, out[b]))
-                recv = lax.ppermute(h, STAGE, shift)
-                # stage 0 keeps what the last stage finished for that micro-batch's next
-                # round
-                wl = i - (p - 1)
-                keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
-                bl = jnp.mod(wl, m)
-                buf = buf.at[bl].set(jnp.where(keep, recv, buf[bl]))
-                return recv, buf, out
+def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int,
+               p: int) -> Callable[..., jax.Array]:
+    """What each device of the stage axis runs under `shard_map`: the schedule's loop of
+    m r + p - 1 steps over its share of the layers (`local`, [r k, ...]) and the
+    micro-batches `xs` [m, ...]. Each step it takes its work item's input (stage 0: a new
+    micro-batch, or one back for its next round; the others: what the stage before sent),
+    runs `stage_step` on it and sends the result on round the ring; the last stage keeps
+    the finished micro-batches, which every stage returns."""
 
-            zeros = jnp.zeros_like(xs)
-            # the loop's state differs from stage to stage: say so to shard_map's type check
-            init = tuple(lax.pcast(z, (STAGE,), to="varying")
-                         for z in (jnp.zeros_like(xs[0]), zeros, zeros))
-            _, _, out = lax.fori_loop(0, steps, body, init)
-            # the outputs live on the last stage: every stage returns them
-            return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
-        return per_stage
+    def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
+        s = lax.axis_index(STAGE)
+        # this stage's chunks: [r, k, ...]
+        chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]),
+                              local)
+        steps = m * r + p - 1
+        shift = [(i, (i + 1) % p) for i in range(p)]
 
-    def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
-        here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-        if here is None or not here.axis_names:
-            raise ValueError("pipelined() needs a mesh: pass one, or trace inside "
-                             "`with jax.set_mesh(mesh):`")
-        p = _check_schedule(here, m, r)
-        if param_specs is None:
-            specs: Any = P(STAGE)
-        else:
-            _check_specs(params, param_specs, here)
-            # the layout asked for, pinned where the loop takes the weights in; shard_map
-            # names the loop's own axes only, the rest reaching it as they are
-            params = jax.tree.map(
-                lambda x, spec: lax.with_sharding_constraint(x, _named(mesh, P(STAGE, *spec))),
-                params, param_specs)
-            specs = jax.tree.map(
-                lambda _, spec: P(STAGE, *(a if a in manual else None for a in spec)),
-                params, param_specs)
-        staged = jax.shard_map(make(p), mesh=mesh,
-                               in_specs=(specs, batch_spec, *(P() for _ in consts)),
-                               out_specs=batch_spec, check_vma=False,
-                               axis_names=set(manual & set(here.axis_names)))
-        return micro_join(staged(params, micro_split(x, m), *consts))
+        def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            recv, buf, out = carry
+            w = i - s                                   # this stage's work item
+            b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
+            first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
+            h_in = jnp.where(s == 0, first, recv)
+            busy = (w >= 0) & (w < m * r)
+            h = stage_step(chunks, q, h_in, busy, consts)
+            done = (s == p - 1) & (q == r - 1) & busy
+            out = out.at[b].set(jnp.where(done, h, out[b]))
+            recv = lax.ppermute(h, STAGE, shift)
+            # stage 0 keeps what the last stage finished for that micro-batch's next
+            # round
+            wl = i - (p - 1)
+            keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
+            bl = jnp.mod(wl, m)
+            buf = buf.at[bl].set(jnp.where(keep, recv, buf[bl]))
+            return recv, buf, out
 
-    return f
+        zeros = jnp.zeros_like(xs)
+        # the loop's state differs from stage to stage: say so to shard_map's type check
+        init = tuple(lax.pcast(z, (STAGE,), to="varying")
+                     for z in (jnp.zeros_like(xs[0]), zeros, zeros))
+        _, _, out = lax.fori_loop(0, steps, body, init)
+        # the outputs live on the last stage: every stage returns them
+        return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
+    return per_stage
+
+
+def _stage_specs(params: Any, param_specs: Any, mesh: Mesh | None, here: Any,
+                 manual: frozenset[str]) -> tuple[Any, Any]:
+    """The staged parameters and their `shard_map` in-specs: split over the stage axis
+    along the layer dim; with `param_specs`, the layout asked for is pinned where the loop
+    takes the weights in, and the in-specs name the loop's own axes only, the rest
+    reaching it as they are (XLA's to partition)."""
+    if param_specs is None:
+        return params, P(STAGE)
+    _check_specs(params, param_specs, here)
+    params = jax.tree.map(
+        lambda x, spec: lax.with_sharding_constraint(x, _named(mesh, P(STAGE, *spec))),
+        params, param_specs)
+    specs = jax.tree.map(
+        lambda _, spec: P(STAGE, *(a if a in manual else None for a in spec)),
+        params, param_specs)
+    return params, specs
 
 
 def _named(mesh: Mesh | None, spec: P) -> Any:

@@ -128,7 +128,8 @@ def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., An
     """`fn` with its layer stack (the `lax.scan` over stacked parameters `jaxwap.runtime.layer_scan`
     finds) run as a pipeline over the stage axis of the mesh it is traced in, the batch
     split over that mesh's data axes."""
-    from jaxwap.runtime.layer_scan import find_layer_scan, pipelined_loss
+    from jaxwap.runtime.layer_scan import find_layer_scan
+    from jaxwap.runtime.layer_scan_rewrite import pipelined_loss
 
     def loss(params: Any, batch: Any) -> Any:
         names = jax.sharding.get_abstract_mesh().axis_names

@@ -40,7 +40,8 @@ from jaxwap.core.records import STAGE, StepVariant, Strategy
 from jaxwap.cost.layout_memory import memory_weights
 from jaxwap.cost.pipeline_cost import loop_memory, pipeline_prediction
 from jaxwap.hardware.cluster import Cluster
-from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan, stack_cut
+from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
+from jaxwap.runtime.layer_scan_rewrite import stack_cut
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
@@ -153,7 +154,7 @@ def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[in
 def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
                 rows: int) -> tuple[TrainStep, tuple[Any, ...]]:
     """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
-    over `layers` of the stack's layers (`layer_scan.stack_cut`, from the traced jaxpr: the
+    over `layers` of the stack's layers (`layer_scan_rewrite.stack_cut`, from the traced jaxpr: the
     user's loss is never called with fewer layers), the stacked leaves cut to `layers`
     layers, the optimizer state made for them, the batch cut to `rows` rows."""
     params, _, batch = args

@@ -1,4 +1,4 @@
-"""The search: every mesh, the best strategy per parameter on each, then the objective.
+"""One mesh's best layout: the best strategy per parameter on a (data, model) mesh.
 
 Per mesh the layer weights form a chain (forward order) of groups of siblings (layers
 reading one input: attention's q, k and v, a gated MLP's gate and up, which take one kind
@@ -11,8 +11,6 @@ moved activations, which hang on the layers before (`collectives.moved_in`), are
 as if every layer were FSDP, and searched again with none moving.
 Non-layer parameters (norms, embeddings) choose independently; a bias that can ride with
 its kernel's moved FSDP activations is decided with its kernel (`tp_chain._fold_riders`).
-On a cluster of
-nodes the best meshes are also tried hybrid-sharded (HSDP, `_hybrids`).
 
 A mesh whose best layout leaves its model axis unused (its devices would run every layer
 whole, duplicating the work) is searched again for its best layout that splits a layer
@@ -27,33 +25,28 @@ A candidate over the memory budget is repaired before it is declared not to fit
 peak per second it adds, so the cheapest first: optimizer state sharded over the data axis
 (ZeRO-1) costs almost nothing, the weight and gradient too (FSDP) costs gathers, optimizer
 state in host memory costs PCIe transfers). What a step cannot free this way
-(activations) is left to the planner's step variants: micro-batches. The meshes tried
-come from `meshes`, each parameter's candidate layouts from `strategies`.
+(activations) is left to the planner's step variants: micro-batches. Each parameter's
+candidate layouts come from `strategies`; the meshes tried, and the ranking of their
+results, are `search/across_meshes.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxwap.analysis.graph import Graph
-from jaxwap.core.objective import Objective
 from jaxwap.core.records import DATA, MODEL, REPLICA, STAGE, Prediction, StepVariant, Strategy
-from jaxwap.cost.mesh_cost import MeshCosts, mesh_costs, predict
+from jaxwap.cost.mesh_cost import MeshCosts, mesh_costs
+from jaxwap.cost.mesh_prediction import predict
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.search.constraints import LayoutRules
-from jaxwap.search.memory_repair import memory_floor, micro_batch_floor, repair
-from jaxwap.search.meshes import EXHAUSTIVE_DEVICES, device_counts, mesh_shapes
-from jaxwap.search.strategies import (
-    param_strategies,
-    pins_hold,
-    restrict,
-    unsplit_reasons,
-)
+from jaxwap.search.memory_repair import memory_floor, repair
+from jaxwap.search.strategies import param_strategies
 from jaxwap.search.tp_chain import biases_follow, chain_dp, flat_costs, pair_costs, per_param_of
 
+# the weights the chain's program gives the gradient reduction (hidden or not: `_tried`)
 _OVERLAP_WEIGHTS = (1.0, 0.5, 0.0)
 
 
@@ -93,7 +86,8 @@ class MeshResult:
 @dataclass(frozen=True)
 class SearchResult:
     """Per-mesh results (and the data-parallel baseline, when it differs), their scores,
-    the analytic best, and the index of the best data-parallel baseline (or -1)."""
+    the analytic best, and the index of the best data-parallel baseline (or -1): what
+    `across_meshes.search` returns, kept beside the per-mesh record it holds."""
 
     results: tuple[MeshResult, ...]
     scores: tuple[float, ...]
@@ -199,7 +193,7 @@ def _polish(graph: Graph, cluster: Cluster, mc: MeshCosts, key: tuple[int, ...],
 
     The chain's program adds per-parameter costs; what a trait costs is not additive: the
     gradient reduction hides behind the backward pass except its tail, and the collectives
-    of one kind are combined, their latency paid once (`mesh_cost._combined_latency`), so one
+    of one kind are combined, their latency paid once (`mesh_prediction._combined_latency`), so one
     parameter left FSDP among ZeRO-1 ones pays a latency the program cannot see (a GPT's
     tied embedding: 0.6% of its step on a 2x2 mesh), and leaving FSDP pays only when the
     last FSDP parameter leaves. A class moves at once, so the tensor-parallel chain (the
@@ -233,201 +227,6 @@ def _splits(mc: MeshCosts, choice: Sequence[int]) -> bool:
     return any(mc.strategies[j][s].tp != "none" for j, s in enumerate(choice))
 
 
-def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
-           budget: float, num_devices_exact: int | None = None,
-           micro_batches: int = 1, offload: bool = True, mesh: tuple[int, int] | None = None,
-           allowed: LayoutRules | None = None, replicas: int = 1) -> SearchResult:
-    """Every mesh worth trying (or only `mesh`, hybrid-sharded over `replicas` when more
-    than 1), each with its best layout of the `allowed` strategy families and pins (a
-    mesh where a pin cannot hold is skipped), and hybrid sharding (HSDP) tried on the
-    best (`_hybrids`, not when `mesh` fixes the mesh), ranked by the objective."""
-    node = cluster.node_size if cluster.num_nodes > 1 else None
-    shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
-                                  micro_batches, mesh, node)
-    unpinned = [(dm, pins_hold(graph, allowed, *dm, offload)) for dm in shapes]
-    shapes = [dm for dm, why in unpinned if why is None]
-    if unpinned and not shapes:
-        where = "the mesh asked for" if mesh else "any usable mesh"
-        raise ValueError(f"constraints cannot hold on {where}: {unpinned[-1][1]}")
-    skipped += [f"{d}x{m}: {why}" for (d, m), why in unpinned if why is not None]
-    if not shapes:
-        if mesh is not None:
-            asked = (f"replica={replicas} x data={mesh[0] // replicas} x model={mesh[1]}"
-                     if replicas > 1 else f"{mesh[0]}x{mesh[1]}")
-            raise ValueError(f"mesh_shape {asked} cannot be used: "
-                             f"{'; '.join(s.split(': ', 1)[1] for s in skipped)}")
-        raise ValueError(_no_mesh_message(graph, num_devices, num_devices_exact, skipped))
-    if replicas > 1 and any(d % replicas for d, _ in shapes):
-        raise ValueError(f"{replicas} replicas do not divide the data axis of "
-                         f"{shapes[0][0]}")
-    results = _solve_meshes(graph, cluster, objective, [(d, m, replicas) for d, m in shapes],
-                            budget, offload, allowed, skipped,
-                            prune=num_devices > EXHAUSTIVE_DEVICES)
-    if mesh is None:
-        results += _hybrids(graph, cluster, objective, results, budget, offload, allowed)
-    if allowed is not None and allowed.forced:
-        # a forced split must happen: a mesh where it cannot is no candidate
-        families = ", ".join(sorted(allowed.families or ()))
-        kept = [r for r in results if any(allowed.admits(s) for s in r.strategies)]
-        skipped += [f"{r.describe()}: no parameter can take the strategies {families} on it"
-                    for r in results if r not in kept]
-        if not kept:
-            raise ValueError(f"no mesh lets any parameter use the strategies {families} "
-                             f"({'; '.join(skipped[-6:])})")
-        results = kept
-    rank = functools.partial(objective.rank, max_watts=cluster.device.max_watts,
-                             num_devices_available=cluster.num_devices)
-    # Plain data parallelism (every parameter replicated) is what a user would write by
-    # hand; its best mesh is kept as a candidate of its own so verification can always
-    # weigh the plan against it on XLA's figures (unless the strategies or pins forbid it).
-    replicate_ok = allowed is None or not (allowed.forced or allowed.pins)
-    dp = [data_parallel(graph, cluster, d, budget) for d, m in shapes
-          if m == 1 and replicate_ok]
-    dp = [r for r in dp if r.fits]
-    baseline = -1
-    if dp:
-        b = dp[rank([r.predicted for r in dp]).best]
-        same = next((i for i, r in enumerate(results)
-                     if (r.d, r.m, r.r) == (b.d, 1, 1) and r.strategies == b.strategies),
-                    None)
-        if same is None:
-            results.append(b)
-            baseline = len(results) - 1
-        else:
-            baseline = same
-    if not any(r.fits for r in results):
-        best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)
-        return SearchResult(tuple(results), (float("inf"),) * len(results), best,
-                            tuple(skipped), baseline)
-    # the objective ranks fitting candidates only; within max_slowdown the "fastest"
-    # is the fastest that fits
-    ranking = rank([r.predicted if r.fits and uses_model_axis(r) else None for r in results])
-    if ranking.best < 0:
-        # every fitting mesh has a model axis that no layout can split a weight over
-        m = max(r.m for r in results)
-        why = unsplit_reasons(graph, m, allowed)
-        if mesh is not None:
-            advice = "use a model axis of 1"
-            if allowed is not None and allowed.families is not None \
-                    and "tp" not in allowed.families:
-                advice = "force tensor parallelism with strategies=('tp', ...) or " + advice
-            elif allowed is not None and allowed.pins:
-                advice = "pin a layer's split with constraints= or " + advice
-            raise ValueError(
-                f"mesh_shape {mesh[0]}x{mesh[1]}: no layout splits any parameter over its "
-                f"model axis of {mesh[1]} ({why}), so its devices would only duplicate "
-                f"work: {advice}.")
-        shown = ", ".join(r.describe() for r in results)
-        raise ValueError(
-            f"every usable mesh ({shown}) needs a model axis (batch "
-            f"{graph.batch_size} cannot be split {num_devices_exact or num_devices} ways "
-            f"over data), but no layout splits any parameter over it ({why}): the devices "
-            f"would only duplicate work. Use fewer devices (num_devices=) or a batch "
-            f"size divisible by the device count.")
-    return SearchResult(tuple(results), ranking.scores, ranking.best, tuple(skipped), baseline)
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """The best figures a mesh could reach, for the objective's score: all its flops at
-    the device's peak rate, perfectly split, and every device drawing at least idle power
-    for that long."""
-
-    step_time_s: float
-    energy_per_step_j: float
-    num_devices: int
-
-
-def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
-             results: Sequence[MeshResult], budget: float, offload: bool,
-             allowed: LayoutRules | None) -> list[MeshResult]:
-    """Each fitting mesh whose data axis spans nodes and whose step waits for gradient
-    communication, hybrid-sharded (HSDP): its layout's data-sharded parameters sharded
-    over the d/r data devices inside each node, r replicas across the nodes, so FSDP's
-    gathers stay on the node's links and only gradient shards cross the network.
-
-    HSDP changes only how data-sharded parameters communicate and how much they hold (more
-    than sharding over every data device): a mesh that does not fit gains nothing, nor
-    one whose communication is hidden already, nor a step whose layouts may not shard
-    over data. Each such mesh's own layout is priced again with the replicas (one pricing,
-    where a search of a 4096-device mesh takes most of a second) and kept where it still
-    fits; the best of them by the objective is also searched in full.
-    `mesh_shape={"replica": r, ...}` searches a hybrid mesh in full."""
-    if cluster.num_nodes <= 1 or not (allowed is None or allowed.families is None
-                                      or {"fsdp", "zero1"} & allowed.families):
-        return []
-    eligible = []
-    for res in results:
-        inner = cluster.devices_in_node(res.d, res.m)
-        pr = res.predicted
-        if (res.fits and res.variant == "planner" and 1 < inner < res.d
-                and res.d % inner == 0 and any(s.data_sharded or s.state_spec is not None
-                                               for s in res.strategies)
-                and pr.exposed_comm_time_s > HYBRID_EXPOSED * pr.step_time_s):
-            eligible.append((res, res.d // inner))
-    if not eligible:
-        return []
-    out = []
-    for res, r in eligible:
-        mc = mesh_costs(graph, cluster, res.d, res.m, [(s,) for s in res.strategies], r)
-        hybrid = predict(graph, cluster, mc, [0] * len(res.strategies))
-        if hybrid.peak_memory_bytes <= budget:
-            out.append(dataclasses.replace(res, predicted=hybrid, r=r))
-    # the most promising one searched in full: with gathers cheap inside the node, its
-    # best layout may shard more than the mesh's own
-    kw = {"max_watts": cluster.device.max_watts, "num_devices_available": cluster.num_devices}
-    scores = objective.scores([res.predicted for res, _ in eligible], **kw)
-    res, r = eligible[min(range(len(eligible)), key=lambda i: scores[i])]
-    full = solve_mesh(graph, cluster, res.d, res.m, budget, offload, allowed, r)
-    if full.fits:
-        out = [h for h in out if (h.d, h.m) != (full.d, full.m)
-               or h.predicted.step_time_s < full.predicted.step_time_s] + [full]
-    return out
-
-
-# a mesh whose step waits for less than this share of communication gains nothing
-# from hybrid sharding worth a candidate
-HYBRID_EXPOSED = 0.01
-
-
-def _solve_meshes(graph: Graph, cluster: Cluster, objective: Objective,
-                  shapes: Sequence[tuple[int, int, int]], budget: float, offload: bool,
-                  allowed: LayoutRules | None, skipped: list[str], prune: bool
-                  ) -> list[MeshResult]:
-    """`solve_mesh` on every shape, in the shapes' order. With `prune` (a large cluster),
-    branch and bound: meshes are solved from the most promising bound, and one whose best
-    possible score cannot beat a fitting candidate already found is skipped (and said so
-    in `skipped`). Those are meshes that cannot win, so only the candidate list (and the
-    frontier drawn from it) is shorter."""
-    if not prune or objective.kind not in ("throughput", "energy", "balanced"):
-        return [solve_mesh(graph, cluster, d, m, budget, offload, allowed, r)
-                for d, m, r in shapes]
-    dev = cluster.device
-    bounds = []
-    for d, m, _ in shapes:
-        n, speed = d * m, cluster.speedup_when_using(d * m)
-        t = graph.total_flops / (n * dev.peak_flops * speed)
-        bounds.append(_Bound(t, n * dev.idle_watts * speed * t, n))
-    kw = {"max_watts": dev.max_watts, "num_devices_available": cluster.num_devices}
-    lower = objective.scores(bounds, **kw)
-    solved: dict[int, MeshResult] = {}
-    best = float("inf")
-    for i in sorted(range(len(shapes)), key=lambda i: lower[i]):
-        d, m, reps = shapes[i]
-        if lower[i] > best:
-            name = f"{reps}x{d // reps}x{m}" if reps > 1 else f"{d}x{m}"
-            skipped.append(f"{name}: cannot beat the best found (its flops at peak on "
-                           f"{d * m} devices already score {lower[i] / best:.2f}x)")
-            continue
-        r = solve_mesh(graph, cluster, d, m, budget, offload, allowed, reps)
-        solved[i] = r
-        if r.fits and uses_model_axis(r) and (
-                allowed is None or not allowed.forced
-                or any(allowed.admits(s) for s in r.strategies)):
-            best = min(best, objective.scores([r.predicted], **kw)[0])
-    return [solved[i] for i in sorted(solved)]
-
-
 def data_parallel(graph: Graph, cluster: Cluster, d: int, budget: float) -> MeshResult:
     """Every parameter replicated over a (d, 1) mesh, the batch split d ways."""
     strategies = [param_strategies(graph, j, d, 1)[:1]
@@ -443,17 +242,4 @@ def uses_model_axis(r: MeshResult) -> bool:
     return r.m == 1 or any(s.tp != "none" for s in r.strategies)
 
 
-def _no_mesh_message(graph: Graph, n: int, exact: int | None, skipped: Sequence[str]) -> str:
-    """Why no mesh of the devices can run a batch of this size: each mesh's own reason
-    (the batch split, or no weight the model axis can split), not one reason for all."""
-    what = f"exactly {exact}" if exact else f"up to {n}"
-    more = f"; {len(skipped) - 6} more" if len(skipped) > 6 else ""
-    return (f"no mesh of {what} devices can run batch size {graph.batch_size}: "
-            f"{'; '.join(skipped[:6])}{more}. Change the batch size or the number of "
-            f"devices.")
-
-
-# the search's own names, and those of its parts that callers reach through it
-__all__ = ["EXHAUSTIVE_DEVICES", "MeshResult", "SearchResult", "data_parallel",
-           "device_counts", "mesh_shapes", "micro_batch_floor", "param_strategies",
-           "restrict", "search", "solve_mesh", "uses_model_axis"]
+__all__ = ["MeshResult", "SearchResult", "data_parallel", "solve_mesh", "uses_model_axis"]

@@ -17,7 +17,8 @@ import numpy as np
 
 from jaxwap.analysis.graph import Graph
 from jaxwap.cost.collectives import group_kind, tp_final_cost, tp_group_cost
-from jaxwap.cost.mesh_cost import MeshCosts, rides
+from jaxwap.cost.mesh_cost import MeshCosts
+from jaxwap.cost.mesh_prediction import rides
 from jaxwap.hardware.cluster import Cluster
 
 
@@ -132,7 +133,7 @@ def biases_follow(graph: Graph, strategies: Sequence[Sequence[Any]], choice: Seq
 
 def _fold_riders(mc: MeshCosts, f: FlatCosts, own: np.ndarray, weight: float
                  ) -> dict[int, tuple[int, int]]:
-    """Each bias that may ride with its kernel's moved activations (`mesh_cost.rides`) decided
+    """Each bias that may ride with its kernel's moved activations (`mesh_prediction.rides`) decided
     with its kernel: the kernel's layouts it rides with are priced (in `own`, in place)
     with the bias at its best riding, its own communication free, less the bias's best
     alone; so the kernel's choice weighs the bias's too. Per bias: (its kernel, its

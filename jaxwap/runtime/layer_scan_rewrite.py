@@ -1,0 +1,271 @@
+"""The loss rewritten around its layer scan: run as a pipeline, or cut to a stage's layers.
+
+Both rewrites evaluate the loss's traced jaxpr equation by equation
+(`flatten.evaluate`) with the one layer scan `layer_scan.find_layer_scan` found replaced,
+so the user's code is unchanged and what comes out is ordinary JAX.
+
+`pipelined_loss` replaces the scan by `schedule.pipelined` over the stage axis of the
+mesh it is traced in: `jax.grad` of the rewritten loss is the backward pipeline. A stage
+runs the scan's body on its local micro-batch, so the loss is traced again at that size
+(a layer may reshape with its batch size) in the context the body runs in, the
+pipeline's `shard_map` (every mesh axis manual: jax caches the traces of jitted helpers
+and custom derivative rules by context). There, nested `jax.jit` calls are inlined and
+sharding constraints dropped, since a stage lays out its own rows; a constraint given as
+a bare `PartitionSpec` does not trace there, and is refused with `NoLayerScan` (a
+`NamedSharding` one works).
+
+`stack_cut` binds the scan again over fewer layers: the loss of one stage's share of the
+stack, which the pipelined search prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.sharding import AxisType
+
+from jaxwap.analysis.flatten import bind, evaluate, scan_counts
+from jaxwap.core.records import STAGE
+from jaxwap.runtime.layer_scan import (
+    CALL_PRIMITIVES,
+    LayerScan,
+    NoLayerScan,
+    abstract_values,
+    batch_size_of,
+    called_jaxpr,
+    equation_at,
+    find_in_jaxpr,
+    is_var,
+    trace_loss,
+)
+from jaxwap.runtime.schedule import pipelined, stage_order, to_stages
+
+# inside a stage the rows are the stage's own: their layout constraints do not apply
+_STAGE_IDENTITY = frozenset({"sharding_constraint"})
+
+def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
+          replace: tuple[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
+          in_stage: bool = False) -> list[Any]:
+    """Evaluate a jaxpr (`flatten.evaluate`). `replace=(path, fn)`: the equation at `path`
+    (nested calls on the way inlined) computes `fn(inputs)` instead. `in_stage`: evaluated
+    inside the pipeline's `shard_map`, so nested jit calls are inlined (their meshes are
+    not the stage's) and sharding constraints dropped."""
+
+    def run(k: int, eqn: Any, ins: list[Any]) -> list[Any]:
+        name = eqn.primitive.name
+        here = replace is not None and replace[0][0] == k
+        if here and len(replace[0]) == 1:
+            return replace[1](ins)
+        if here or (in_stage and name in CALL_PRIMITIVES):
+            inner = called_jaxpr(eqn)
+            return _eval(inner.jaxpr, inner.consts, ins, in_stage=in_stage,
+                         replace=(replace[0][1:], replace[1]) if here else None)
+        if in_stage and name in _STAGE_IDENTITY:
+            return ins
+        return bind(eqn, ins)
+
+    return evaluate(jaxpr, consts, args, run)
+
+
+def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
+                  path: tuple[int, ...]) -> list[str]:
+    """The primitives other than the layer scan (at `path`) that read a stacked parameter
+    leaf (or a dtype cast of one); `param_of` maps the jaxpr's parameter values to their
+    leaf index."""
+    param_of = dict(param_of)
+    out = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if is_var(v)]
+        name = eqn.primitive.name
+        if path and k == path[0]:
+            if len(path) > 1:            # a call on the way to the scan: look inside
+                inner = called_jaxpr(eqn).jaxpr
+                out += _outside_uses(inner, {i: param_of[o] for o, i in zip(
+                    eqn.invars, inner.invars, strict=True) if is_var(o) and o in param_of},
+                    stacked, path[1:])
+        elif name == "convert_element_type" and ins and ins[0] in param_of:
+            param_of[eqn.outvars[0]] = param_of[ins[0]]
+        elif any(param_of.get(v) in stacked for v in ins):
+            out.append(name)
+    return out
+
+
+def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any, Any], Any]:
+    """`loss_fn` over `layers` of its stack's layers: the function takes the parameters
+    with every stacked leaf (`scan.stacked`) cut to `layers` along its layer dim, and
+    returns what `loss_fn` does for a model of that depth. What one pipeline stage runs.
+
+    Built from the traced jaxpr, never by calling `loss_fn` with fewer layers: a module
+    whose depth is fixed (Flax's `nn.scan(..., length=L)`, an `nnx.scan` over a module
+    made with L layers) cannot be called so. The loss is traced with the whole stack (at
+    the batch it is given), then evaluated with its layer scan bound again with
+    `length=layers`; a scan's body is one layer whatever the count. A loss that uses a
+    stacked parameter outside its scan (its shapes fixed at L layers) cannot be cut, and
+    raises `NoLayerScan` naming what reads it."""
+    if not 1 <= layers <= scan.length:
+        raise ValueError(f"layers={layers} is outside 1..{scan.length} (the stack's layers)")
+    stacked = set(scan.stacked)
+
+    def loss(params: Any, batch: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        whole = [jax.ShapeDtypeStruct((scan.length, *np.shape(x)[1:]), x.dtype)
+                 if i in stacked else x for i, x in enumerate(abstract_values(leaves))]
+        closed, out_tree = trace_loss(loss_fn, jax.tree_util.tree_unflatten(treedef, whole),
+                                  batch)
+        found = find_in_jaxpr(closed.jaxpr, len(leaves), batch_size_of(batch))
+        if (found.length, found.stacked) != (scan.length, scan.stacked):
+            raise NoLayerScan(f"at {found.batch_size} rows the loss function's layer scan "
+                              f"({found.length} layers over parameter leaves "
+                              f"{found.stacked}) is not the one found at the full batch "
+                              f"({scan.length} over {scan.stacked})")
+        # a tracer binds an equation's shape params unchecked: what reads the stack
+        # outside its scan would be traced with the whole stack's shapes on a cut one
+        others = _outside_uses(closed.jaxpr, dict(zip(closed.jaxpr.invars, range(len(
+            leaves)), strict=False)), stacked, found.path)
+        if others:
+            raise NoLayerScan(f"the loss function reads its stacked parameters outside "
+                              f"the layer scan too ({', '.join(sorted(set(others)))}), "
+                              f"with the shapes of all {scan.length} layers, so one "
+                              f"stage's share of the stack cannot be priced on its own")
+        eqn = equation_at(closed.jaxpr, found.path)
+        shorter = eqn.replace(params={**eqn.params, "length": layers})
+        outs = _eval(closed.jaxpr, closed.consts,
+                     [*leaves, *jax.tree_util.tree_leaves(batch)],
+                     replace=(found.path, lambda ins: bind(shorter, ins)))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return loss
+
+
+def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
+    """The rows of one micro-batch on one device of the data axes (context mesh)."""
+    names = () if data_axis is None else (
+        (data_axis,) if isinstance(data_axis, str) else tuple(data_axis))
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = int(np.prod([mesh.shape[a] for a in names if a in mesh.axis_names]))
+    if batch_size % (micro_batches * shards):
+        raise ValueError(f"a batch of {batch_size} rows does not split into "
+                         f"{micro_batches} micro-batches x {shards} data shards")
+    return batch_size // (micro_batches * shards)
+
+
+def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[int, ...],
+             rows: int) -> ClosedJaxpr:
+    """The scan's body for `rows` rows: `loss_fn` traced again with every batch leaf cut
+    to `rows` rows, in the context of the pipeline's shard_map, where the body runs."""
+    small = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), abstract_values(batch))
+    mesh = jax.sharding.get_abstract_mesh()
+    # the context the body runs in: the mesh with every axis manual, as shard_map sets it
+    # (jax caches traces of jitted helpers and custom-derivative rules by that context)
+    inside = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    try:
+        with jax.sharding.use_abstract_mesh(inside):
+            closed = jax.make_jaxpr(loss_fn)(abstract_values(params), small)
+    except ValueError as e:
+        raise NoLayerScan(f"the loss function does not trace inside the pipeline's "
+                          f"shard_map, for a micro-batch of {rows} rows ({e}). A sharding "
+                          f"constraint given as a bare PartitionSpec cannot be: give it a "
+                          f"NamedSharding(mesh, spec)") from e
+    again = None
+    try:
+        again = equation_at(closed.jaxpr, path)
+    except (IndexError, KeyError):
+        pass
+    nc = scan_counts(scan.params)[0]
+
+    def shapes(e: Any) -> list[Any]:             # consts and per-layer inputs
+        return [v.aval.shape for i, v in enumerate(e.invars) if i != nc]
+    if (again is None or again.primitive.name != "scan"
+            or again.params["length"] != scan.params["length"]
+            or scan_counts(again.params) != scan_counts(scan.params)
+            or shapes(again) != shapes(scan)):
+        raise NoLayerScan(f"traced with a micro-batch of {rows} rows, the loss function no "
+                          f"longer has the same layer scan: its layers must not depend on "
+                          f"the batch size")
+    return again.params["jaxpr"]
+
+
+def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_batches: int,
+                   repeats: int = 1, data_axis: str | tuple[str, ...] | None = None,
+                   param_specs: Sequence[tuple[str | None, ...]] = ()
+                   ) -> Callable[[Any, Any], Any]:
+    """`loss_fn` with its layer scan (`find_layer_scan`) run by `schedule.pipelined` over
+    the stage axis of the mesh it is traced in (`jax.set_mesh`), each micro-batch split
+    over `data_axis`. The stacked parameters are reordered for the circular schedule
+    (`to_stages`) inside. `param_specs`, one per stacked parameter in `scan.stacked`'s
+    order (empty: none), shards a stage's share of it beyond the layer dim
+    (`pipelined`'s FSDP inside a stage). The returned function takes `(params, batch)`
+    and returns what `loss_fn` does; it traces `loss_fn` once per argument shapes and
+    mesh."""
+    if min(stages, micro_batches, repeats) < 1:
+        raise ValueError(f"stages={stages}, micro_batches={micro_batches} and "
+                         f"repeats={repeats} must be at least 1")
+    if param_specs and len(param_specs) != len(scan.stacked):
+        raise ValueError(f"param_specs has {len(param_specs)} specs for the layer scan's "
+                         f"{len(scan.stacked)} stacked parameters {scan.stacked}")
+    specs = [tuple(s) for s in param_specs] if param_specs else None
+    stage_order(scan.length, stages, repeats)       # raises if the layers do not split
+    traces: dict[Any, tuple[ClosedJaxpr, Any, LayerScan]] = {}
+    bodies: dict[Any, ClosedJaxpr] = {}
+
+    def traced(params: Any, batch: Any) -> tuple[Any, tuple[ClosedJaxpr, Any, LayerScan]]:
+        leaves = jax.tree_util.tree_leaves((params, batch))
+        key = (jax.tree_util.tree_structure((params, batch)),
+               tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves),
+               jax.sharding.get_abstract_mesh())
+        if key in traces:
+            return key, traces[key]
+        batch_size = batch_size_of(batch)
+        closed, out_tree = trace_loss(loss_fn, params, batch)
+        found = find_in_jaxpr(closed.jaxpr, len(jax.tree_util.tree_leaves(params)), batch_size)
+        if (found.length, found.stacked) != (scan.length, scan.stacked):
+            raise ValueError(f"the loss function's layer scan ({found.length} layers over "
+                             f"parameter leaves {found.stacked}) is not the one this "
+                             f"pipeline was made for ({scan.length} over {scan.stacked})")
+        # a trace that closed over another trace's values is good for that trace only
+        if not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+            traces[key] = (closed, out_tree, found)
+        return key, (closed, out_tree, found)
+
+    def loss(params: Any, batch: Any) -> Any:
+        mesh = jax.sharding.get_abstract_mesh()
+        if STAGE in mesh.axis_names and mesh.shape[STAGE] != stages:
+            # the layers are ordered for `stages`: another count would run them out of order
+            raise ValueError(f"this pipeline was made for {stages} stages, but the mesh's "
+                             f"{STAGE!r} axis has {mesh.shape[STAGE]}")
+        key, (closed, out_tree, found) = traced(params, batch)
+        eqn = equation_at(closed.jaxpr, found.path)
+        rows = _stage_rows(found.batch_size, micro_batches, data_axis)
+        body = bodies.get((key, rows))
+        if body is None:
+            body = _body_at(loss_fn, params, batch, eqn, found.path, rows)
+            if not any(isinstance(c, jax.core.Tracer) for c in body.consts):
+                bodies[key, rows] = body
+        nc, nb = scan_counts(eqn.params)[0], len(body.consts)
+
+        def layer(w: list[Any], h: Any, *consts: Any) -> Any:
+            return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
+
+        run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
+                        data_axis=data_axis, param_specs=specs)
+
+        def replaced(ins: list[Any]) -> list[Any]:
+            consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]
+            out = run(to_stages(list(xs), stages, repeats), h, *body.consts, *consts)
+            # the per-layer outputs (unused: `find_in_jaxpr` checked) stay unmade
+            return [out, *(None for _ in eqn.outvars[1:])]
+
+        args = [*jax.tree_util.tree_leaves(params), *jax.tree_util.tree_leaves(batch)]
+        outs = _eval(closed.jaxpr, closed.consts, args, replace=(found.path, replaced))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return loss
+
+
+__all__ = ["pipelined_loss", "stack_cut"]
