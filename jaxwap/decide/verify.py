@@ -118,9 +118,8 @@ def run_verification(search: SearchResult, k: int, compile_fn: CompileFn, *,
                     if r.stages == 1 else pipelined_with_compiled(r.predicted, figs))
         if figs.memory_bytes <= budget:
             steps[i] = cs
-    ranking = objective.rank(
-        [judge(r.predicted, preds[i]) if i in steps else None for i, r in enumerate(results)],
-        max_watts=cluster.device.max_watts, num_devices_available=cluster.num_devices)
+    ranking = cluster.ranker(objective)(
+        [judge(r.predicted, preds[i]) if i in steps else None for i, r in enumerate(results)])
     return Verification(ranking, figures, preds, failed, steps.get(ranking.best),
                         time.perf_counter() - t0)
 

@@ -10,13 +10,15 @@ simulated CPU devices. `detect_cluster` builds the cluster of the devices jax se
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxwap.core.objective import Objective, Ranking
 from jaxwap.core.units import si
 from jaxwap.hardware.builtin_profiles import (
     BUILTIN_PROFILES,
@@ -171,6 +173,14 @@ class Cluster:
     def speedup_when_using(self, n: int) -> float:
         """How much faster each device runs when a mesh uses n of them (see shared_compute)."""
         return self.num_devices / n if self.shared_compute else 1.0
+
+    def ranker(self, objective: Objective) -> Callable[[Sequence[Any]], Ranking]:
+        """`objective.rank` bound to this cluster: the balanced score weighs a step's time by
+        the power of every device it could use (`max_watts` x the devices here), so every
+        ranking of one plan (search, pipelines, verification) must pass the same two
+        figures; binding them here builds them once."""
+        return functools.partial(objective.rank, max_watts=self.device.max_watts,
+                                 num_devices_available=self.num_devices)
 
     def co_running(self, n: int) -> Cluster:
         """This cluster as a mesh of n of its devices sees it, running together: its

@@ -13,7 +13,6 @@ the one of least memory is reported.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,8 +51,7 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
         results += _hybrids(graph, cluster, objective, results, budget, offload, allowed)
     if allowed is not None and allowed.forced:
         results = _forced_only(results, allowed, skipped)
-    rank = functools.partial(objective.rank, max_watts=cluster.device.max_watts,
-                             num_devices_available=cluster.num_devices)
+    rank = cluster.ranker(objective)
     baseline = _add_baseline(graph, cluster, shapes, budget, allowed, results, rank)
     if not any(r.fits for r in results):
         best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)

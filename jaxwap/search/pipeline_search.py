@@ -130,9 +130,8 @@ def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
     if not found.results:
         return result
     results = list(found.results) if only else [*result.results, *found.results]
-    ranking = objective.rank(
-        [r.predicted if r.fits and uses_model_axis(r) else None for r in results],
-        max_watts=cluster.device.max_watts, num_devices_available=cluster.num_devices)
+    ranking = cluster.ranker(objective)(
+        [r.predicted if r.fits and uses_model_axis(r) else None for r in results])
     best = ranking.best
     if best < 0:
         best = min(range(len(results)), key=lambda i: results[i].predicted.peak_memory_bytes)
@@ -301,8 +300,7 @@ def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster
         return a.fits
     if not a.fits:
         return a.predicted.peak_memory_bytes < b.predicted.peak_memory_bytes
-    ranking = objective.rank([a.predicted, b.predicted], max_watts=cluster.device.max_watts,
-                             num_devices_available=cluster.num_devices)
+    ranking = cluster.ranker(objective)([a.predicted, b.predicted])
     return ranking.best == 0
 
 
