@@ -245,19 +245,27 @@ def test_same_batch_is_fine_without_forcing_eight_devices():
     assert plan.batch_size == 7
 
 
-def test_forced_device_count_without_model_axis_gain_is_clear():
-    # regression: batch 2 on exactly 8 devices leaves only meshes with a model axis; when
-    # no parameter gains from it the search once died in a bare "min() arg is an empty
-    # sequence"
+def test_forced_device_count_with_a_tiny_batch_plans_tensor_parallel():
+    # batch 2 on exactly 8 devices leaves only meshes with a model axis (1x8, 2x4); with
+    # tensor parallelism allowed, the layer weights take it and the plan uses all 8
     step, params, opt_state, batch = make_setup(features=(64, 64, 8), in_dim=16, batch=2)
-    try:
-        plan = jaxwap.plan(step, params, opt_state, batch, num_devices=8, hardware=H100X8)
-    except ValueError as e:
-        msg = str(e)
-        assert "min()" not in msg, msg
-        assert "num_devices" in msg or "model" in msg, msg
-    else:
-        assert plan.num_devices == 8
+    plan = jaxwap.plan(step, params, opt_state, batch, num_devices=8, hardware=H100X8,
+                       cache=False)
+    assert plan.num_devices == 8 and plan.mesh_shape["model"] > 1
+    assert any(p.strategy.startswith("tp") for p in plan.params)
+
+
+def test_forced_device_count_without_model_axis_gain_is_clear():
+    # regression: when no parameter can gain from the model axis those meshes need (here
+    # tensor parallelism is not allowed), the search once died in a bare "min() arg is an
+    # empty sequence"; it must say why and what to change
+    step, params, opt_state, batch = make_setup(features=(64, 64, 8), in_dim=16, batch=2)
+    with pytest.raises(ValueError, match="needs a model axis") as e:
+        jaxwap.plan(step, params, opt_state, batch, num_devices=8, hardware=H100X8,
+                    strategies=("replicate", "fsdp"), cache=False)
+    msg = str(e.value)
+    assert "min()" not in msg
+    assert "num_devices=" in msg and "params/Dense_0/kernel" in msg
 
 
 # --------------------------------------------------------------------------- memory
