@@ -65,9 +65,11 @@ def date_utc(minutes: bool = False) -> str:
     return now.strftime("%Y-%m-%d %H:%M") if minutes else now.isoformat(timespec="seconds")
 
 
-def cpu_line() -> str:
-    """The host as the CPU records describe it: architecture and core count."""
-    return f"{platform.machine()}, {os.cpu_count()} cores"
+def cpu_line(affinity: bool = False) -> str:
+    """The host as the CPU records describe it: architecture and core count, and with
+    `affinity` the cores this process may run on (a timing record pinned to fewer says so)."""
+    line = f"{platform.machine()}, {os.cpu_count()} cores"
+    return f"{line}, this process on {len(os.sched_getaffinity(0))}" if affinity else line
 
 
 def environment(module: str, argv: list[str] | None = None) -> dict[str, Any]:

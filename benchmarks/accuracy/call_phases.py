@@ -110,8 +110,7 @@ def main() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     record = {"command": "python -m benchmarks.accuracy.call_phases",
               "date_utc": harness.date_utc(minutes=True),
-              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
-                     f"{len(os.sched_getaffinity(0))}",
+              "cpu": harness.cpu_line(affinity=True),
               "models": [phases(name) for name in ("resnet50", "gpt2")]}
     harness.write_record(RESULTS / "cpu", record, markdown(record))
     print(markdown(record))

@@ -295,8 +295,7 @@ def main() -> None:
             print(f"    {k:36s} {p * 1e3:9.2f} {m * 1e3:9.2f}")
     record = {"command": harness.command("benchmarks.accuracy.op_profile"),
               "date_utc": harness.date_utc(minutes=True),
-              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
-                     f"{len(os.sched_getaffinity(0))}",
+              "cpu": harness.cpu_line(affinity=True),
               "basis": "predicted = jaxwap's per-op model with the profile calibrated here; "
                        "measured = XLA:CPU's per-operation times from jax.profiler",
               "profile": cluster.device.to_dict(), "rows": rows}

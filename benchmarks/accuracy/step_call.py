@@ -388,8 +388,7 @@ def main() -> None:
         return
     against = load_against(args.against) if args.against else None
     record = {"command": harness.command(MODULE), "date_utc": harness.date_utc(minutes=True),
-              "cpu": f"{os.uname().machine}, {os.cpu_count()} cores, this process on "
-                     f"{len(os.sched_getaffinity(0))}"}
+              "cpu": harness.cpu_line(affinity=True)}
     if args.device:
         import jax
 

@@ -320,7 +320,6 @@ def markdown(record: dict[str, Any]) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
-    import platform
 
     runs = []
     for run in args.runs:
@@ -337,7 +336,7 @@ def main(args: argparse.Namespace) -> None:
         runs.append(r)
     record = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
               "placement": args.placement,
-              "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
+              "cpu": harness.cpu_line(),
               "argv": " ".join(sys.argv[1:]), "traced": args.traced, "runs": runs}
     stem = args.stem or "cpu" + ("" if args.placement == "pinned" else f"_{args.placement}")
     harness.write_record(RESULTS / stem, record, markdown(record), newline=False)
