@@ -328,10 +328,7 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
     import os
 
     local = sum(1 for d in devices if d.process_index == devices[0].process_index)
-    # the cores this process may run on, which XLA's CPU thread pool sizes itself by (a
-    # process pinned with taskset gets the pinned cores, not the machine's)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    cores = host_cores()
     # the built-in profile is one core; a calibration measured one device alone, which
     # XLA runs on the whole host
     share = (1.0 if calibrated else cores) / max(local, 1)
@@ -360,6 +357,18 @@ def _host_share(spec: DeviceSpec, devices: Sequence[Any], calibrated: bool = Fal
         efficiency_half_flops=(spec.efficiency_half_flops or 0.0) * share)
 
 
+def host_cores() -> int:
+    """The cores this process may run on, which XLA's CPU thread pool sizes itself by (a
+    process pinned with taskset gets the pinned cores, not the machine's). One function,
+    so that the one figure of the CPU profile that depends on the machine can be set by a
+    test that asserts a CPU decision for another core count."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def device_memory_limit(device: Any) -> int | None:
     """The device's own memory limit where JAX exposes it (GPU/TPU), else None."""
     try:
@@ -373,4 +382,4 @@ def device_memory_limit(device: Any) -> int | None:
 
 
 __all__ = ["HOST_KINDS", "Cluster", "HostMemory", "builtin_for_kind", "detect_cluster",
-           "device_memory_limit"]
+           "device_memory_limit", "host_cores"]
