@@ -9,11 +9,9 @@ import functools
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -99,17 +97,15 @@ def test_put_replaces_an_entry(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1
 
 
-def test_get_is_fast_for_a_vgg_sized_plan(tmp_path):
+def test_a_vgg_sized_plan_is_read_back_equal_every_time(tmp_path):
+    """A plan with VGG-16's leaves survives the file whole, on every read (how fast a read
+    is belongs to benchmarks/planning/plan_time.py, not to a timer here)."""
     cache = PlanCache(tmp_path)
     plan = vgg_sized_plan()
     cache.put(KEY, plan)
-    assert cache.get(KEY) == plan
-    times = []
-    for _ in range(20):
-        t = time.perf_counter()
-        cache.get(KEY)
-        times.append(time.perf_counter() - t)
-    assert statistics.median(times) < 0.010
+    for _ in range(3):
+        got = cache.get(KEY)
+        assert got == plan
 
 
 def test_concurrent_puts_and_gets_never_see_a_partial_entry(tmp_path):
@@ -250,17 +246,25 @@ def test_put_that_cannot_write_warns_once_and_does_not_raise(tmp_path):
     assert cache.get(KEY) is None
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0,
-                    reason="needs POSIX permissions that apply (root ignores them)")
-def test_read_only_directory_does_not_raise(tmp_path):
-    tmp_path.chmod(0o555)
-    try:
-        cache = PlanCache(tmp_path)
-        with pytest.warns(PlanCacheWarning):
-            cache.put(KEY, tiny_plan())
-        assert cache.get(KEY) is None
-    finally:
-        tmp_path.chmod(0o755)
+def test_read_only_directory_does_not_raise_and_keeps_its_entries(tmp_path, monkeypatch):
+    """A directory the process may not write (a shared, read-only cache). Simulated: the
+    temporary file is refused with the PermissionError the OS raises there, because root,
+    as in CI's containers, ignores permission bits, and a chmod test would be skipped."""
+    import jaxwap.plans.cache as cache_module
+
+    cache = PlanCache(tmp_path)
+    old = tiny_plan()
+    cache.put(KEY, old)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(kwargs.get("dir", tmp_path)))
+
+    monkeypatch.setattr(cache_module.tempfile, "mkstemp", refuse)
+    with pytest.warns(PlanCacheWarning, match="could not write"):
+        cache.put(KEY, vgg_sized_plan())
+    assert cache.get(KEY) == old   # what was there is still read
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
 def test_failed_replace_leaves_the_old_entry_and_no_temporary_file(tmp_path, monkeypatch):

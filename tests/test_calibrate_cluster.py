@@ -9,7 +9,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -93,14 +92,14 @@ def test_a_lone_process_falls_back_within_the_timeout(tmp_path):
     argv = [sys.executable, "-m", "jaxwap", "calibrate", "--quick", "--fresh",
             "--coordinator", "{coordinator}", "--num-processes", "2", "--process-id", "0",
             "--timeout", "3"]
-    t0 = time.monotonic()
+    # the launcher's 90 s is a safety net, not the check: a process that waited past it
+    # is reported timed out and fails `r.ok`; what is asserted is that it gave up by its
+    # own 3 s timeout (the message) and calibrated alone
     (r,) = launch_local(argv, num_processes=1, timeout_s=90,
                         env={**os.environ, "JAXWAP_CACHE_DIR": str(tmp_path)})
-    took = time.monotonic() - t0
-    assert r.ok, describe([r])
+    assert r.ok and not r.timed_out, describe([r])
     assert "jax.distributed did not start" in r.output
     assert "process 0 of 2" in r.output and "missing process ids [1]" in r.output
-    assert took < 60
     cal = load_calibration(jax.devices()[0], tmp_path, 1)
     assert cal is not None and cal.num_devices == 1 and cal.num_processes == 1
     assert any(n.startswith("fell back to one process") for n in cal.notes)
@@ -126,9 +125,7 @@ def test_rendezvous_meets_everyone_or_says_why():
     c = f"127.0.0.1:{free_port()}"
     assert _meet(c, [(3, 0), (3, 1), (3, 2)], 10) == {0: None, 1: None, 2: None}
     c = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    got = _meet(c, [(3, 0), (3, 1)], 0.5)
-    assert time.monotonic() - t0 < 5
+    got = _meet(c, [(3, 0), (3, 1)], 0.5)   # returns only by the timeout: one never comes
     assert "missing process ids [2]" in got[0] and got[1].startswith("process 0 refused")
     got = _meet(f"127.0.0.1:{free_port()}", [(2, 0), (3, 1)], 10)
     assert "expects 3 processes" in got[0] and "expects 3 processes" in got[1]
@@ -159,9 +156,9 @@ def test_bad_cluster_arguments_are_named():
 def test_launcher_kills_the_rest_when_one_fails():
     code = "import os, sys, time; sys.exit(3) if os.environ['JAXWAP_PROCESS_ID'] == '1' " \
            "else time.sleep(60)"
-    t0 = time.monotonic()
+    # process 0 would sleep 60 s, past the 30 s timeout: killed and not timed out means
+    # the launcher stopped it because process 1 failed, whatever the machine's speed
     results = launch_local([sys.executable, "-c", code, "{process_id}"], 2, timeout_s=30)
-    assert time.monotonic() - t0 < 20
     assert results[1].returncode == 3 and not results[1].killed
     assert results[0].killed and not results[0].timed_out
     results = launch_local([sys.executable, "-c", "import time; time.sleep(60)"], 1,

@@ -62,6 +62,7 @@ class FakeNVML:
         self.inits = 0
         self.shutdowns = 0
         self.power_calls = 0
+        self._called = threading.Condition()
 
     def _elapsed(self) -> float:
         t = time.perf_counter() - self.t_base
@@ -90,8 +91,18 @@ class FakeNVML:
 
     def nvmlDeviceGetPowerUsage(self, handle: object) -> int:
         self._elapsed()
-        self.power_calls += 1
+        with self._called:
+            self.power_calls += 1
+            self._called.notify_all()
         return int(self.watts * 1000)  # mW
+
+    def wait_for_power_calls(self, n: int, timeout_s: float = 60.0) -> None:
+        """Until the meter has sampled `n` times: the test waits for the behaviour, not a
+        fixed time a loaded machine may not give the polling thread. The timeout is a
+        safety net whose expiry is the failure."""
+        with self._called:
+            assert self._called.wait_for(lambda: self.power_calls >= n, timeout_s), \
+                f"the meter sampled power {self.power_calls} times in {timeout_s} s, not {n}"
 
 
 GPUS = [FakeGpu(0, 0), FakeGpu(1, 1)]
@@ -107,6 +118,9 @@ def _poll_threads() -> list[threading.Thread]:
 
 
 def _assert_plausible(reading: EnergyReading, n: int, watts: float = WATTS) -> None:
+    # 20%: the fake's clock and the meter's are read microseconds apart at each end of the
+    # window, so only a stall of a fifth of the window between two adjacent calls could
+    # break it; a wrong unit (mJ against J, mW against W) or a lost device is off 1000x
     assert len(reading.joules) == n
     for j in reading.joules:
         assert j == pytest.approx(watts * reading.seconds, rel=0.2)
@@ -143,13 +157,13 @@ def test_counter_absent_polls_power_and_thread_stops() -> None:
     fake = FakeNVML(counter=False)
     with EnergyMeter(GPUS, nvml=fake, poll_interval_s=0.01) as meter:
         assert len(_poll_threads()) == 1
-        time.sleep(0.25)
+        # sampled repeatedly while the body runs, not just at the ends (2 devices x 6)
+        fake.wait_for_power_calls(2 + 2 * 6)
     r = meter.reading
     assert r is not None and r.source == "nvml-power-polling"
     assert meter.available
     assert "Not Supported" in r.note
     _assert_plausible(r, 2)
-    assert fake.power_calls > 2 * 5  # sampled repeatedly, not just at the ends
     assert meter._thread is None and _poll_threads() == []
     calls = fake.power_calls
     time.sleep(0.05)
