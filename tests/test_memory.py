@@ -84,19 +84,48 @@ def test_make_train_step_is_the_usual_step():
     close(run(step, params, opt, batch), run(by_hand, params, opt, batch))
 
 
+# jax's checkpoint primitive, under the names its versions have printed
+CHECKPOINT = ("remat2", "checkpoint")
+
+
+def _top_eqns(fn, *args, name):
+    """The top-level equations of `fn`'s jaxpr with primitive `name` (or one of a tuple
+    of names): how a test sees that a step variant restructured the step, not only that
+    its numbers are unchanged."""
+    names = (name,) if isinstance(name, str) else name
+    return [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns if e.primitive.name in names]
+
+
 @pytest.mark.parametrize("k", [2, 4, 8])
-def test_micro_batched_step_equals_full_batch(k):
+def test_micro_batched_step_scans_k_micro_batches_and_equals_full_batch(k):
     step, params, opt, batch = cnn_problem()
+    micro = step.with_variant(StepVariant(micro_batches=k))
+    # the variant took effect: one scan of k iterations over a k-th of the rows each
+    (scan,) = _top_eqns(micro, params, opt, batch, name="scan")
+    assert scan.params["length"] == k
+    assert any(v.aval.shape[:2] == (k, 32 // k) for v in scan.invars)
+    assert _top_eqns(step, params, opt, batch, name="scan") == []
     ref = run(step, params, opt, batch)
-    out = run(step.with_variant(StepVariant(micro_batches=k)), params, opt, batch)
+    out = run(micro, params, opt, batch)
+    # 1e-4: k partial gradients summed in another order, then Adam divides each element by
+    # its own size, so an element near eps carries that rounding at a larger scale (see
+    # assert_close_adam in test_equivalence_layouts)
     close(ref, out, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", ["dots", "dots_no_batch", "offload_dots"])
-def test_remat_step_equals_plain_step(policy):
+def test_remat_step_checkpoints_the_loss_with_its_policy_and_equals_plain_step(policy):
     step, params, opt, batch = cnn_problem()
-    close(run(step, params, opt, batch),
-          run(step.with_variant(StepVariant(remat=policy)), params, opt, batch))
+    remat = step.with_variant(StepVariant(remat=policy))
+    # the variant took effect: the backward pass recomputes the loss's forward inside one
+    # checkpoint equation carrying a saving policy; the plain
+    # step has none
+    (cp,) = _top_eqns(remat, params, opt, batch, name=CHECKPOINT)
+    assert cp.params["policy"] is not None
+    assert _top_eqns(step, params, opt, batch, name=CHECKPOINT) == []
+    if policy == "offload_dots":   # the saved values go to host memory and come back
+        assert len(_top_eqns(remat, params, opt, batch, name="device_put")) >= 1
+    close(run(step, params, opt, batch), run(remat, params, opt, batch))
 
 
 def test_aux_is_the_whole_batchs_under_micro_batches():
@@ -260,21 +289,28 @@ def test_an_opaque_step_is_never_restructured():
         jaxwap.plan(step, params, opt, batch, num_devices=1, memory_budget=2e5, cache=False)
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.35])
-def test_every_plan_returned_fits_by_xla(fraction):
+def test_every_plan_returned_under_shrinking_budgets_fits_by_xla():
+    """A ladder of budgets below the roomy plan's compiled bytes: each either returns a
+    plan that fits by XLA's own memory analysis, with every compiled candidate over the
+    budget marked unfit and not chosen, or refuses naming memory_budget. At least one rung
+    must have refused an over-budget candidate, or the ladder checked nothing."""
     step, params, opt, batch = cnn_problem(batch=32, size=16)
     roomy = jaxwap.plan(step, params, opt, batch, hardware=H100X8, cache=False)
-    budget = roomy.compiled.memory_bytes * fraction
-    try:
-        plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8, memory_budget=budget,
-                           cache=False)
-    except MemoryError as e:
-        assert "memory_budget" in str(e)
-        return
-    assert plan.compiled.memory_bytes <= budget
-    for c in plan.candidates:
-        if c.compiled is not None and c.compiled.memory_bytes > budget:
-            assert not c.fits and not c.chosen
+    refused = 0
+    for fraction in (0.8, 0.5, 0.35):
+        budget = roomy.compiled.memory_bytes * fraction
+        try:
+            plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8,
+                               memory_budget=budget, cache=False)
+        except MemoryError as e:
+            assert "memory_budget" in str(e)
+            continue
+        assert plan.compiled.memory_bytes <= budget, fraction
+        for c in plan.candidates:
+            if c.compiled is not None and c.compiled.memory_bytes > budget:
+                assert not c.fits and not c.chosen, (fraction, c)
+                refused += 1
+    assert refused > 0
 
 
 def test_repair_shards_optimizer_state_first():
