@@ -42,7 +42,18 @@ def test_mlp_data_parallel_matches_single_device(num_devices):
     step, params, opt, batch = setup(MLP(), (32, 16))
     ref, out, sharded = run_both(step, params, opt, batch, num_devices=num_devices,
                                  hardware=jaxwap.Cluster("h100-sxm", 8))
-    assert sharded.plan.num_devices == num_devices
+    plan = sharded.plan
+    # data parallel, as the name says: every device on the data axis, no parameter split
+    # over another axis, and the compiled step takes each batch leaf split on its rows
+    # over that axis (XLA's own input shardings, not the plan's record of them)
+    assert plan.num_devices == num_devices
+    assert plan.mesh_shape.get("data") == num_devices
+    assert all(a in (None, "data") for pl in plan.params for a in pl.spec)
+    compiled = sharded.lower_and_compile(params, opt, batch)
+    flat = compiled.input_shardings[0]   # the step is compiled on its flat leaves
+    batch_shardings = flat[len(flat) - len(jax.tree.leaves(batch)):]
+    for sh in batch_shardings:
+        assert tuple(sh.spec)[:1] == ("data",), sh
     assert_trees_close(ref[0], out[0])
     assert_trees_close(ref[1], out[1])
     np.testing.assert_allclose(ref[2]["loss"], out[2]["loss"], rtol=RTOL)
@@ -86,6 +97,13 @@ def test_slow_links_and_little_memory_plan_tensor_parallel_with_zero1_state():
             continue
         assert p.state_spec is not None and "data" in p.state_spec, p    # ZeRO-1 state
         assert "data" not in p.spec and "zero1" in p.strategy, p          # not FSDP
+    # it fits by XLA's own memory analysis of the compiled step, not only by the model
+    # (nothing is offloaded, so XLA:CPU's figure is the whole of it)
+    assert not any(p.offload for p in plan.params)
+    mem = sharded.lower_and_compile(params, opt, batch).memory_analysis()
+    xla_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    assert xla_bytes <= SLOW_LINKS.memory_bytes, xla_bytes
     trace = out[1][0].trace
     for path, leaf in jax.tree_util.tree_flatten_with_path(trace)[0]:
         p = placed[jax.tree_util.keystr(path)]

@@ -425,12 +425,20 @@ def assert_close_adam(a, b, lr, n_steps, max_outliers=1e-4):
     Adam's largest move for those. Adam divides each gradient element by its own size, so
     an element whose gradient is as small as Adam's eps (1e-8) is mostly rounding noise, and
     its update carries that noise at full scale: up to lr per step (seen: one ResNet kernel
-    element off by 1.7e-5, 1.7% of lr, after the first step, among 99,375 elements)."""
+    element off by 1.7e-5, 1.7% of lr, after the first step, among 99,375 elements).
+
+    Which part checks what: the per-element bound (2 lr per step) only says no element
+    moved further than Adam can move it, which two Adam runs from one start always meet,
+    and Adam's update is nearly blind to the gradient's scale (a gradient summed where it
+    should be averaged moves the weights the same). The real check is the outlier count,
+    over every leaf of `a` and `b`, which are the whole step outputs: Adam's first and
+    second moments carry the gradient itself, so a missing, doubled or misplaced reduction
+    puts most of their elements outside float32's tolerance, far above one in 10,000."""
     total = outliers = 0
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         diff = np.abs(x - y)
-        assert diff.max() <= 2 * lr * n_steps
+        assert diff.max() <= 2 * lr * n_steps   # a sanity bound, see above
         outliers += int((diff > ATOL + RTOL * np.abs(x)).sum())
         total += x.size
     assert outliers <= max_outliers * total, (outliers, total)
