@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 import pytest
-from models import abstract_setup
+from models import MLP, abstract_setup, copy_tree, setup
 
 import jaxwap
 
@@ -156,3 +156,28 @@ def test_mesh_shape_fixes_the_mesh_and_strategies_restrict_every_layout():
                      mesh_shape={"model": 4}, **base)
     kernels = [p for p in tp.params if len(p.shape) == 2]
     assert {p.strategy for p in kernels} <= {"tp-col", "tp-row"} and kernels
+
+
+def test_compiler_options_reach_xla_in_verification_and_the_step(tmp_path):
+    """`compiler_options=` is handed to XLA's compile, not only recorded: `xla_dump_to`
+    makes XLA write the optimized programs where it says (for the finalists verification
+    compiles, and for the step the call compiles), and an option XLA does not know is
+    refused by XLA, naming it, with the user's arrays intact."""
+    step, params, opt, batch = setup(MLP((16, 10)), (16, 8))
+    verified = tmp_path / "verify"
+    jaxwap.plan(step, params, opt, batch, verify=1, cache=False, num_devices=2,
+                compiler_options={"xla_dump_to": str(verified)})
+    assert list(verified.glob("*after_optimizations.txt"))
+
+    called = tmp_path / "call"
+    sharded = jaxwap.auto_shard(step, params, verify=0, cache=False, num_devices=2,
+                                compiler_options={"xla_dump_to": str(called)})
+    sharded(copy_tree(params), copy_tree(opt), batch)
+    assert list(called.glob("*after_optimizations.txt"))
+
+    p, o = copy_tree(params), copy_tree(opt)
+    bad = jaxwap.auto_shard(step, params, verify=0, cache=False, num_devices=2,
+                            compiler_options={"xla_no_such_option": True})
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        bad(p, o, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((p, o)))

@@ -228,3 +228,39 @@ def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     back = jaxwap.Plan.from_json(plan.to_json())
     assert back.step == plan.step
+
+
+def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them():
+    """A deep MLP stack (48 blocks of d 2048, batch 2048, abstract) on 64 H100s in 8 nodes
+    at 100 Gb/s: with the default `pipeline=None` the planner weighs pipelines itself and
+    chooses one, because it predicts it faster than every unpipelined candidate;
+    `pipeline=False` leaves them out entirely, and its plan is one of those slower ones."""
+    S = jax.ShapeDtypeStruct
+    layers, d, rows = 48, 2048, 2048
+
+    def loss(p, b):
+        def layer(h, w):
+            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
+                         "down": S((layers, 4 * d, d), jnp.float32)}}
+    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    args = (step, params, jax.eval_shape(step.init, params), batch)
+    nodes = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8, inter_node_bandwidth=12.5e9)
+    kw = dict(hardware=nodes, verify=0, cache=False, objective="throughput")
+
+    chosen = jaxwap.plan(*args, **kw)
+    assert dict(chosen.mesh_shape).get(STAGE, 1) > 1 and chosen.step.stages > 1
+    assert chosen.step.micro_batches > 1
+    flat = [c for c in chosen.candidates if dict(c.mesh_shape).get(STAGE, 1) == 1]
+    assert flat and all(c.predicted.step_time_s > chosen.predicted.step_time_s
+                        for c in flat)
+
+    excluded = jaxwap.plan(*args, pipeline=False, **kw)
+    assert STAGE not in dict(excluded.mesh_shape) and excluded.step.stages == 1
+    assert not any(dict(c.mesh_shape).get(STAGE, 1) > 1 for c in excluded.candidates)
+    assert excluded.predicted.step_time_s > chosen.predicted.step_time_s
