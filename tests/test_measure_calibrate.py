@@ -24,10 +24,12 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
     assert s.peak_flops > 0 and s.peak_flops_f32 > 0 and s.memory_bandwidth > 0
     assert s.kernel_overhead_s > 0 and s.efficiency_half_flops > 0
     # convolutions timed apart: their share of the matmul rate, and (XLA:CPU) the generic
-    # loop a window larger than its input takes, well below it
-    assert 0 < s.conv_efficiency <= 1
+    # loop a window larger than its input takes, well below it. Their range is not asserted:
+    # (0, 1] is the probes' clamp and DeviceSpec's own check, so asserting it here could
+    # not fail; what these figures are worth is held to measured steps in benchmarks/accuracy
+    assert s.conv_efficiency is not None
     # a first layer over RGB (3 input channels) timed apart, on a CPU as on accelerators
-    assert s.narrow_conv_efficiency is not None and 0 < s.narrow_conv_efficiency <= 1
+    assert s.narrow_conv_efficiency is not None
     assert s.small_input_conv_flops is None or 0 < s.small_input_conv_flops < s.peak_flops_f32
     # the per-width rates back the median; each convolution's fixed cost; the fresh
     # memory table at the quick sizes either side of glibc's 32 MiB mapping threshold
@@ -35,12 +37,11 @@ def test_calibration_is_measured_cached_and_reused(tmp_path, monkeypatch):
         assert all(0 < r < s.peak_flops_f32 for _, r in s.small_input_conv_rates)
     assert s.conv_overhead_s >= 0
     # the matmul curve of dense layers in training forms, one point per size timed, each
-    # efficiency in (0, 1] at increasing times; tanh timed per element (0 where it is no
-    # slower than its memory)
+    # efficiency at increasing times (in (0, 1] by the record's own check, not asserted);
+    # tanh timed per element (0 where it is no slower than its memory)
     dense = cal.measurements["dense_layer_matmul_flops_s"]
     assert len(s.matmul_efficiency) == len(dense) >= 2
     assert [w for w, _ in dense] == sorted(w for w, _ in dense)
-    assert all(0 < e <= 1 for _, e in s.matmul_efficiency)
     assert s.transcendental_s >= 0
     assert len(s.reduction_cost) == 6 and all(c >= 0 for _, c in s.reduction_cost)
     assert [n for n, _ in s.fresh_memory_cost] == [2**24, 2**26]
