@@ -1,12 +1,13 @@
 """The planner's decisions against the committed snapshot
 (`benchmarks/results/plan_snapshot/snapshot.json`, written by
-`python -m benchmarks.planning.plan_snapshot --out`): every analytic and memory-pressure row
-of the snapshot (the four full-size zoo models on four clusters under four objectives, and
-under shrinking memory budgets, `verify=0`), and two verified rows (XLA:CPU compiles the
-finalists), planned afresh (`cache=False`) through the public `jaxwap.plan` and compared
+`python -m benchmarks.planning.plan_snapshot --out`): every memory-pressure row (the four
+full-size zoo models under shrinking memory budgets, `verify=0`), a Latin square of the
+analytic rows (each model and each of the four clusters under each of the four objectives
+once), and two verified rows (XLA:CPU compiles the finalists), planned afresh
+(`cache=False`) through the public `jaxwap.plan` and compared
 decision by decision: the mesh, every parameter's spec, optimizer-state spec and host
-offload, and the step variant. The other nine verified rows compile 8-device programs for
-seconds each and stay with the benchmark's `--check`.
+offload, and the step variant. The other analytic rows and the other nine verified rows
+(which compile 8-device programs for seconds each) stay with the benchmark's `--check`.
 
 A change that moves a decision on purpose regenerates the snapshot and says in its note
 why each move is right; a refactor must leave every row equal.
@@ -29,7 +30,22 @@ VERIFIED = ("verified/alexnet-small/h100x8/budget=3x-params", "verified/gpt2-sma
 
 _CASES = {row: (w, kw) for row, w, kw in plan_snapshot.cases()}
 _RECORD = json.loads(SNAPSHOT.read_text())
-ROWS = [row for row in _RECORD if not row.startswith("verified/") or row in VERIFIED]
+
+
+def _latin_square(rows: list[str]) -> list[str]:
+    """Of the analytic rows (model x cluster x objective), a Latin square: each model and
+    each cluster under every objective once, each (model, cluster) pair under one, a
+    quarter of the rows for the suite's time. Every row still runs in the benchmark's
+    `--check`."""
+    parts = [row.split("/")[1:] for row in rows]
+    order = [list(dict.fromkeys(p[i] for p in parts)) for i in range(3)]
+    n = len(order[2])
+    return [row for row, (m, c, o) in zip(rows, parts, strict=True)
+            if (order[0].index(m) + order[1].index(c)) % n == order[2].index(o)]
+
+
+ROWS = ([row for row in _RECORD if row.startswith("memory/") or row in VERIFIED]
+        + _latin_square([row for row in _RECORD if row.startswith("analytic/")]))
 
 
 def _decided(row: str) -> dict[str, Any]:
