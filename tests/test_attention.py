@@ -181,7 +181,8 @@ def test_fused_attention_holds_no_t_by_t_value_and_splits_with_the_batch():
 def test_fused_counterfactual_of_the_xla_step_matches_the_cudnn_step():
     """The XLA step with its attention replaced by the fused kernels
     (`ScoreSites.fused`) against the cuDNN step, on the same layouts of every mesh the
-    search keeps: time within 10%, peak memory within 5%; and the memory pass run again
+    search keeps: time within 10%, peak memory within 5%, and faster than the XLA step by
+    at least a tenth; and the memory pass run again
     with nothing removed reproduces the graph's own."""
     xl, xc, xg = traced("xla", seq=1024)
     _, _, cg = traced("cudnn", seq=1024)
@@ -204,7 +205,8 @@ def test_fused_counterfactual_of_the_xla_step_matches_the_cudnn_step():
         xla = _layout_prediction(xg, H100X8, r)
         assert est.step_time_s == pytest.approx(real.step_time_s, rel=0.10), r.describe()
         assert est.peak_memory_bytes == pytest.approx(real.peak_memory_bytes, rel=0.05)
-        assert est.step_time_s < 0.8 * xla.step_time_s
+        # the fused kernels save the scores' memory traffic: at least a tenth of this step
+        assert est.step_time_s < 0.9 * xla.step_time_s
         checked += 1
     assert checked >= 4
 
@@ -363,8 +365,9 @@ def test_adapter_fails_loudly_when_jax_changes_its_private_surface(monkeypatch):
 
 def test_device_profiles_carry_the_published_attention_rates():
     h100, h200 = device_spec("h100-sxm"), device_spec("h200")
-    assert h100.attention_fwd_efficiency == pytest.approx(529 / 989)
-    assert h100.attention_bwd_efficiency == pytest.approx(518 / 989)
+    # the published rates (529 and 518 Tflop/s), as shares of the profile's matmul rate
+    assert h100.attention_fwd_efficiency * h100.peak_flops == pytest.approx(529e12)
+    assert h100.attention_bwd_efficiency * h100.peak_flops == pytest.approx(518e12)
     assert h200.attention_fwd_efficiency == h100.attention_fwd_efficiency
     assert h100.compute_capability == "9.0" and device_spec("cpu").compute_capability is None
     # a profile without them reads and writes as before (plan-cache keys unchanged)

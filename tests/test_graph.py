@@ -244,3 +244,64 @@ def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
     first = graph.conv == 3
     assert (t1[~first] == t0[~first]).all()
     assert (t1[first] > 5 * t0[first]).all()
+
+
+def _grouped_graph(dtype, groups: int, channels: int = 128):
+    """A training step of one grouped 3x3 convolution (`groups` groups over `channels`)."""
+    def loss(p, x):
+        y = jax.lax.conv_general_dilated(x.astype(dtype), p["w"].astype(dtype), (1, 1),
+                                         "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                         feature_group_count=groups)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    return _analyze(_sgd(loss), {"w": _f32(3, 3, channels // groups, channels)},
+                    _f32(16, 8, 8, channels), batch_size=16)
+
+
+def test_grouped_convolutions_with_few_channels_per_group_are_narrow():
+    """A ResNeXt's 32 groups of 4 channels (forward, and the kernel gradient, which groups
+    its lhs batch) are kind 3, as a first layer over RGB is: each group is a convolution
+    over 4 channels; 8 groups of 16 are plain convolutions."""
+    assert sorted(int(k) for k in _grouped_graph(jnp.float32, 32).conv if k) == [3, 3]
+    assert sorted(int(k) for k in _grouped_graph(jnp.float32, 8).conv if k) == [1, 1]
+
+
+def test_float32_convolutions_on_cuda_cores_take_no_tensor_core_shares():
+    """A V100 (no TF32) prices float32 convolutions at its float32 matmul rate, with no
+    convolution share (those are tensor-core shares: `f32_conv_shares=False`); its float16
+    ones keep the shares; a profile whose float32 runs on tensor cores applies them to
+    both."""
+    from jaxwap.cost.op_time import op_times
+    from jaxwap.hardware.builtin_profiles import device_spec
+    from jaxwap.hardware.cluster import Cluster
+
+    v100 = device_spec("v100-sxm2")
+    assert not v100.f32_conv_shares and device_spec("a100-sxm-80gb").f32_conv_shares
+    shared = dataclasses.replace(v100, f32_conv_shares=True)
+    for dtype, differ in ((jnp.float32, True), (jnp.float16, False)):
+        graph = _grouped_graph(dtype, 32)
+        convs = graph.conv > 0
+        t_volta, t_shared = (op_times(graph, Cluster(s, 1), 1.0)[convs] for s in (v100, shared))
+        assert (t_volta < t_shared).all() if differ else (t_volta == t_shared).all()
+
+
+def test_fsdp_memory_per_device_does_not_grow_with_the_devices_at_a_fixed_local_batch():
+    """What an FSDP layout holds whole (`liveness.gathered_whole`) is a layer's weight and
+    its weight gradient, never the batched activations its matmuls make: the LM head's
+    [batch, seq, vocab] logits were counted whole (at the global batch), so a Llama-8B at
+    2 sequences per device needed 43 GB a device on 8 H100s and 589 GB on 128. Here, a
+    decoder with a large-vocabulary head at 2 sequences per device: about the same per
+    device on 32 devices as on 8 (it was 7 times as much)."""
+    import jaxwap
+    from benchmarks.models import zoo
+
+    def peak(n):
+        w = zoo.llama("llama_tiny", batch_size=2 * n, seq_len=1024, vocab=65536, d_model=128,
+                      ffn=256, scan=True)
+        plan = jaxwap.plan(w.step, *w.args, params=w.params, verify=0, cache=False,
+                           hardware=jaxwap.Cluster("h100-sxm", n), mesh_shape={"data": n},
+                           strategies=("fsdp",), objective="throughput")
+        assert {p.strategy for p in plan.params} == {"fsdp"}
+        return plan.predicted.peak_memory_bytes
+
+    assert peak(32) < 1.1 * peak(8)

@@ -303,23 +303,35 @@ def vgg16(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jnp.b
 class BottleneckBlock(nn.Module):
     """1x1 -> 3x3 (strided) -> 1x1 (x4 channels), batch norm after each, projection shortcut
     when the shape changes. The last norm starts at scale 0, so each block starts as the
-    identity (as in the Flax ImageNet example)."""
+    identity (as in the Flax ImageNet example). `inner` widens the first two convolutions
+    and `groups` splits the 3x3 one (ResNeXt's cardinality); `se_reduction` > 0 adds a
+    squeeze-and-excitation gate on the block's output (SE-ResNeXt)."""
 
     filters: int
     strides: int = 1
     dtype: Any = jnp.float32
+    inner: int | None = None
+    groups: int = 1
+    se_reduction: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
         conv = partial(nn.Conv, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32)
         norm = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5,
                        dtype=self.dtype, param_dtype=jnp.float32)
+        inner = self.inner or self.filters
         residual = x
-        y = nn.relu(norm(name="bn1")(conv(self.filters, (1, 1), name="conv1")(x)))
-        y = conv(self.filters, (3, 3), strides=(self.strides, self.strides), name="conv2")(y)
+        y = nn.relu(norm(name="bn1")(conv(inner, (1, 1), name="conv1")(x)))
+        y = conv(inner, (3, 3), strides=(self.strides, self.strides),
+                 feature_group_count=self.groups, name="conv2")(y)
         y = nn.relu(norm(name="bn2")(y))
         y = conv(self.filters * 4, (1, 1), name="conv3")(y)
         y = norm(scale_init=nn.initializers.zeros, name="bn3")(y)
+        if self.se_reduction:
+            dense = partial(nn.Dense, dtype=self.dtype, param_dtype=jnp.float32)
+            s = jnp.mean(y, axis=(1, 2))
+            s = nn.relu(dense(self.filters * 4 // self.se_reduction, name="se_reduce")(s))
+            y = y * nn.sigmoid(dense(self.filters * 4, name="se_expand")(s))[:, None, None, :]
         if residual.shape != y.shape:
             residual = conv(self.filters * 4, (1, 1), strides=(self.strides, self.strides),
                             name="proj_conv")(residual)
@@ -329,6 +341,8 @@ class BottleneckBlock(nn.Module):
 
 class ResNet(nn.Module):
     """Bottleneck ResNet; the defaults are ResNet-50 (stages [3, 4, 6, 3], widths 64..512).
+    `groups` x `width_per_group` (x 2 per stage) make it a ResNeXt (32 x 4: 32x4d), and
+    `se_reduction` an SE-ResNeXt.
 
     Input NHWC images; output float32 logits. `train` selects batch statistics (and updates
     the running ones, with `mutable=["batch_stats"]`) or the running averages.
@@ -338,6 +352,9 @@ class ResNet(nn.Module):
     width: int = 64
     num_classes: int = 1000
     dtype: Any = jnp.float32
+    groups: int = 1
+    width_per_group: int = 0
+    se_reduction: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
@@ -351,7 +368,10 @@ class ResNet(nn.Module):
         for i, blocks in enumerate(self.stage_sizes):
             for j in range(blocks):
                 strides = 2 if i > 0 and j == 0 else 1
+                inner = self.groups * self.width_per_group * 2**i or None
                 x = BottleneckBlock(self.width * 2**i, strides=strides, dtype=self.dtype,
+                                    inner=inner, groups=self.groups,
+                                    se_reduction=self.se_reduction,
                                     name=f"stage{i + 1}_block{j + 1}")(x, train)
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=jnp.float32,
@@ -388,12 +408,16 @@ def make_resnet_train_step(model: nn.Module, tx: optax.GradientTransformation,
 
 def resnet50(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jnp.bfloat16, *,
              num_classes: int = 1000, lr: float = 1e-3, weight_decay: float = 1e-4,
-             stage_sizes: Sequence[int] = (3, 4, 6, 3), width: int = 64) -> Workload:
+             stage_sizes: Sequence[int] = (3, 4, 6, 3), width: int = 64, groups: int = 1,
+             width_per_group: int = 0, se_reduction: int = 0, name: str = "resnet50"
+             ) -> Workload:
     """ResNet-50 (25.6 M parameters) with batch norm. `args = (params, batch_stats, opt_state,
-    batch)`; `stage_sizes` / `width` shrink it for CPU runs (`small`)."""
+    batch)`; `stage_sizes` / `width` shrink it for CPU runs (`small`); `groups`,
+    `width_per_group` and `se_reduction` make a ResNeXt or SE-ResNeXt of it (`resnext101`)."""
     dtype = _dtype(dtype)
     model = ResNet(stage_sizes=tuple(stage_sizes), width=width, num_classes=num_classes,
-                   dtype=dtype)
+                   dtype=dtype, groups=groups, width_per_group=width_per_group,
+                   se_reduction=se_reduction)
     tx = make_optimizer(lr)
     batch = _image_batch(batch_size, image_size)
     variables = jax.eval_shape(partial(model.init, train=False), jax.random.key(0),
@@ -408,15 +432,27 @@ def resnet50(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jn
                 _random_image_batch(seed, batch_size, image_size, num_classes))
 
     depth = 2 + 3 * sum(stage_sizes)
+    kind = (("SE-" if se_reduction else "") + f"ResNeXt-{depth} {groups}x{width_per_group}d"
+            if groups > 1 else f"ResNet-{depth}")
     return Workload(
-        name="resnet50", step=make_resnet_train_step(model, tx, weight_decay),
+        name=name, step=make_resnet_train_step(model, tx, weight_decay),
         args=(params, batch_stats, opt_state, batch), params=params, batch_size=batch_size,
         num_classes=num_classes,
-        description=(f"ResNet-{depth} (Linen, BatchNorm, stages {list(stage_sizes)}, width "
+        description=(f"{kind} (Linen, BatchNorm, stages {list(stage_sizes)}, width "
                      f"{width}), {image_size}px, batch {batch_size}, {num_classes} classes, "
                      f"compute {dtype.name}, Adam lr {lr:g}, L2 {weight_decay:g}; "
                      f"step(params, batch_stats, opt_state, batch)"),
         init=init)
+
+
+def resnext101(batch_size: int = 128, image_size: int = 224, dtype: DTypeLike = jnp.bfloat16,
+               *, se: bool = False, **kw: Any) -> Workload:
+    """ResNeXt-101 32x4d (44.2 M parameters; stages [3, 4, 23, 3], 32 groups of 4 channels
+    widening x2 per stage), or with `se` SE-ResNeXt-101 32x4d (squeeze-and-excitation,
+    reduction 16, 49.0 M), as NVIDIA's DeepLearningExamples train them."""
+    return resnet50(batch_size, image_size, dtype, stage_sizes=(3, 4, 23, 3), groups=32,
+                    width_per_group=4, se_reduction=16 if se else 0,
+                    name="se-resnext101" if se else "resnext101", **kw)
 
 
 # --------------------------------------------------------------------------------------
@@ -614,14 +650,17 @@ def _rotary(x: jax.Array, theta: float) -> jax.Array:
 
 class LlamaAttention(nnx.Module):
     """Causal grouped-query attention with rotary positions, in plain jnp (the full
-    [B, H, T, T] scores, no flash kernel); bias-free projections."""
+    [B, H, T, T] scores, no flash kernel), or with `attention="cudnn"` cuDNN's fused
+    kernel (`jax.nn.dot_product_attention`, as PyTorch trainers call SDPA's flash
+    kernel); bias-free projections."""
 
     def __init__(self, d_model: int, heads: int, kv_heads: int, *, dtype: Any,
-                 rope_theta: float, rngs: nnx.Rngs):
+                 rope_theta: float, rngs: nnx.Rngs, attention: str = "xla"):
         if d_model % heads or heads % kv_heads:
             raise ValueError(f"d_model {d_model} must divide by heads {heads}, and heads by "
                              f"kv_heads {kv_heads}")
         self.heads, self.kv_heads, self.dtype, self.rope_theta = heads, kv_heads, dtype, rope_theta
+        self.attention = attention
         hd = d_model // heads
         dense = partial(nnx.Linear, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                         kernel_init=_normal(0.02), rngs=rngs)
@@ -637,6 +676,9 @@ class LlamaAttention(nnx.Module):
         q = _rotary(self.q(x).reshape(b, t, h, hd), self.rope_theta)
         k = _rotary(self.k(x).reshape(b, t, kv, hd), self.rope_theta)
         v = self.v(x).reshape(b, t, kv, hd)
+        if self.attention == "cudnn":
+            return self.o(jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="cudnn").reshape(b, t, c))
         q = q.reshape(b, t, kv, g, hd)
         y = causal_attention(q, k, v, "bqkgd,bskd->bkgqs", "bkgqs,bskd->bqkgd",
                              self.dtype).reshape(b, t, c)
@@ -661,12 +703,12 @@ class LlamaBlock(nnx.Module):
     """Pre-RMSNorm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
     def __init__(self, d_model: int, heads: int, kv_heads: int, ffn: int, *, dtype: Any,
-                 rope_theta: float, rngs: nnx.Rngs):
+                 rope_theta: float, rngs: nnx.Rngs, attention: str = "xla"):
         norm = partial(nnx.RMSNorm, d_model, epsilon=1e-5, dtype=dtype,
                        param_dtype=jnp.float32, rngs=rngs)
         self.attn_norm = norm()
         self.attn = LlamaAttention(d_model, heads, kv_heads, dtype=dtype,
-                                   rope_theta=rope_theta, rngs=rngs)
+                                   rope_theta=rope_theta, rngs=rngs, attention=attention)
         self.mlp_norm = norm()
         self.mlp = SwiGLU(d_model, ffn, dtype=dtype, rngs=rngs)
 
@@ -686,10 +728,10 @@ class Llama(nnx.Module):
 
     def __init__(self, *, vocab: int, layers: int, d_model: int, heads: int, kv_heads: int,
                  ffn: int, scan: bool = False, dtype: Any = jnp.float32,
-                 rope_theta: float = 500000.0, remat: bool = False, rngs: nnx.Rngs,
-                 **_: Any):
+                 rope_theta: float = 500000.0, remat: bool | str = False, rngs: nnx.Rngs,
+                 attention: str = "xla", **_: Any):
         make = partial(LlamaBlock, d_model, heads, kv_heads, ffn, dtype=dtype,
-                       rope_theta=rope_theta)
+                       rope_theta=rope_theta, attention=attention)
         self.embed = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=jnp.float32,
                                embedding_init=_normal(0.02), rngs=rngs)
         self.scan = scan
@@ -714,7 +756,13 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
         # remat: each block's activations are recomputed in its backward pass, only the
         # block inputs kept (per-block rematerialization, as large-model trainers run)
-        wrap = jax.checkpoint if self.remat else (lambda f: f)
+        # remat="dots": selective, the matmul outputs without batch dims (the projections)
+        # kept and the rest recomputed, as torchtitan's op-level selective checkpointing
+        if self.remat == "dots":
+            wrap = partial(jax.checkpoint,
+                           policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        else:
+            wrap = jax.checkpoint if self.remat else (lambda f: f)
         if self.scan:
             graphdef, state = nnx.split(self.blocks)
 
@@ -731,17 +779,19 @@ class Llama(nnx.Module):
 
 def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | None = None,
           scan: bool = False, dtype: DTypeLike = jnp.bfloat16, lr: float = 3e-4,
-          weight_decay: float = 0.1, restructurable: bool = True, remat: bool = False,
-          **overrides: Any) -> Workload:
+          weight_decay: float = 0.1, restructurable: bool = True, remat: bool | str = False,
+          attention: str = "xla", **overrides: Any) -> Workload:
     """A Llama-style decoder of `LLAMA_CONFIGS[config]` (`overrides` replace any of its
     fields: layers, d_model, heads, kv_heads, ffn, vocab, seq_len), built abstractly, so an
     8B or 70B model allocates nothing. `scan=True` stacks the blocks' parameters along a
     leading layer dim and runs them with `lax.scan`. `remat=True` checkpoints each block
-    (its activations recomputed in the backward pass, only block inputs kept). The step is
+    (its activations recomputed in the backward pass, only block inputs kept); `remat="dots"`
+    keeps each block's projection outputs and recomputes the rest (selective). The step is
     `jaxwap.make_train_step(loss_fn, optax.adamw(lr, weight_decay=...))` (returns
     `(params, opt_state, loss)`); `restructurable=False` gives the same loss and AdamW as a
     plain step returning `(params, opt_state, {"loss": loss})`. `args = (params, opt_state,
-    batch)`, params the `nnx.State` of `nnx.Param`."""
+    batch)`, params the `nnx.State` of `nnx.Param`. `attention="cudnn"` runs cuDNN's fused
+    attention (planned for a GPU from any host; it runs only on one)."""
     if config not in LLAMA_CONFIGS:
         raise KeyError(f"unknown llama config {config!r}; choose from {sorted(LLAMA_CONFIGS)}")
     cfg = {**LLAMA_CONFIGS[config], **overrides}
@@ -751,7 +801,8 @@ def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | Non
     tx = optax.adamw(lr, weight_decay=weight_decay)
 
     def build(seed: int) -> Llama:
-        return Llama(**cfg, scan=scan, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed))
+        return Llama(**cfg, scan=scan, dtype=dtype, remat=remat, rngs=nnx.Rngs(seed),
+                     attention=attention)
 
     graphdef, params = nnx.split(nnx.eval_shape(lambda: build(0)), nnx.Param)
     opt_state = jax.eval_shape(tx.init, params)
@@ -776,9 +827,13 @@ def llama(config: str = "llama_tiny", *, batch_size: int = 8, seq_len: int | Non
             return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
     form = f"stacked, lax.scan over {cfg['layers']}" if scan else f"{cfg['layers']} unrolled"
-    form += ", per-block remat" if remat else ""
+    form += ", per-block remat" + (" (matmul outputs kept)" if remat == "dots" else "") \
+        if remat else ""
+    form += ", cuDNN attention" if attention == "cudnn" else ""
     return Workload(
-        name=config + ("-scan" if scan else "") + ("-remat" if remat else ""), step=step,
+        name=config + ("-scan" if scan else "") + ("-remat" if remat else "")
+        + ("-dots" if remat == "dots" else "")
+        + ("-cudnn" if attention == "cudnn" else ""), step=step,
         args=(params, opt_state, batch),
         params=params, batch_size=batch_size, num_classes=vocab,
         description=(f"Llama-style decoder (NNX, RMSNorm, rotary GQA {cfg['heads']}/"

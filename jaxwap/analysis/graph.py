@@ -272,7 +272,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
     sums = partial_sums(prog, out_roles, split)   # each partial sum over the batch
     mem = step_memory(prog, kinds, flow, in_roles, out_roles, len(params), model_split,
                   gathered_whole(prog.ops, prog.nbytes, splits.layers, splits.tp_param,
-                                 splits.owner, stacked),
+                                 flow.owner, stacked),
                   reduced_copies(prog, sums))
     repeats, reduce_bytes, reduce_count = data_reductions(prog, sums, params)
     # where no partial sum was found, the old rule: once per step, or per scan iteration

@@ -72,13 +72,15 @@ def value_classes(ops: Sequence[FlatOp], in_ids: Sequence[int],
 
 
 def gathered_whole(ops: Sequence[FlatOp], nbytes: np.ndarray, layers: Sequence[Layer],
-                   tp_param: np.ndarray, owner: np.ndarray, stacked: np.ndarray
+                   tp_param: np.ndarray, value_owner: np.ndarray, stacked: np.ndarray
                    ) -> list[tuple[int, int, int, float]]:
     """(first op, last op, parameter, bytes) of what a layer's weight is gathered to where
     FSDP gathers it (the WHOLE class: `Strategy.divisors`, `layout_memory`): XLA gathers
     it where the forward pass first uses it and the backward pass reads that gather, so
     the whole weight (as the matmuls read it) is live from its first batched use
-    (`tp_param`) to its last; and each weight gradient a batched op makes (`owner`) is
+    (`tp_param`) to its last; and each weight gradient a batched op makes (a value the
+    parameter owns: `value_owner`, not the op's owner, which a forward or input-gradient
+    matmul shares with its weight operand while its result is batched activations) is
     whole where it is made, before it is reduced. A scanned layer's weight (`stacked`) is
     gathered a slice per iteration: left out. (A 4096 x 4096 FSDP layer on a 4x1 mesh:
     XLA's memory 201 MB, the model 95 MB without these.)"""
@@ -89,7 +91,7 @@ def gathered_whole(ops: Sequence[FlatOp], nbytes: np.ndarray, layers: Sequence[L
         ks = np.flatnonzero(tp_param == L.param)
         out.append((int(ks.min()), int(ks.max()), L.param, float(L.weight_bytes)))
         out += [(k, k, L.param, float(nbytes[ops[k].outs[0]])) for k in ks.tolist()
-                if ops[k].outs and owner[k] == L.param]
+                if ops[k].outs and value_owner[ops[k].outs[0]] == L.param]
     return out
 
 

@@ -241,8 +241,9 @@ def conv_kind(eqn: Any) -> int:
     than its (dilated, unpadded) input in some spatial dim: a forward or input-gradient
     3x3 convolution over a 1x1 or 2x2 map; 3: a narrow one, over fewer than
     NARROW_CHANNELS input channels (a CNN's first layer over RGB: its forward pass has them
-    as its lhs features, its kernel gradient as its lhs batch), which cuDNN runs at a few
-    percent of its rate (`DeviceSpec.narrow_conv_efficiency`)."""
+    as its lhs features, its kernel gradient as its lhs batch), or per group for a grouped
+    or depthwise one (a ResNeXt's 32 groups of 4), which cuDNN runs at a few percent of its
+    rate (`DeviceSpec.narrow_conv_efficiency`): too few to fill a tensor-core tile."""
     if eqn.primitive.name != "conv_general_dilated":
         return 0
     lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
@@ -253,7 +254,11 @@ def conv_kind(eqn: Any) -> int:
     for a, b, dl, dr in zip(lhs_sp, rhs_sp, lhs_dil, rhs_dil, strict=True):
         if (rhs[b] - 1) * dr + 1 > (lhs[a] - 1) * dl + 1:
             return 2
-    return 3 if min(lhs[dn.lhs_spec[0]], lhs[dn.lhs_spec[1]]) < NARROW_CHANNELS else 1
+    # per group: a grouped (ResNeXt) or depthwise convolution is that many narrow ones
+    # side by side (its kernel gradient groups the lhs batch, which then holds channels)
+    batch = lhs[dn.lhs_spec[0]] // max(int(eqn.params.get("batch_group_count", 1)), 1)
+    feats = lhs[dn.lhs_spec[1]] // max(int(eqn.params.get("feature_group_count", 1)), 1)
+    return 3 if min(batch, feats) < NARROW_CHANNELS else 1
 
 
 def transposed_matmul(eqn: Any) -> bool:

@@ -12,13 +12,16 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxwap.calibration.calibrate import calibrate_full
 from jaxwap.calibration.store import calibration_path
+from jaxwap.cli.profiles import contribute
 from jaxwap.core.progress import interrupted
+from jaxwap.hardware.measured_runs import RUNS_FILE
 from jaxwap.runtime.distributed import start_distributed
 
 
@@ -41,6 +44,10 @@ def add_command(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument("--process-id", type=int, metavar="I", help="this process's id, 0..N-1")
     c.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="give up on the cluster after this long (default 60)")
+    c.add_argument("--contribute", nargs="?", const=RUNS_FILE, type=Path, metavar="RUNS",
+                   help="add the measured shares of the GPU's datasheet to the measured runs "
+                        "the built-in profiles of its family read (default: the package's "
+                        "committed file; `jaxwap profiles` shows what changed)")
     c.set_defaults(run=lambda args: run(args, c))
     return c
 
@@ -118,5 +125,14 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
           f"{cal.device_kind} in {cal.num_processes} process(es))")
     for n in cal.notes:
         print(prefix + "note:", n)
-    print(prefix + "saved:", calibration_path(jax.local_devices()[0], None, cal.num_processes))
+    saved = calibration_path(jax.local_devices()[0], None, cal.num_processes)
+    print(prefix + "saved:", saved)
+    if args.contribute is not None and jax.process_index() == 0:
+        try:
+            added = contribute(cal.to_dict(), str(saved), args.contribute)
+        except ValueError as e:
+            print(f"jaxwap calibrate: not contributed: {e}", file=sys.stderr)
+            return 1
+        print(f"contributed to {args.contribute}: {added.profile} matmul "
+              f"{added.matmul_share:.3f}, bandwidth {added.bandwidth_share:.3f} of the datasheet")
     return 0

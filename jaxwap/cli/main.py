@@ -4,6 +4,7 @@
     jaxwap plan MODULE:FUNCTION [--hardware h100-sxm --devices 512 --devices-per-node 8
                 [--inter-node-bandwidth 50e9] ...] [--objective balanced] [--json plan.json]
     jaxwap explain plan.json
+    jaxwap profiles [--add RECORD ...] [--docs PAGE [--check]]
 
 `plan` is planning ahead of time for a cluster described on the command line, which need
 not be present (the plan is then analytic): FUNCTION, a function of an importable module
@@ -32,6 +33,7 @@ from typing import Any
 from jaxwap.api import plan as plan_step
 from jaxwap.cli.calibrate import add_command as add_calibrate
 from jaxwap.cli.calibrate import run_command
+from jaxwap.cli.profiles import add_command as add_profiles
 from jaxwap.core.objective import KINDS, Objective
 from jaxwap.hardware.builtin_profiles import builtin_device_names, device_spec
 from jaxwap.hardware.cluster import Cluster
@@ -123,11 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxwap", description="jaxwap: a workload-aware auto-parallelizer for JAX "
         "training steps. Commands: calibrate (measure this machine), plan (plan a step "
-        "for a described cluster), explain (print a saved plan).")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{calibrate,plan,explain}")
+        "for a described cluster), explain (print a saved plan), profiles (where the "
+        "built-in profiles' figures come from).")
+    sub = p.add_subparsers(dest="command", required=True,
+                           metavar="{calibrate,plan,explain,profiles}")
     add_calibrate(sub)
     _add_plan(sub)
     _add_explain(sub)
+    add_profiles(sub)
     return p
 
 

@@ -33,6 +33,8 @@ def op_parts(graph: Graph, cluster: Cluster, split: np.ndarray | float,
     eff = eff * attention_share(graph, dev)
     conv_eff = np.where(graph.conv == 3, dev.narrow_conv_efficiency or dev.conv_efficiency,
                         dev.conv_efficiency)
+    if not dev.f32_conv_shares:   # float32 on CUDA cores: at the float32 matmul rate
+        conv_eff = np.where(graph.low_precision, conv_eff, 1.0)
     rate = rate * np.where(graph.conv > 0, conv_eff, 1.0) * np.where(
         graph.transposed, dev.transposed_matmul_efficiency or 1.0, 1.0)
     if dev.small_input_conv_flops is not None:

@@ -131,7 +131,7 @@ def step_live(graph: Graph, prog: FlatProgram, kinds: Sequence[str], flow: Dataf
     the same program with other sizes (`split`: its `grad_reductions.batch_split`, if known)."""
     tp = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched, graph.layers,
                       params, graph.stacked_dim)
-    whole = gathered_whole(prog.ops, prog.nbytes, graph.layers, graph.tp_param, graph.owner,
+    whole = gathered_whole(prog.ops, prog.nbytes, graph.layers, graph.tp_param, flow.owner,
                            graph.stacked_dim)
     sums = partial_sums(prog, out_roles, split or batch_split(prog, in_roles))
     mem = step_memory(dataclasses.replace(prog, nbytes=np.asarray(nbytes, float)), kinds,

@@ -52,7 +52,8 @@ def _per_byte(table: tuple[tuple[float, float], ...], nbytes: Any) -> Any:
 # DeviceSpec fields that say what the backend does, not what was measured: a calibration
 # takes them from the backend's built-in profile (records made before one existed too)
 BACKEND_FLAGS = ("combines_collectives", "overlaps_collectives", "relayouts_conv_grads",
-                 "fuses_reductions", "relayouts_batched_dots", "expands_pooling_grads")
+                 "fuses_reductions", "relayouts_batched_dots", "expands_pooling_grads",
+                 "f32_conv_shares")
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,12 @@ class DeviceSpec:
         are published figures (H100 SXM5, BF16, head dim 128, sequence 8k, cuDNN as
         benchmarked in FlashAttention-3, Shah et al. 2024, arXiv:2407.08608, Figs. 5-6:
         causal forward 529 Tflop/s, backward 518, of 989).
+      f32_conv_shares: whether `conv_efficiency` and `narrow_conv_efficiency` also price
+        float32 convolutions. They are shares of a tensor-core matmul rate (a first layer's
+        3 input channels fill a sliver of a tensor-core tile), which float32 runs on where
+        it runs as TF32 (Ampere and later) and on a CPU's one rate. False on a GPU without
+        TF32 (Volta): its float32 convolutions run on the CUDA cores at the float32 matmul
+        rate, with no tile to waste.
     """
 
     name: str
@@ -242,6 +249,7 @@ class DeviceSpec:
     compute_capability: str | None = None
     attention_fwd_efficiency: float | None = None
     attention_bwd_efficiency: float | None = None
+    f32_conv_shares: bool = True
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "memory_bandwidth", "memory_bytes", "max_watts"):
@@ -335,12 +343,14 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["power"] = None if self.power is None else self.power.to_dict()
-        for field in _TABLES:
+        for field in (*_TABLES, "call_cost"):
             d[field] = [list(p) for p in d[field]]   # as JSON keeps them
         for term in ("call_cost", "python_call_s", "compute_capability",
                      "attention_fwd_efficiency", "attention_bwd_efficiency"):
             if not d[term]:      # as before the terms: plan-cache keys unchanged
                 del d[term]
+        if d["f32_conv_shares"]:
+            del d["f32_conv_shares"]
         return d
 
     @classmethod
