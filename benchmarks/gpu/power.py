@@ -177,7 +177,7 @@ def published() -> list[dict[str, Any]]:
 
 #: the GPU runs whose step power is set against the model (`gpu_sweep.py`'s records): the
 #: first H200 and H100 runs, which traced their steps
-GPU_RUNS = ("nvidia-h200_run1.json", "nvidia-h100-80gb-hbm3_run1.json")
+GPU_RUNS = ("nvidia-h200_traced.json", "nvidia-h100-80gb-hbm3_traced.json")
 GPU_RECORDS = harness.results_dir("gpu_sweep")
 
 

@@ -301,7 +301,7 @@ H100_SXM = PowerProfile(matmul_watts=700.0, memory_watts=300.0, comm_watts=145.0
                         limit_range_w=(200.0, 700.0), default_limit_w=700.0,
                         source=HOPPER_SOURCE)
 # - H200 (measured here, not published): `jaxwap calibrate` on one H200 SXM lent to this
-#   project (benchmarks/results/gpu_sweep/nvidia-h200_run1.json, 2026-11-26; limits left alone):
+#   project (benchmarks/results/gpu_sweep/nvidia-h200_traced.json, 2026-11-26; limits left alone):
 #   chained bf16 matmuls on random data draw 690 W at the 700 W default limit, elementwise
 #   passes streaming HBM 535 W, idle after work 121 W (nvidia-smi: 116 W on average over
 #   2.4 s before any work, 80-130 W); training steps there drew 531-698 W. The waiting
