@@ -96,10 +96,11 @@ def test_unmeasured_generations_take_published_gemm_shares_or_carried_ones():
 
 def _a100_record(matmul: float = 280e12, conv: float = 0.66) -> dict:
     """A calibration as `jaxwap calibrate` would record it on an A100 80GB."""
-    h100 = json.loads((ROOT / RUNS[0].source).read_text())["calibration"]
-    spec = dict(h100["spec"], peak_flops=matmul, peak_flops_f32=140e12,
+    source = next(r.source for r in RUNS if r.source.endswith("nvidia-h200.json"))
+    h200 = json.loads((ROOT / source).read_text())["calibration"]   # the current format
+    spec = dict(h200["spec"], peak_flops=matmul, peak_flops_f32=140e12,
                 memory_bandwidth=1.8e12, conv_efficiency=conv, kernel_overhead_s=2e-6)
-    return dict(h100, spec=spec, device_kind="NVIDIA A100-SXM4-80GB")
+    return dict(h200, spec=spec, device_kind="NVIDIA A100-SXM4-80GB")
 
 
 def test_a_calibrated_gpu_improves_its_family_and_the_nearest_generation():
@@ -150,3 +151,28 @@ def test_profiles_command_adds_a_run_and_keeps_the_docs_current(tmp_path, capsys
     assert e.value.code == 2
     assert "missing.json" in capsys.readouterr().err
     assert RUNS == load_runs(RUNS_FILE)                   # the package's file untouched
+
+
+def test_calibrate_contribute_adds_the_gpu_run_and_refuses_a_cpu(tmp_path, monkeypatch, capsys):
+    """`jaxwap calibrate --contribute RUNS` after measuring: a GPU's calibration (here a
+    recorded A100 one, the measurement stubbed) joins the runs file; a CPU's is refused
+    with exit status 1, naming the kind, and its calibration is still saved."""
+    import jaxwap.cli.calibrate as cal_cli
+    from jaxwap.hardware.calibration import Calibration
+
+    def calibrated(record):
+        spec = DeviceSpec.from_dict(record["spec"])
+        return Calibration(spec, record["device_kind"], record.get("platform", "gpu"), 1,
+                           "0.11.2", "580", {}, ())
+
+    runs = tmp_path / "runs.json"
+    save_runs(RUNS, runs)
+    monkeypatch.setattr(cal_cli, "calibrate_full", lambda **kw: calibrated(_a100_record()))
+    assert cli(["calibrate", "--contribute", str(runs)]) == 0
+    assert "contributed" in capsys.readouterr().out
+    assert [r.profile for r in load_runs(runs)].count("a100-sxm-80gb") == 1
+    cpu = dict(_a100_record(), device_kind="cpu", platform="cpu")
+    monkeypatch.setattr(cal_cli, "calibrate_full", lambda **kw: calibrated(cpu))
+    assert cli(["calibrate", "--contribute", str(runs)]) == 1
+    assert "not contributed" in capsys.readouterr().err
+    assert len(load_runs(runs)) == len(RUNS) + 1

@@ -130,8 +130,10 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     if args.contribute is not None and jax.process_index() == 0:
         try:
             added = contribute(cal.to_dict(), str(saved), args.contribute)
-        except ValueError as e:
-            print(f"jaxwap calibrate: not contributed: {e}", file=sys.stderr)
+        except (ValueError, OSError) as e:   # no datasheet; a read-only installed package
+            print(f"jaxwap calibrate: not contributed to {args.contribute}: {e} (the "
+                  f"calibration is saved; `--contribute PATH` writes another runs file)",
+                  file=sys.stderr)
             return 1
         print(f"contributed to {args.contribute}: {added.profile} matmul "
               f"{added.matmul_share:.3f}, bandwidth {added.bandwidth_share:.3f} of the datasheet")
