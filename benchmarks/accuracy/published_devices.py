@@ -272,21 +272,14 @@ def torchtitan_rows() -> list[Row]:
     h100 = TORCHTITAN.format("benchmarks/llama3_h100_202412_torchtitan.md (31a17bf), "
                              "Tables 1 and 3, TPS/GPU at iteration 90")
     return [
-        *(Row(job=f"Llama 3.1 8B FSDP + torch.compile, {n} H100 (96 GB HBM2e, 500 W), "
-                  "local batch 2",
+        *(Row(job=f"Llama 3.1 8B FSDP{label}, {n} H100 (96 GB HBM2e, 500 W), local batch 2",
               build=_llama_8b, batch_per_gpu=2, gpus=n, hardware="h100-sxm",
               memory_gb=96.0, power_limit_w=500.0, unit="tokens/s per GPU",
               published=tps, source=h100, tokens_per_sample=8192,
-              differences=("compile", "sac", "hbm2e"),
-              mesh={"data": n}, strategies=("fsdp",))
-          for n, tps in ((8, 6667), (128, 6514))),
-        *(Row(job=f"Llama 3.1 8B FSDP, {n} H100 (96 GB HBM2e, 500 W), local batch 2",
-              build=_llama_8b, batch_per_gpu=2, gpus=n, hardware="h100-sxm",
-              memory_gb=96.0, power_limit_w=500.0, unit="tokens/s per GPU",
-              published=tps, source=h100, tokens_per_sample=8192,
-              differences=("eager", "sac", "hbm2e"),
-              mesh={"data": n}, strategies=("fsdp",))
-          for n, tps in ((8, 5762), (128, 5605))),
+              differences=(mode, "sac", "hbm2e"), mesh={"data": n}, strategies=("fsdp",))
+          for label, mode, figures in ((" + torch.compile", "compile", ((8, 6667), (128, 6514))),
+                                       ("", "eager", ((8, 5762), (128, 5605))))
+          for n, tps in figures),
         Row(job="Llama 3 8B FSDP, 64 A100-80GB, local batch 1", build=_llama_8b,
             batch_per_gpu=1, gpus=64, hardware="a100-sxm-80gb", unit="tokens/s per GPU",
             published=2973, source=TORCHTITAN.format("docs/performance.md (157a12c), "
