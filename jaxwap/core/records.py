@@ -38,8 +38,18 @@ PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
 # sharded over data (ZeRO-1), everything sharded over data (FSDP), state in host memory.
 STRATEGY_FAMILIES: tuple[str, ...] = ("replicate", "tp", "zero1", "fsdp", "offload")
 
-# Rematerialization policies a `make_train_step` step may be restructured with.
-REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots")
+# Rematerialization policies a `make_train_step` step may be restructured with: the
+# whole loss checkpointed ("dots", "dots_no_batch", "offload_dots"), or each layer of its
+# layer scan ("layer_*": what the backward pass keeps of a layer, `REMAT_WORDS`).
+REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots",
+                                   "layer_dots", "layer_full", "layer_offload")
+REMAT_WORDS: dict[str, str] = {
+    "dots": "the loss checkpointed, matmul outputs kept",
+    "dots_no_batch": "the loss checkpointed, unbatched matmul outputs kept",
+    "offload_dots": "the loss checkpointed, unbatched matmul outputs in host memory",
+    "layer_dots": "each layer checkpointed, its weight matmuls' outputs kept (selective)",
+    "layer_full": "each layer checkpointed, only its input kept (full recompute)",
+    "layer_offload": "each layer checkpointed, its weight matmuls' outputs in host memory"}
 
 
 @dataclass(frozen=True)
@@ -321,7 +331,7 @@ class StepVariant:
         elif self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.remat != "none":
-            parts.append(f"remat {self.remat}")
+            parts.append(f"remat {self.remat} ({REMAT_WORDS[self.remat]})")
         return ", ".join(parts) or "as written"
 
     def to_dict(self) -> dict[str, Any]:
@@ -364,7 +374,8 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
                   ref.energy_per_step_j, ref.peak_memory_bytes, ref.num_devices)
 
 
-__all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REPLICA",
+__all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REMAT_WORDS",
+           "REPLICA",
            "STAGE", "mesh_dims", "mesh_stages",
            "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
            "Prediction", "StepVariant", "Strategy", "judge"]

@@ -1,6 +1,7 @@
 """The step variants a plan weighs, cheapest first, until one fits: the step as written
 (with its pipelined candidates beside it), then, for a step built by `make_train_step`,
-the ladder of restructurings (`train_step.ladder`: micro-batches), found by bisection.
+the ladder of restructurings (`train_step.ladder`: per-layer remat policies where the loss
+has a layer scan, then micro-batches, the fewest found by bisection).
 
 Each variant is traced and analysed, searched (`verified_search.step_searcher`) and, with
 `verify=`, checked by XLA (`verified_search.verify_finalists`, `verified_search.tighten`).
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.trace import ArgLayout, trace_layout
 from jaxwap.core.records import StepVariant
@@ -29,6 +32,7 @@ from jaxwap.decide.verify import Verification
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
+from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan
 from jaxwap.runtime.train_step import TrainStep, ladder, restructured
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.memory_repair import micro_batch_floor
@@ -197,19 +201,23 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     restructured (remat, micro-batches), in order of expected cost, until a plan fits.
     `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat). The pipelined
     candidates `pipes` are weighed beside the step as written (alone when forced)."""
-    rungs = [StepVariant()]
     # a forced pipeline is its own restructuring: no other rung may stand in for it
-    if isinstance(fn, TrainStep) and fn.variant.is_plain and options.forced_pipeline is None:
-        rungs += ladder(layout.inputs.batch_size, platform)
+    restructurable = (isinstance(fn, TrainStep) and fn.variant.is_plain
+                      and options.forced_pipeline is None)
     timing.update(analyze=0.0, search=0.0)
     trials = _Trials(fn, layout, closed, ctx, options, usable, timing, notes, pipes, rules)
-    # the step as written, then remat policies, in order; then the fewest micro-batches
-    # that fit
-    fixed = [r for r in rungs if r.micro_batches == 1]
-    micro = [r for r in rungs if r.micro_batches > 1]
-    found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
-    if found is None:
-        found = _fewest_micro_batches(trials, micro)
+    # the step as written; then per-layer remat policies, in order; then the fewest
+    # micro-batches that fit
+    found = trials.attempt(StepVariant())
+    no_scan = None
+    if found is None and restructurable:
+        no_scan = _no_layer_scan(fn, layout)
+        rungs = ladder(layout.inputs.batch_size, platform, layered=no_scan is None)
+        fixed = [r for r in rungs if r.micro_batches == 1]
+        micro = [r for r in rungs if r.micro_batches > 1]
+        found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
+        if found is None:
+            found = _fewest_micro_batches(trials, micro)
     if found is None:
         raise trials.no_fit()
     if found.graph.unmodeled:
@@ -218,11 +226,24 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     if not found.rung.is_plain:
         notes.append(f"the step as written does not fit ({trials.tried[0]}); restructured: "
                      f"{found.rung.describe()}")
-    if isinstance(fn, TrainStep) and trials.tried:
-        notes.append("rematerialization not tried: the memory model credits no saving to "
-                     "a whole-step checkpoint (its recomputation replays the forward pass at "
-                     "once); micro-batches were")
+    if no_scan is not None:
+        notes.append(f"per-layer rematerialization not tried: no layer scan ({no_scan}); "
+                     f"micro-batches were")
     return found
+
+
+def _no_layer_scan(fn: TrainStep, layout: ArgLayout) -> str | None:
+    """Why the step's loss has no layer scan to checkpoint layer by layer (None: it has
+    one): `layer_scan.find_layer_scan` on its abstract arguments."""
+    args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
+    if kw or len(args) != 3:
+        return "the step is not called as step(params, opt_state, batch)"
+    params, _, batch = args
+    try:
+        find_layer_scan(fn.loss_and_aux(), params, batch)
+    except NoLayerScan as e:
+        return str(e)
+    return None
 
 
 def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant]) -> FoundVariant | None:

@@ -142,6 +142,39 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any,
     return loss
 
 
+def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any]:
+    """`loss_fn` with each layer of its layer scan rematerialized: the scan's body (one
+    layer) runs under `jax.checkpoint(policy=...)`, so the backward pass keeps what the
+    policy saves of each layer (nothing: the layer's input alone, carried by the scan;
+    the matmul outputs; or those in host memory) and recomputes the rest a layer at a
+    time, as Megatron and MaxText checkpoint per layer. Checkpointing the whole loss saves
+    nothing (its recomputation replays the whole forward pass at once); per layer, what
+    the forward scan stacks for the backward one shrinks to what the policy keeps.
+
+    Built from the traced jaxpr (the loss traced at the batch it is given, its layer scan
+    bound again with the checkpointed body), so the user's code is unchanged."""
+    def loss(params: Any, batch: Any) -> Any:
+        leaves = jax.tree_util.tree_leaves(params)
+        closed, out_tree = trace_loss(loss_fn, params, batch)
+        found = find_in_jaxpr(closed.jaxpr, len(leaves), batch_size_of(batch))
+        eqn = equation_at(closed.jaxpr, found.path)
+        body = eqn.params["jaxpr"]
+
+        def layer(*args: Any) -> list[Any]:
+            return evaluate(body.jaxpr, body.consts, args)
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
+        checked = jax.make_jaxpr(jax.checkpoint(layer, policy=policy, prevent_cse=False))(
+            *avals)
+        remat = eqn.replace(params={**eqn.params, "jaxpr": checked})
+        outs = _eval(closed.jaxpr, closed.consts,
+                     [*leaves, *jax.tree_util.tree_leaves(batch)],
+                     replace=(found.path, lambda ins: bind(remat, ins)))
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    return loss
+
+
 def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
     """The rows of one micro-batch on one device of the data axes (context mesh)."""
     names = () if data_axis is None else (
@@ -268,4 +301,4 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     return loss
 
 
-__all__ = ["pipelined_loss", "stack_cut"]
+__all__ = ["layer_remat_loss", "pipelined_loss", "stack_cut"]

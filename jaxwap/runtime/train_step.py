@@ -39,9 +39,13 @@ from jaxwap.runtime.schedule import micro_join, micro_split
 
 def _policy(name: str) -> Any:
     cp = jax.checkpoint_policies
+    offload = cp.offload_dot_with_no_batch_dims("device", "pinned_host")
     return {"dots": cp.dots_saveable,
             "dots_no_batch": cp.dots_with_no_batch_dims_saveable,
-            "offload_dots": cp.offload_dot_with_no_batch_dims("device", "pinned_host")}[name]
+            "offload_dots": offload,
+            "layer_dots": cp.dots_with_no_batch_dims_saveable,
+            "layer_full": cp.nothing_saveable,
+            "layer_offload": offload}[name]
 
 
 class TrainStep:
@@ -77,7 +81,11 @@ class TrainStep:
         fn = self.loss_and_aux()
         if self.variant.pipelined:
             fn = _pipelined(fn, self.variant)
-        if self.variant.remat != "none":
+        if self.variant.remat.startswith("layer_"):
+            from jaxwap.runtime.layer_scan_rewrite import layer_remat_loss
+
+            fn = layer_remat_loss(fn, _policy(self.variant.remat))
+        elif self.variant.remat != "none":
             fn = jax.checkpoint(fn, policy=_policy(self.variant.remat))
         return fn
 
@@ -191,21 +199,27 @@ def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callabl
     return fn.with_variant(variant)
 
 
-def ladder(batch_size: int | None, platform: str,
-           max_micro_batches: int = 64) -> list[StepVariant]:
-    """The variants to try when the step as written does not fit: ever more micro-batches
-    (each halves the activations held at once and adds launches).
+def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
+           layered: bool = False) -> list[StepVariant]:
+    """The variants to try when the step as written does not fit, cheapest first: with a
+    layer scan (`layered`), per-layer rematerialization, selective (each layer's weight
+    matmul outputs kept: what recomputes is attention's and the elementwise work) before
+    full (only each layer's input kept: its whole forward pass again), and on a GPU the
+    selective one with its kept values in host memory; then ever more micro-batches (each
+    halves the activations held at once and adds launches).
 
-    Rematerialization is not on the ladder. The whole loss is checkpointed, so its
-    recomputation is one replay of the forward pass at the start of the backward pass, and
-    the memory model, which walks the program in order, sees every recomputed value live
-    until its use: the same peak as the step as written (checked on GPT-2 and a Llama
-    decoder, byte for byte). A rung the model cannot credit could never be chosen, and
-    would only cost a trace and an analysis of the whole step. (XLA:CPU drops remat
-    altogether.) `StepVariant(remat=...)` remains for a caller's own use; `platform` is
-    kept for the day a per-layer policy gives the model something to credit."""
-    del platform
+    Whole-loss rematerialization is not on the ladder: its recomputation is one replay of
+    the forward pass at the start of the backward pass, and the memory model, which walks
+    the program in order, sees every recomputed value live until its use: the same peak as
+    the step as written (checked on GPT-2 and a Llama decoder, byte for byte), so it could
+    never be chosen. Per layer, the forward scan stacks only what the policy keeps, which
+    the model credits as it reads the program. (XLA:CPU places nothing in host memory:
+    no offload rung there.)"""
     out: list[StepVariant] = []
+    if layered:
+        out += [StepVariant(remat="layer_dots"), StepVariant(remat="layer_full")]
+        if platform == "gpu":
+            out.append(StepVariant(remat="layer_offload"))
     k = 2
     while batch_size and k <= min(batch_size, max_micro_batches):
         if batch_size % k == 0:
