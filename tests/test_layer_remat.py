@@ -112,3 +112,28 @@ def test_a_loss_without_a_layer_scan_says_why_per_layer_remat_was_not_tried():
                        offload=False)
     assert plan.step.remat == "none" and plan.step.micro_batches > 1
     assert any("per-layer rematerialization not tried: no layer scan" in n for n in plan.notes)
+
+
+def test_where_neither_fits_alone_micro_batches_are_weighed_with_and_without_remat(decoder):
+    """A budget below full per-layer remat's need: the planner takes micro-batches, and
+    among the fewest that fit with full remat and the fewest without, the faster
+    (objective "throughput"): the chosen step is as fast as every fitting combination."""
+    step, params, opt, batch = decoder
+    one = jaxwap.Cluster("cpu", 1)
+    full = jaxwap.plan(step.with_variant(StepVariant(remat="layer_full")), params, opt, batch,
+                       hardware=one, verify=0, cache=False).predicted.peak_memory_bytes
+    budget = 0.9 * full
+    plan = jaxwap.plan(step, params, opt, batch, hardware=one, verify=0, cache=False,
+                       memory_budget=budget, objective="throughput", offload=False)
+    assert plan.step.micro_batches > 1 and plan.predicted.peak_memory_bytes <= budget
+    fitting = []
+    for k in (2, 4, 8):
+        for remat in ("none", "layer_full"):
+            try:
+                fitting.append(jaxwap.plan(
+                    step.with_variant(StepVariant(micro_batches=k, remat=remat)), params,
+                    opt, batch, hardware=one, verify=0, cache=False, memory_budget=budget,
+                    objective="throughput", offload=False).predicted.step_time_s)
+            except MemoryError:
+                pass
+    assert fitting and plan.predicted.step_time_s == pytest.approx(min(fitting), rel=1e-9)

@@ -218,6 +218,12 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
         found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
         if found is None:
             found = _fewest_micro_batches(trials, micro)
+        if found is None or (no_scan is None and found.rung.micro_batches > 1):
+            # full per-layer remat holds less per micro-batch: fewer of them may fit, and
+            # the objective weighs the recomputation against the micro-batches saved
+            remat = [dataclasses.replace(r, remat="layer_full") for r in micro]
+            found = _preferred(ctx, found, _fewest_micro_batches(trials, remat, floor=False)
+                               if no_scan is None else None)
     if found is None:
         raise trials.no_fit()
     if found.graph.unmodeled:
@@ -246,11 +252,22 @@ def _no_layer_scan(fn: TrainStep, layout: ArgLayout) -> str | None:
     return None
 
 
-def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant]) -> FoundVariant | None:
+def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | None:
+    """The variant whose best candidate the objective ranks first (None: none found)."""
+    got = [f for f in found if f is not None]
+    if len(got) < 2:
+        return got[0] if got else None
+    best = [f.search.results[f.search.best].predicted for f in got]
+    return got[ctx.cluster.ranker(ctx.objective)(best).best]
+
+
+def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
+                          floor: bool = True) -> FoundVariant | None:
     """The fewest micro-batches that fit, found by bisection (more micro-batches hold
     fewer activations at once, so whether k fits is monotone in k): a few traces instead
-    of one per count. Counts below the floor are not traced (`_above_floor`)."""
-    lo, hi = _above_floor(trials, micro), len(micro) - 1
+    of one per count. Counts below the floor are not traced (`_above_floor`; `floor=False`
+    for rungs the step as written's activations do not bound, remat ones)."""
+    lo, hi = (_above_floor(trials, micro) if floor else 0), len(micro) - 1
     found = None
     mid = lo
     while found is None and lo <= hi:

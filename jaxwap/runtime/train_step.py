@@ -206,7 +206,8 @@ def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
     matmul outputs kept: what recomputes is attention's and the elementwise work) before
     full (only each layer's input kept: its whole forward pass again), and on a GPU the
     selective one with its kept values in host memory; then ever more micro-batches (each
-    halves the activations held at once and adds launches).
+    halves the activations held at once and adds launches), which the search also tries
+    with full per-layer remat (`step_variants.search_variants`).
 
     Whole-loss rematerialization is not on the ladder: its recomputation is one replay of
     the forward pass at the start of the backward pass, and the memory model, which walks
