@@ -198,9 +198,10 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
                     notes: list[str], platform: str, pipes: Pipelines,
                     rules: LayoutRules | None = None) -> FoundVariant:
     """The step as written first; a step built by make_train_step may then be
-    restructured (remat, micro-batches), in order of expected cost, until a plan fits.
-    `platform` is the planned-for devices' ("cpu": XLA:CPU drops remat). The pipelined
-    candidates `pipes` are weighed beside the step as written (alone when forced)."""
+    restructured (per-layer remat, micro-batches), in order of expected cost, until a
+    plan fits. `platform` is the planned-for devices' (a GPU's ladder has a host-offload
+    rung). The pipelined candidates `pipes` are weighed beside the step as written (alone
+    when forced)."""
     # a forced pipeline is its own restructuring: no other rung may stand in for it
     restructurable = (isinstance(fn, TrainStep) and fn.variant.is_plain
                       and options.forced_pipeline is None)
