@@ -123,8 +123,6 @@ _DEFAULT_WHY = {
     "compute_capability": "None: not a CUDA device",
     "power": "None: modelled from idle and board power",
     "name": "the profile's name",
-    "f32_conv_shares": "the convolution shares price float32 too (TF32 tensor cores, or a "
-                       "CPU's one rate)",
 }
 
 

@@ -95,6 +95,16 @@ def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
     return out
 
 
+def _rebound(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any], batch: Any,
+             path: tuple[int, ...], eqn: Any) -> Any:
+    """The traced loss's outputs (as `out_tree`) on the parameter `leaves` and `batch`,
+    its layer scan at `path` bound as `eqn` instead (the scan changed: fewer layers, a
+    checkpointed body)."""
+    outs = _eval(closed.jaxpr, closed.consts, [*leaves, *jax.tree_util.tree_leaves(batch)],
+                 replace=(path, lambda ins: bind(eqn, ins)))
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+
 def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any, Any], Any]:
     """`loss_fn` over `layers` of its stack's layers: the function takes the parameters
     with every stacked leaf (`scan.stacked`) cut to `layers` along its layer dim, and
@@ -134,10 +144,7 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any,
                               f"stage's share of the stack cannot be priced on its own")
         eqn = equation_at(closed.jaxpr, found.path)
         shorter = eqn.replace(params={**eqn.params, "length": layers})
-        outs = _eval(closed.jaxpr, closed.consts,
-                     [*leaves, *jax.tree_util.tree_leaves(batch)],
-                     replace=(found.path, lambda ins: bind(shorter, ins)))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return _rebound(closed, out_tree, leaves, batch, found.path, shorter)
 
     return loss
 
@@ -167,10 +174,7 @@ def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any
         checked = jax.make_jaxpr(jax.checkpoint(layer, policy=policy, prevent_cse=False))(
             *avals)
         remat = eqn.replace(params={**eqn.params, "jaxpr": checked})
-        outs = _eval(closed.jaxpr, closed.consts,
-                     [*leaves, *jax.tree_util.tree_leaves(batch)],
-                     replace=(found.path, lambda ins: bind(remat, ins)))
-        return jax.tree_util.tree_unflatten(out_tree, outs)
+        return _rebound(closed, out_tree, leaves, batch, found.path, remat)
 
     return loss
 
