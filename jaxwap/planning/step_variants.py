@@ -212,7 +212,8 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     found = trials.attempt(StepVariant())
     no_scan = None
     if found is None and restructurable:
-        no_scan = _no_layer_scan(fn, layout)
+        # the pipelined search found the layer scan when it considered pipelines at all
+        no_scan = None if pipes.reason is None else _no_layer_scan(fn, layout)
         rungs = ladder(layout.inputs.batch_size, platform, layered=no_scan is None)
         fixed = [r for r in rungs if r.micro_batches == 1]
         micro = [r for r in rungs if r.micro_batches > 1]
