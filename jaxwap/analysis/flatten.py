@@ -13,7 +13,7 @@ drops them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,14 +199,41 @@ def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def group_io(jaxpr: Any, first: int, past: int) -> tuple[list[Any], list[Any]]:
+    """The values equations `first:past` of `jaxpr` read from before them, and those they
+    make that a later equation or the jaxpr's outputs read, each in first-use order: the
+    inputs and outputs of that run of equations as one function."""
+    made: set[Any] = set()
+    ins: list[Any] = []
+    for eqn in jaxpr.eqns[first:past]:
+        for v in eqn.invars:
+            if _is_value(v) and v not in made and v not in ins:
+                ins.append(v)
+        made.update(eqn.outvars)
+    later = {v for e in jaxpr.eqns[past:] for v in e.invars if _is_value(v)}
+    later.update(v for v in jaxpr.outvars if _is_value(v))
+    outs = [v for e in jaxpr.eqns[first:past] for v in e.outvars
+            if _is_value(v) and v in later]
+    return ins, outs
+
+
+def _is_value(v: Any) -> bool:
+    return type(v).__name__ not in ("Literal", "DropVar")
+
+
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-             run: Callable[[int, Any, list[Any]], list[Any]] | None = None) -> list[Any]:
+             run: Callable[[int, Any, list[Any]], list[Any]] | None = None,
+             groups: Mapping[int, tuple[int, Callable[[list[Any]], list[Any]]]] | None = None
+             ) -> list[Any]:
     """A jaxpr (not closed) run on `args`, equation by equation: `run(index, eqn, inputs)`
     gives each equation's results (`bind` by default). How every jaxwap evaluator of a
     traced step runs it again (`stack` restructuring it, `pins` constraining values inside
-    it). Equations bind outside their recorded context (`eqn.ctx`): it holds the mesh of
-    the trace that made them, not the one they run in."""
+    it). `groups` maps a first equation index to `(past, fn)`: equations `first:past` are
+    computed at once by `fn` on `group_io`'s inputs, giving its outputs (a checkpointed
+    layer of an unrolled model). Equations bind outside their recorded context
+    (`eqn.ctx`): it holds the mesh of the trace that made them, not the one they run in."""
     env: dict[Any, Any] = {}
+    groups = groups or {}
 
     def read(v: Any) -> Any:
         return v.val if type(v).__name__ == "Literal" else env[v]
@@ -214,12 +241,21 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for v, x in (*zip(jaxpr.constvars, consts, strict=True),
                  *zip(jaxpr.invars, args, strict=True)):
         env[v] = x
-    for k, eqn in enumerate(jaxpr.eqns):
+    k = 0
+    while k < len(jaxpr.eqns):
+        if k in groups:
+            past, fn = groups[k]
+            ins, outs = group_io(jaxpr, k, past)
+            env.update(zip(outs, fn([env[v] for v in ins]), strict=True))
+            k = past
+            continue
+        eqn = jaxpr.eqns[k]
         ins = [read(v) for v in eqn.invars]
         outs = bind(eqn, ins) if run is None else run(k, eqn, ins)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if type(v).__name__ != "DropVar":
                 env[v] = x
+        k += 1
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -1,7 +1,8 @@
 """The step variants a plan weighs, cheapest first, until one fits: the step as written
 (with its pipelined candidates beside it), then, for a step built by `make_train_step`,
 the ladder of restructurings (`train_step.ladder`: per-layer remat policies where the loss
-has a layer scan, then micro-batches, the fewest found by bisection).
+has layers, a layer scan or an unrolled model's repeated blocks, then micro-batches, the
+fewest found by bisection).
 
 Each variant is traced and analysed, searched (`verified_search.step_searcher`) and, with
 `verify=`, checked by XLA (`verified_search.verify_finalists`, `verified_search.tighten`).
@@ -32,7 +33,8 @@ from jaxwap.decide.verify import Verification
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
-from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan
+from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
+from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder, restructured
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.memory_repair import micro_batch_floor
@@ -199,8 +201,10 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
                     rules: LayoutRules | None = None) -> FoundVariant:
     """The step as written first; a step built by make_train_step may then be
     restructured (per-layer remat, micro-batches), in order of expected cost, until a
-    plan fits. `platform` is the planned-for devices' (a GPU's ladder has a host-offload
-    rung). The pipelined candidates `pipes` are weighed beside the step as written (alone
+    plan fits. `platform` ("cpu" or "accelerator") is what XLA compiles the step for: the
+    present devices', or the described cluster's when the plan is for more devices than
+    are present (an accelerator's ladder has a host-offload rung, a CPU's no checkpointed
+    unrolled blocks). The pipelined candidates `pipes` are weighed beside the step as written (alone
     when forced)."""
     # a forced pipeline is its own restructuring: no other rung may stand in for it
     restructurable = (isinstance(fn, TrainStep) and fn.variant.is_plain
@@ -210,22 +214,27 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     # the step as written; then per-layer remat policies, in order; then the fewest
     # micro-batches that fit
     found = trials.attempt(StepVariant())
-    no_scan = None
+    no_layers = None
     if found is None and restructurable:
         # the pipelined search found the layer scan when it considered pipelines at all
-        no_scan = None if pipes.reason is None else _no_layer_scan(fn, layout)
-        rungs = ladder(layout.inputs.batch_size, platform, layered=no_scan is None)
+        layers, no_layers = ("scan", None) if pipes.reason is None else _layers(fn, layout)
+        if layers == "blocks" and platform == "cpu":
+            no_layers = ("the loss's layers are unrolled blocks, and XLA:CPU computes "
+                         "their recomputations all ahead of the backward pass, so "
+                         "checkpointing them saves nothing there")
+        rungs = ladder(layout.inputs.batch_size, platform, layers=layers)
+        layered = no_layers is None
         fixed = [r for r in rungs if r.micro_batches == 1]
         micro = [r for r in rungs if r.micro_batches > 1]
         found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
         if found is None:
             found = _fewest_micro_batches(trials, micro)
-        if found is None or (no_scan is None and found.rung.micro_batches > 1):
+        if found is None or (layered and found.rung.micro_batches > 1):
             # full per-layer remat holds less per micro-batch: fewer of them may fit, and
             # the objective weighs the recomputation against the micro-batches saved
             remat = [dataclasses.replace(r, remat="layer_full") for r in micro]
             found = _preferred(ctx, found, _fewest_micro_batches(trials, remat, floor=False)
-                               if no_scan is None else None)
+                               if layered else None)
     if found is None:
         raise trials.no_fit()
     if found.graph.unmodeled:
@@ -234,24 +243,27 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     if not found.rung.is_plain:
         notes.append(f"the step as written does not fit ({trials.tried[0]}); restructured: "
                      f"{found.rung.describe()}")
-    if no_scan is not None:
-        notes.append(f"per-layer rematerialization not tried: no layer scan ({no_scan}); "
-                     f"micro-batches were")
+    if no_layers is not None:
+        notes.append(f"per-layer rematerialization not tried: {no_layers}; micro-batches "
+                     f"were")
     return found
 
 
-def _no_layer_scan(fn: TrainStep, layout: ArgLayout) -> str | None:
-    """Why the step's loss has no layer scan to checkpoint layer by layer (None: it has
-    one): `layer_scan.find_layer_scan` on its abstract arguments."""
+def _layers(fn: TrainStep, layout: ArgLayout) -> tuple[str | None, str | None]:
+    """What the step's loss has to checkpoint layer by layer ("scan": a layer scan,
+    "blocks": an unrolled model's repeated blocks, None) and, for None, why
+    (`layer_blocks.find_layers` on its abstract arguments)."""
     args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
     if kw or len(args) != 3:
-        return "the step is not called as step(params, opt_state, batch)"
+        return None, "the step is not called as step(params, opt_state, batch)"
     params, _, batch = args
     try:
-        find_layer_scan(fn.loss_and_aux(), params, batch)
+        closed, _ = trace_loss(fn.loss_and_aux(), params, batch)
+        found = find_layers(closed.jaxpr, len(jax.tree_util.tree_leaves(params)),
+                            batch_size_of(batch))
     except NoLayerScan as e:
-        return str(e)
-    return None
+        return None, f"no layers found ({e})"
+    return ("blocks" if isinstance(found, RepeatedBlocks) else "scan"), None
 
 
 def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | None:

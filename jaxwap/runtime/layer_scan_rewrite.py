@@ -29,8 +29,9 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
-from jaxwap.analysis.flatten import bind, evaluate, scan_counts
+from jaxwap.analysis.flatten import bind, evaluate, group_io, scan_counts
 from jaxwap.core.records import STAGE
+from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
     LayerScan,
@@ -150,20 +151,25 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any,
 
 
 def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any]:
-    """`loss_fn` with each layer of its layer scan rematerialized: the scan's body (one
-    layer) runs under `jax.checkpoint(policy=...)`, so the backward pass keeps what the
-    policy saves of each layer (nothing: the layer's input alone, carried by the scan;
-    the matmul outputs; or those in host memory) and recomputes the rest a layer at a
-    time, as Megatron and MaxText checkpoint per layer. Checkpointing the whole loss saves
-    nothing (its recomputation replays the whole forward pass at once); per layer, what
-    the forward scan stacks for the backward one shrinks to what the policy keeps.
+    """`loss_fn` with each of its layers rematerialized: run under `jax.checkpoint(policy=
+    ...)`, so the backward pass keeps what the policy saves of each layer (nothing: the
+    layer's input alone; the matmul outputs; or those in host memory) and recomputes the
+    rest a layer at a time, as Megatron and MaxText checkpoint per layer. Checkpointing
+    the whole loss saves nothing (its recomputation replays the whole forward pass at
+    once); per layer, what the forward pass keeps for the backward one shrinks to what the
+    policy keeps.
 
-    Built from the traced jaxpr (the loss traced at the batch it is given, its layer scan
-    bound again with the checkpointed body), so the user's code is unchanged."""
+    The layers are the body of the loss's layer scan (`find_in_jaxpr`), else the repeats
+    of an unrolled model (`layer_blocks.find_repeated_blocks`); a loss with neither
+    raises `NoLayerScan` with both reasons. Built from the traced jaxpr (the loss traced
+    at the batch it is given, evaluated again with each layer checkpointed), so the
+    user's code is unchanged."""
     def loss(params: Any, batch: Any) -> Any:
         leaves = jax.tree_util.tree_leaves(params)
         closed, out_tree = trace_loss(loss_fn, params, batch)
-        found = find_in_jaxpr(closed.jaxpr, len(leaves), batch_size_of(batch))
+        found = find_layers(closed.jaxpr, len(leaves), batch_size_of(batch))
+        if isinstance(found, RepeatedBlocks):
+            return _blocks_checkpointed(closed, out_tree, leaves, batch, found, policy)
         eqn = equation_at(closed.jaxpr, found.path)
         body = eqn.params["jaxpr"]
 
@@ -177,6 +183,40 @@ def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any
         return _rebound(closed, out_tree, leaves, batch, found.path, remat)
 
     return loss
+
+
+def _blocks_checkpointed(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any],
+                         batch: Any, blocks: RepeatedBlocks, policy: Any) -> Any:
+    """The traced loss's outputs with each of an unrolled model's repeated blocks run
+    under `jax.checkpoint(policy=...)`. Unlike a scan's body, unrolled blocks sit side by
+    side in one program, where XLA's common-subexpression elimination would merge a
+    block's recomputation with its forward pass: `prevent_cse` stays on."""
+
+    def where(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        groups = {}
+        for first, past in blocks.bounds():
+            ins, outs = group_io(jaxpr, first, past)
+            # the block as a jaxpr of its own, named as the repeat it is
+            info = jaxpr.debug_info._replace(
+                func_src_info=f"repeated block at equations {first}:{past}",
+                arg_names=tuple(f"in{i}" for i in range(len(ins))),
+                result_paths=tuple(f"out{i}" for i in range(len(outs))))
+            part = Jaxpr([], ins, outs, jaxpr.eqns[first:past], effects=frozenset().union(
+                *(e.effects for e in jaxpr.eqns[first:past])), debug_info=info)
+            block = jax.checkpoint(lambda *xs, part=part: evaluate(part, [], xs),
+                                   policy=policy)
+            groups[first] = (past, lambda xs, block=block: block(*xs))
+        return evaluate(jaxpr, consts, args, groups=groups)
+
+    args = [*leaves, *jax.tree_util.tree_leaves(batch)]
+    if blocks.path:
+        call = equation_at(closed.jaxpr, blocks.path)
+        inner = called_jaxpr(call)
+        outs = _eval(closed.jaxpr, closed.consts, args, replace=(
+            blocks.path, lambda ins: where(inner.jaxpr, inner.consts, ins)))
+    else:
+        outs = where(closed.jaxpr, closed.consts, args)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
 def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:

@@ -200,12 +200,14 @@ def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callabl
 
 
 def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
-           layered: bool = False) -> list[StepVariant]:
-    """The variants to try when the step as written does not fit, cheapest first: with a
-    layer scan (`layered`), per-layer rematerialization, selective (each layer's weight
-    matmul outputs kept: what recomputes is attention's and the elementwise work) before
-    full (only each layer's input kept: its whole forward pass again), and on a GPU the
-    selective one with its kept values in host memory; then ever more micro-batches (each
+           layers: str | None = None) -> list[StepVariant]:
+    """The variants to try when the step as written does not fit, cheapest first: where
+    the loss has layers (`layers`: "scan", a layer scan; "blocks", an unrolled model's
+    repeated blocks), per-layer rematerialization, selective (each layer's weight matmul
+    outputs kept: what recomputes is attention's and the elementwise work) before full
+    (only each layer's input kept: its whole forward pass again), and off the CPU
+    (`platform`: "cpu", or an accelerator's) the selective one with its kept values in
+    host memory; then ever more micro-batches (each
     halves the activations held at once and adds launches), which the search also tries
     with full per-layer remat (`step_variants.search_variants`).
 
@@ -213,13 +215,15 @@ def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
     the forward pass at the start of the backward pass, and the memory model, which walks
     the program in order, sees every recomputed value live until its use: the same peak as
     the step as written (checked on GPT-2 and a Llama decoder, byte for byte), so it could
-    never be chosen. Per layer, the forward scan stacks only what the policy keeps, which
-    the model credits as it reads the program. (XLA:CPU places nothing in host memory:
-    no offload rung there.)"""
+    never be chosen. Per layer, the forward pass keeps only what the policy keeps, which
+    the model credits as it reads the program. On a CPU, per-layer remat is offered for a
+    layer scan only: XLA:CPU computes an unrolled model's recomputations all ahead of the
+    backward pass, so its checkpointed blocks save nothing there (`layer_blocks`); and
+    XLA:CPU places nothing in host memory: no offload rung there."""
     out: list[StepVariant] = []
-    if layered:
+    if layers == "scan" or (layers == "blocks" and platform != "cpu"):
         out += [StepVariant(remat="layer_dots"), StepVariant(remat="layer_full")]
-        if platform == "gpu":
+        if platform != "cpu":
             out.append(StepVariant(remat="layer_offload"))
     k = 2
     while batch_size and k <= min(batch_size, max_micro_batches):

@@ -1,0 +1,221 @@
+"""The repeated blocks of an unrolled model, found in its loss function's jaxpr.
+
+A model written with a Python loop over its layers (`for block in self.blocks`, a list of
+Flax modules, an HF-style `ModuleList`) has no layer scan: its jaxpr is the embedding, the
+same run of equations once per layer, and the head. Per-layer rematerialization does not
+need a scan, only the layers' bounds: `find_repeated_blocks` finds the longest stretch of
+a jaxpr (at the top level of the loss, or inside a `jax.jit` it calls) made of one run of
+equations repeated back to back, equal in primitive, shapes and parameters, where each
+repeat reads parameter leaves of its own and multiplies by one of them (a layer, not a
+repeated elementwise pattern). Where a repeat starts within the period is chosen so that
+the fewest activation bytes cross from one repeat into the next: the layer's input (the
+residual stream), as a hand-placed `jax.checkpoint` around each block would take it.
+
+`layer_scan_rewrite.layer_remat_loss` checkpoints each repeat as it checkpoints a scan's
+body; the cost model then reads the checkpointed program as it is. What it credits
+assumes a backend that schedules each block's recomputation just before that block's
+backward pass, as a loop forces for a scan's body. XLA:CPU does not: it computes every
+recomputation ahead of the backward pass (and drops the optimization barriers that might
+order it), so an unrolled model's checkpointed blocks compile to the peak of the step as
+written there, and the planner does not offer them on CPUs (`train_step.ladder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from jaxwap.runtime.layer_scan import (
+    CALL_PRIMITIVES,
+    LayerScan,
+    NoLayerScan,
+    called_jaxpr,
+    find_in_jaxpr,
+    is_var,
+)
+
+# what makes a repeat a layer: it multiplies by a weight of its own
+_WEIGHT_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
+
+
+@dataclass(frozen=True)
+class RepeatedBlocks:
+    """Where an unrolled model's layers are: the jaxpr at `path` (equation indices of the
+    `jax.jit` calls leading to it; empty: the loss's own) holds `count` repeats of
+    `period` equations, the first starting at equation `start`."""
+
+    start: int
+    period: int
+    count: int
+    path: tuple[int, ...] = ()
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """(first, past-the-last) equation index of each repeat."""
+        return [(self.start + i * self.period, self.start + (i + 1) * self.period)
+                for i in range(self.count)]
+
+
+class _Signatures:
+    """Each equation as an int that is equal for equations equal in primitive, input and
+    output shapes and dtypes, and parameters (nested jaxprs compared by their own
+    equations; callables by type: a custom rule is a new object in every layer)."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Any, int] = {}
+        self.jaxprs: dict[int, int] = {}
+
+    def of_jaxpr(self, jaxpr: Jaxpr) -> int:
+        got = self.jaxprs.get(id(jaxpr))
+        if got is None:
+            got = self._intern(("jaxpr", tuple(self.of_eqn(e) for e in jaxpr.eqns)))
+            self.jaxprs[id(jaxpr)] = got
+        return got
+
+    def _param(self, v: Any) -> Any:
+        if isinstance(v, ClosedJaxpr):
+            return self.of_jaxpr(v.jaxpr)
+        if isinstance(v, Jaxpr):
+            return self.of_jaxpr(v)
+        if isinstance(v, tuple | list):
+            return tuple(self._param(x) for x in v)
+        if callable(v):
+            return type(v).__name__
+        return str(v)
+
+    def of_eqn(self, eqn: Any) -> int:
+        avals = tuple((tuple(v.aval.shape), str(v.aval.dtype)) if hasattr(v.aval, "shape")
+                      else str(v.aval) for v in (*eqn.invars, *eqn.outvars))
+        params = tuple(sorted((k, self._param(v)) for k, v in eqn.params.items()))
+        return self._intern((eqn.primitive.name, avals, params))
+
+    def _intern(self, key: Any) -> int:
+        return self.ids.setdefault(key, len(self.ids))
+
+
+def _periodic_runs(sig: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, period, periodic length) of each period's longest run of at least two
+    repeats: `sig[start:start + length]` equals itself shifted by `period`."""
+    n, out = len(sig), []
+    for p in range(1, n // 2 + 1):
+        same = np.concatenate(([False], sig[:n - p] == sig[p:], [False]))
+        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+        if not len(edges):
+            continue
+        begins, ends = edges[0::2], edges[1::2]
+        k = int(np.argmax(ends - begins))
+        if ends[k] - begins[k] >= p:
+            out.append((int(begins[k]), p, int(ends[k] - begins[k]) + p))
+    return out
+
+
+def _crossing_bytes(jaxpr: Jaxpr, own: set[Any]) -> np.ndarray:
+    """Per equation index t: the bytes of values made before equation t (by equations,
+    not the jaxpr's inputs) that equation t or a later one reads: what a cut there
+    carries. Values computed from parameters alone (`own`: cast weights) are left out,
+    as their layer's weights are."""
+    n = len(jaxpr.eqns)
+    last: dict[Any, int] = {v: n for v in jaxpr.outvars if is_var(v)}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if is_var(v):
+                last[v] = max(last.get(v, k), k)
+    delta = np.zeros(n + 2)
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            if is_var(v) and v in last and v not in own and last[v] > k:
+                size = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
+                delta[k + 1] += size          # live from t = k + 1 ...
+                delta[last[v] + 1] -= size    # ... to its last reader
+    return np.cumsum(delta)[:n]
+
+
+class _BlockSearch:
+    """The repeated blocks of each jaxpr in a loss's call tree; the most equations
+    covered wins."""
+
+    def __init__(self) -> None:
+        self.sigs = _Signatures()
+        self.found: list[tuple[int, RepeatedBlocks]] = []
+        self.reasons: list[str] = []
+
+    def walk(self, jaxpr: Jaxpr, param_of: dict[Any, int], path: tuple[int, ...]) -> None:
+        param_of = dict(param_of)
+        own: set[Any] = set()
+        for k, eqn in enumerate(jaxpr.eqns):
+            ins = [v for v in eqn.invars if is_var(v)]
+            if ins and all(v in param_of or v in own for v in ins):
+                own.update(eqn.outvars)     # cast / reshaped weights
+                if eqn.primitive.name == "convert_element_type":
+                    param_of[eqn.outvars[0]] = param_of.get(ins[0], -1)
+            if eqn.primitive.name in CALL_PRIMITIVES:
+                inner = called_jaxpr(eqn).jaxpr
+                self.walk(inner, {i: param_of[o] for o, i in zip(
+                    eqn.invars, inner.invars, strict=True) if is_var(o) and o in param_of},
+                    (*path, k))
+        self.judge(jaxpr, param_of, own, path)
+
+    def judge(self, jaxpr: Jaxpr, param_of: dict[Any, int], own: set[Any],
+              path: tuple[int, ...]) -> None:
+        eqns = jaxpr.eqns
+        if len(eqns) < 2:
+            return
+        sig = np.array([self.sigs.of_eqn(e) for e in eqns], dtype=np.int64)
+        crossing = _crossing_bytes(jaxpr, own)
+        layered = [self._is_layer(e, param_of, own) for e in eqns]
+        best: tuple[int, RepeatedBlocks] | None = None
+        for start, period, length in _periodic_runs(sig):
+            if best is not None and length <= best[0]:
+                continue
+            # where in the period a layer starts: the cut that carries the fewest bytes
+            # among those that keep at least all repeats but one
+            most = length // period
+            phases = [o for o in range(period) if (length - o) // period >= max(2, most - 1)]
+            o = min(phases, key=lambda o: (crossing[start + o], o))
+            blocks = RepeatedBlocks(start + o, period, (length - o) // period, path)
+            if best is not None and blocks.count * period <= best[0]:
+                continue
+            if all(any(layered[a:b]) for a, b in blocks.bounds()):
+                best = (blocks.count * period, blocks)
+            else:
+                self.reasons.append(f"{blocks.count} repeats of {period} equations that "
+                                    f"multiply by no weight of their own")
+        if best is not None:
+            self.found.append(best)
+
+    @staticmethod
+    def _is_layer(eqn: Any, param_of: dict[Any, int], own: set[Any]) -> bool:
+        return eqn.primitive.name in _WEIGHT_PRIMITIVES and any(
+            is_var(v) and (v in param_of or v in own) for v in eqn.invars)
+
+    def best(self) -> RepeatedBlocks:
+        if self.found:
+            return max(self.found, key=lambda x: (x[0], -x[1].period))[1]
+        why = self.reasons[0] if self.reasons else "no run of equations repeats"
+        raise NoLayerScan(f"the loss function has no repeated blocks ({why})")
+
+
+def find_repeated_blocks(jaxpr: Jaxpr, n_params: int) -> RepeatedBlocks:
+    """The repeated blocks (the layers of an unrolled model) of a loss jaxpr taking
+    (param leaves, batch leaves); `NoLayerScan` says why there are none."""
+    search = _BlockSearch()
+    search.walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_params])}, ())
+    return search.best()
+
+
+def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
+    """The layers of a loss jaxpr taking (param leaves, batch leaves): its layer scan
+    (`find_in_jaxpr`), else an unrolled model's repeated blocks; `NoLayerScan` gives both
+    reasons where there are neither."""
+    try:
+        return find_in_jaxpr(jaxpr, n_params, batch_size)
+    except NoLayerScan as no_scan:
+        try:
+            return find_repeated_blocks(jaxpr, n_params)
+        except NoLayerScan as no_blocks:
+            raise NoLayerScan(f"{no_scan}; {no_blocks}") from None
+
+
+__all__ = ["RepeatedBlocks", "find_layers", "find_repeated_blocks"]
