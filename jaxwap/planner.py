@@ -22,7 +22,7 @@ import jax
 
 from jaxwap.analysis.fused_attention import planned_device, require_target, target_checks
 from jaxwap.analysis.graph import Graph
-from jaxwap.analysis.trace import ArgLayout, layout_of, trace_layout
+from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.calibration.host_calls import tree_calls
 from jaxwap.core.records import Measurement
 from jaxwap.decide.attention_advice import planned_score_sites
@@ -168,9 +168,9 @@ def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContex
     found = search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
                             "cpu" if platform == "cpu" else "accelerator", pipes, rules)
     scores = planned_score_sites(
-        notes, found.graph, lambda: closed if found.rung.is_plain else trace_layout(
-            found.fn, layout), layout.inputs.roles, layout.outputs.roles, layout.params,
-        cluster.device, step_searcher(ctx, options, usable, rules, found.rung.micro_batches))
+        notes, found.graph, lambda: found.closed, layout.inputs.roles, layout.outputs.roles,
+        layout.params, cluster.device,
+        step_searcher(ctx, options, usable, rules, found.rung.micro_batches))
     ctx = dataclasses.replace(ctx, step=found.rung, timing=timing, notes=tuple(notes),
                               attention=scores)
     plan = build_plan(ctx, found.search, found.verification)

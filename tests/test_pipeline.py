@@ -2,7 +2,8 @@
 the same layers, forward and gradients, in float32 (rtol 1e-5, atol 1e-6).
 
 2 and 4 stages, each with a data axis, on the 8 simulated CPU devices; GPipe (one round)
-and the circular schedule (two rounds, micro-batches >= stages). The backward pipeline is
+and the circular schedule (two rounds, micro-batches >= stages), each loop step keeping
+what its layers keep or only its input (`stage_remat`). The backward pipeline is
 the forward loop differentiated. Also: constants reach every stage, the mesh may come
 from the context, a stage in the bubble runs no layer, and micro-batches are strided rows
 so a data-sharded batch splits without moving."""
@@ -55,12 +56,15 @@ def test_stage_order_gives_each_stage_its_rounds():
         stage_order(8, 3, 1)
 
 
-@pytest.mark.parametrize("stages, data, micro, repeats", [
-    (2, 4, 4, 1), (4, 2, 4, 1), (2, 4, 2, 2), (4, 2, 4, 2)])
-def test_pipelined_stack_equals_the_scan_forward_and_backward(stages, data, micro, repeats):
+@pytest.mark.parametrize("stages, data, micro, repeats, stage_remat", [
+    (2, 4, 4, 1, False), (4, 2, 4, 1, False), (2, 4, 2, 2, False), (4, 2, 4, 2, False),
+    (4, 2, 4, 1, True), (2, 4, 2, 2, True)])
+def test_pipelined_stack_equals_the_scan_forward_and_backward(stages, data, micro, repeats,
+                                                              stage_remat):
     params, x = _setup()
     mesh = jax.make_mesh((stages, data), (STAGE, "data"), axis_types=(AUTO, AUTO))
-    f = pipelined(_layer, mesh, micro_batches=micro, repeats=repeats, data_axis="data")
+    f = pipelined(_layer, mesh, micro_batches=micro, repeats=repeats, data_axis="data",
+                  stage_remat=stage_remat)
     staged = to_stages(params, stages, repeats)
 
     got = jax.jit(f)(staged, x)
@@ -246,3 +250,30 @@ def test_a_stage_spec_that_cannot_shard_names_the_parameter_and_axis():
     with pytest.raises(ValueError, match=r"shape \(8, 6\): dim 1 does not divide over "
                                          r"'data' of size 4"):
         f(wide, x)
+
+
+def test_stage_remat_holds_one_input_per_loop_step_whatever_the_layers_keep():
+    """XLA's compiled temporaries of the differentiated pipeline (4 stages, 16
+    micro-batches, layers 4x wider inside than the carried activation): keeping only each
+    loop step's input holds far less than keeping what the stage's layers keep, and its
+    residuals do not grow with the layers a stage holds."""
+    rng = np.random.default_rng(0)
+
+    def wide(w, h):
+        return h + jnp.tanh(jnp.tanh(h @ w["up"]) @ w["down"])
+
+    def temps(layers, stage_remat):
+        params = {"up": jnp.asarray(rng.standard_normal((layers, D, 4 * D)), jnp.float32),
+                  "down": jnp.asarray(rng.standard_normal((layers, 4 * D, D)), jnp.float32)}
+        x = jnp.ones((256, D), jnp.float32)
+        mesh = jax.make_mesh((4, 2), (STAGE, "data"), axis_types=(AUTO, AUTO))
+        f = pipelined(wide, mesh, micro_batches=16, data_axis="data",
+                      stage_remat=stage_remat)
+        grad = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))
+        return grad.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    kept = {layers: temps(layers, False) for layers in (8, 16)}
+    inputs = {layers: temps(layers, True) for layers in (8, 16)}
+    assert inputs[8] < 0.5 * kept[8], (inputs, kept)
+    # twice the layers a stage: what the layers keep doubles its residuals, inputs do not
+    assert inputs[16] - inputs[8] < 0.25 * (kept[16] - kept[8]), (inputs, kept)

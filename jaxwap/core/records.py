@@ -39,17 +39,20 @@ PREDICTED, COMPILED, MEASURED = "predicted", "compiled", "measured"
 STRATEGY_FAMILIES: tuple[str, ...] = ("replicate", "tp", "zero1", "fsdp", "offload")
 
 # Rematerialization policies a `make_train_step` step may be restructured with: the
-# whole loss checkpointed ("dots", "dots_no_batch", "offload_dots"), or each layer of its
-# layer scan ("layer_*": what the backward pass keeps of a layer, `REMAT_WORDS`).
+# whole loss checkpointed ("dots", "dots_no_batch", "offload_dots"), each of its layers
+# ("layer_*": what the backward pass keeps of a layer, `REMAT_WORDS`), or, in a pipeline,
+# each loop step's stage ("stage": only its input kept).
 REMAT_POLICIES: tuple[str, ...] = ("none", "dots", "dots_no_batch", "offload_dots",
-                                   "layer_dots", "layer_full", "layer_offload")
+                                   "layer_dots", "layer_full", "layer_offload", "stage")
 REMAT_WORDS: dict[str, str] = {
     "dots": "the loss checkpointed, matmul outputs kept",
     "dots_no_batch": "the loss checkpointed, unbatched matmul outputs kept",
     "offload_dots": "the loss checkpointed, unbatched matmul outputs in host memory",
     "layer_dots": "each layer checkpointed, its weight matmuls' outputs kept (selective)",
     "layer_full": "each layer checkpointed, only its input kept (full recompute)",
-    "layer_offload": "each layer checkpointed, its weight matmuls' outputs in host memory"}
+    "layer_offload": "each layer checkpointed, its weight matmuls' outputs in host memory",
+    "stage": "each loop step's stage checkpointed, only its input kept (its layers run "
+             "again in the backward pass)"}
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,9 @@ class StepVariant:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.repeats > 1 and self.stages == 1:
             raise ValueError(f"repeats={self.repeats} needs a pipeline (stages > 1)")
+        if (self.remat == "stage") != (self.stages > 1 and self.remat != "none"):
+            raise ValueError(f"remat={self.remat!r} with stages={self.stages}: a pipeline "
+                             f"takes remat 'stage' or 'none', and 'stage' needs a pipeline")
         if self.repeats > 1 and self.micro_batches < self.stages:
             raise ValueError(f"the circular schedule (repeats={self.repeats}) needs at least "
                              f"as many micro-batches as stages: micro_batches="

@@ -92,11 +92,18 @@ def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
     """Bytes per device the pipeline's loop holds beyond its stage step (on batch / p
     rows), whatever the layouts: the stack's residuals for the rest of the local batch
     (the stage step kept `stack_live`, all devices' bytes, for 1/p of it) and for the
-    bubble steps, and the loop's micro-batch buffers."""
+    bubble steps, and the loop's micro-batch buffers. With `remat="stage"` a loop step
+    keeps its input alone (one micro-batch's rows of the carried activation, every step
+    of the loop), and the stage's residuals (`stack_live`: what its recomputation holds)
+    live for one micro-batch at a time, beyond the stage step's where a micro-batch has
+    more rows than it (fewer micro-batches than stages)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
+    buffers = _LOOP_BUFFERS * carry_row_bytes * batch / d
+    if variant.remat == "stage":
+        inputs = carry_row_bytes * batch / (d * mb) * (mb * rr + p - 1)
+        return inputs + stack_live / d * max(0.0, p / mb - 1) + buffers
     residuals = stack_live / d * p
-    return (residuals * (1 - 1 / p + (p - 1) / (mb * rr))
-            + _LOOP_BUFFERS * carry_row_bytes * batch / d)
+    return residuals * (1 - 1 / p + (p - 1) / (mb * rr)) + buffers
 
 
 def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:

@@ -51,6 +51,7 @@ class FoundVariant:
     graph: Graph
     search: SearchResult
     verification: Verification | None
+    closed: Any = None     # its traced jaxpr, which the attention advice reads again
 
 
 def variant_fn(fn: Callable, variant: StepVariant) -> Callable | None:
@@ -111,9 +112,10 @@ class _Trials:
         ctx, options = self.ctx, self.options
         fn_v = variant_fn(self.fn, rung) or self.fn
         ta = time.perf_counter()
-        graph = self._graph(rung, fn_v)
-        if graph is None:
+        traced = self._graph(rung, fn_v)
+        if traced is None:
             return None
+        graph, closed = traced
         tb = time.perf_counter()
         base = step_searcher(ctx, options, self.usable, self.rules, rung.micro_batches)
 
@@ -134,21 +136,21 @@ class _Trials:
         best = result.results[result.best]
         result, ver, error = self._checked(result, fn_v, searcher)
         if error is None:
-            return FoundVariant(rung, fn_v, graph, result, ver)
+            return FoundVariant(rung, fn_v, graph, result, ver, closed)
         self.first_error = self.first_error or error
         self.tried.append(f"{rung.describe()}: " + (
             f"needs {si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
             if not best.fits else "no candidate fits by XLA's analysis"))
         return None
 
-    def _graph(self, rung: StepVariant, fn_v: Callable) -> Graph | None:
-        """The variant traced and analysed (the step as written: its trace already made);
-        None, with a note, where a restructuring cannot be built."""
+    def _graph(self, rung: StepVariant, fn_v: Callable) -> tuple[Graph, Any] | None:
+        """The variant traced and analysed, and its trace (the step as written: its trace
+        already made); None, with a note, where a restructuring cannot be built."""
         layout = self.layout
         try:
+            closed = self.closed if rung.is_plain else trace_layout(fn_v, layout)
             graph = dataclasses.replace(
-                analyze(self.closed if rung.is_plain else trace_layout(fn_v, layout),
-                        layout.inputs.roles, layout.outputs.roles, layout.params,
+                analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
                         layout.inputs.batch_size),
                 tree_calls=self.ctx.tree_calls)
         except Exception as e:  # noqa: BLE001 - a restructuring is optional: skip it, say why
@@ -159,7 +161,7 @@ class _Trials:
             return None
         if rung.is_plain:
             self.plain_graph = graph
-        return graph
+        return graph, closed
 
     def _checked(self, result: SearchResult, fn_v: Callable,
                  searcher: Callable[[float], SearchResult]

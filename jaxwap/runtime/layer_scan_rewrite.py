@@ -97,16 +97,17 @@ def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
 
 
 def _rebound(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any], batch: Any,
-             path: tuple[int, ...], eqn: Any) -> Any:
+             path: tuple[int, ...], run: Callable[[list[Any]], list[Any]]) -> Any:
     """The traced loss's outputs (as `out_tree`) on the parameter `leaves` and `batch`,
-    its layer scan at `path` bound as `eqn` instead (the scan changed: fewer layers, a
-    checkpointed body)."""
+    its layer scan at `path` computed by `run(inputs)` instead (the scan changed: fewer
+    layers, a checkpointed body, checkpointed whole)."""
     outs = _eval(closed.jaxpr, closed.consts, [*leaves, *jax.tree_util.tree_leaves(batch)],
-                 replace=(path, lambda ins: bind(eqn, ins)))
+                 replace=(path, run))
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
-def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any, Any], Any]:
+def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
+              remat_stack: bool = False) -> Callable[[Any, Any], Any]:
     """`loss_fn` over `layers` of its stack's layers: the function takes the parameters
     with every stacked leaf (`scan.stacked`) cut to `layers` along its layer dim, and
     returns what `loss_fn` does for a model of that depth. What one pipeline stage runs.
@@ -117,7 +118,11 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any,
     the batch it is given), then evaluated with its layer scan bound again with
     `length=layers`; a scan's body is one layer whatever the count. A loss that uses a
     stacked parameter outside its scan (its shapes fixed at L layers) cannot be cut, and
-    raises `NoLayerScan` naming what reads it."""
+    raises `NoLayerScan` naming what reads it.
+
+    `remat_stack`: the cut stack runs under one `jax.checkpoint` keeping only its input,
+    as a pipeline stage whose loop steps keep only their inputs (`remat="stage"`) runs
+    it: its backward pass runs the stage's layers forward again first."""
     if not 1 <= layers <= scan.length:
         raise ValueError(f"layers={layers} is outside 1..{scan.length} (the stack's layers)")
     stacked = set(scan.stacked)
@@ -145,7 +150,15 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int) -> Callable[[Any,
                               f"stage's share of the stack cannot be priced on its own")
         eqn = equation_at(closed.jaxpr, found.path)
         shorter = eqn.replace(params={**eqn.params, "length": layers})
-        return _rebound(closed, out_tree, leaves, batch, found.path, shorter)
+
+        def run(ins: list[Any]) -> list[Any]:
+            return bind(shorter, ins)
+        if remat_stack:
+            checked = jax.checkpoint(lambda *ins: run(list(ins)),
+                                     policy=jax.checkpoint_policies.nothing_saveable)
+            return _rebound(closed, out_tree, leaves, batch, found.path,
+                            lambda ins: checked(*ins))
+        return _rebound(closed, out_tree, leaves, batch, found.path, run)
 
     return loss
 
@@ -180,7 +193,8 @@ def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any
         checked = jax.make_jaxpr(jax.checkpoint(layer, policy=policy, prevent_cse=False))(
             *avals)
         remat = eqn.replace(params={**eqn.params, "jaxpr": checked})
-        return _rebound(closed, out_tree, leaves, batch, found.path, remat)
+        return _rebound(closed, out_tree, leaves, batch, found.path,
+                        lambda ins: bind(remat, ins))
 
     return loss
 
@@ -270,14 +284,15 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
 
 def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_batches: int,
                    repeats: int = 1, data_axis: str | tuple[str, ...] | None = None,
-                   param_specs: Sequence[tuple[str | None, ...]] = ()
-                   ) -> Callable[[Any, Any], Any]:
+                   param_specs: Sequence[tuple[str | None, ...]] = (),
+                   stage_remat: bool = False) -> Callable[[Any, Any], Any]:
     """`loss_fn` with its layer scan (`find_layer_scan`) run by `schedule.pipelined` over
     the stage axis of the mesh it is traced in (`jax.set_mesh`), each micro-batch split
     over `data_axis`. The stacked parameters are reordered for the circular schedule
     (`to_stages`) inside. `param_specs`, one per stacked parameter in `scan.stacked`'s
     order (empty: none), shards a stage's share of it beyond the layer dim
-    (`pipelined`'s FSDP inside a stage). The returned function takes `(params, batch)`
+    (`pipelined`'s FSDP inside a stage); `stage_remat` keeps only each loop step's input
+    (`pipelined`). The returned function takes `(params, batch)`
     and returns what `loss_fn` does; it traces `loss_fn` once per argument shapes and
     mesh."""
     if min(stages, micro_batches, repeats) < 1:
@@ -330,7 +345,7 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
-                        data_axis=data_axis, param_specs=specs)
+                        data_axis=data_axis, param_specs=specs, stage_remat=stage_remat)
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]

@@ -108,7 +108,7 @@ def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
 def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
               micro_batches: int, repeats: int = 1,
               data_axis: str | tuple[str, ...] | None = None,
-              param_specs: Any = None) -> Callable[..., jax.Array]:
+              param_specs: Any = None, stage_remat: bool = False) -> Callable[..., jax.Array]:
     """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
     `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
     the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
@@ -130,7 +130,13 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     their gradients come back reduce-scattered, so a stage holds 1/d of its weights and
     gradients, at the price of a gather per layer per loop step. A dim over any other
     axis (the model axis) stays sharded through the loop: tensor parallelism inside the
-    stage."""
+    stage.
+
+    `stage_remat`: each loop step keeps only its input for the backward pass, which runs
+    the stage's layers forward again first (what MaxText's pipeline does): the loop then
+    holds one activation per micro-batch and round, whatever the stage's layers keep, at
+    the price of one more forward pass of the stack. Without it, a loop step keeps what
+    its layers keep (all but views), for every micro-batch at once."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -140,7 +146,7 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     # the axes the loop runs by hand; the rest of the mesh is XLA's to partition
     manual = frozenset({STAGE, *((data_axis,) if isinstance(data_axis, str)
                                  else (data_axis or ()))})
-    stage_step = _stage_step(layer, r, manual, param_specs)
+    stage_step = _stage_step(layer, r, manual, param_specs, stage_remat)
 
     def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
         here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -159,13 +165,14 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
 
 
 def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
-                param_specs: Any) -> Callable[..., jax.Array]:
+                param_specs: Any, stage_remat: bool = False) -> Callable[..., jax.Array]:
     """`stage_step(chunks, q, h, busy, consts)`: round q's chunk of a stage's layers on
     `h` where `busy`, `h` as it is in the bubble (under `lax.cond`, so an idle device
     idles), checkpointed to keep everything but views (`_keep_all_but_views`: the weights
-    are sliced again in the backward pass rather than kept once per loop step). Each
-    layer's weights are gathered whole over the loop's own axes (`manual`) just before it
-    runs."""
+    are sliced again in the backward pass rather than kept once per loop step), or with
+    `stage_remat` nothing (its inputs alone: `h`, the round and whether it is busy; the
+    stage's share is the loop's, not the step's). Each layer's weights are gathered whole
+    over the loop's own axes (`manual`) just before it runs."""
 
     def gather_layer(w: Any) -> Any:
         """One layer's weights whole over the loop's own axes (`param_specs`' data
@@ -194,7 +201,8 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
         return lax.cond(busy, run_layers, idle, chunk, h, consts)
 
     # inside the loop, CSE across steps cannot happen anyway: no barriers needed
-    return jax.checkpoint(stage_step, policy=_keep_all_but_views, prevent_cse=False)
+    policy = jax.checkpoint_policies.nothing_saveable if stage_remat else _keep_all_but_views
+    return jax.checkpoint(stage_step, policy=policy, prevent_cse=False)
 
 
 def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int,

@@ -79,8 +79,8 @@ class TrainStep:
 
     def _loss(self) -> Callable[..., Any]:
         fn = self.loss_and_aux()
-        if self.variant.pipelined:
-            fn = _pipelined(fn, self.variant)
+        if self.variant.pipelined:       # its remat ("stage", or none) is the pipeline's
+            return _pipelined(fn, self.variant)
         if self.variant.remat.startswith("layer_"):
             from jaxwap.runtime.layer_scan_rewrite import layer_remat_loss
 
@@ -145,7 +145,8 @@ def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., An
         scan = find_layer_scan(fn, params, batch)
         return pipelined_loss(fn, scan, stages=variant.stages,
                               micro_batches=variant.micro_batches, repeats=variant.repeats,
-                              data_axis=data, param_specs=variant.stage_specs)(params, batch)
+                              data_axis=data, param_specs=variant.stage_specs,
+                              stage_remat=variant.remat == "stage")(params, batch)
     return loss
 
 

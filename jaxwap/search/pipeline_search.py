@@ -25,6 +25,7 @@ Not searched (yet): hybrid-sharded stages, stages of one layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
 from jaxwap.analysis.trace import ArgLayout, layout_of
@@ -57,6 +59,11 @@ MAX_STAGE_COUNTS = 4
 MESH_SIZES = 4
 # Rounds of the circular schedule tried (1: GPipe).
 REPEATS = (1, 2, 4)
+# Micro-batch counts priced per stage mesh (pricing one is cheap: no trace).
+MICRO_COUNTS = 12
+# Times a stage mesh is solved again with less room where the loop's own holdings leave
+# none of its schedules within the budget.
+RESOLVES = 2
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,7 @@ def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[in
 
 
 def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
-                rows: int) -> tuple[TrainStep, tuple[Any, ...]]:
+                rows: int, remat_stack: bool = False) -> tuple[TrainStep, tuple[Any, ...]]:
     """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
     over `layers` of the stack's layers (`layer_scan_rewrite.stack_cut`, from the traced jaxpr: the
     user's loss is never called with fewer layers), the stacked leaves cut to `layers`
@@ -162,7 +169,7 @@ def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int
     cut = [jax.ShapeDtypeStruct((layers, *x.shape[1:]) if i in stacked else x.shape,
                                 x.dtype) for i, x in enumerate(leaves)]
     stage_params = jax.tree_util.tree_unflatten(treedef, cut)
-    step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers), fn.optimizer,
+    step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers, remat_stack), fn.optimizer,
                      has_aux=True)
     opt_state = jax.eval_shape(fn.init, stage_params)
     abstract = jax.tree_util.tree_map(
@@ -171,9 +178,10 @@ def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int
 
 
 def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
-                 rows: int, options: PlanOptions) -> Graph:
-    """The analysed step of one stage: `layers` layers of the stack, `rows` rows."""
-    step, stage_args = _stage_step(fn, args, scan, layers, rows)
+                 rows: int, options: PlanOptions, remat_stack: bool = False) -> Graph:
+    """The analysed step of one stage: `layers` layers of the stack, `rows` rows; with
+    `remat_stack` the stack checkpointed whole (`stack_cut`)."""
+    step, stage_args = _stage_step(fn, args, scan, layers, rows, remat_stack)
     layout, closed = layout_of(step, stage_args, {}, stage_args[0],
                                rows if options.batch_size else None)
     return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
@@ -207,7 +215,10 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
                      tree_calls: int = 0) -> MeshResult | None:
     """The best pipelined candidate with p stages: the stage step solved on each (data,
     model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
-    every micro-batch count and number of rounds priced."""
+    every micro-batch count and number of rounds priced. Where none of those fits, the
+    same with each loop step keeping only its input (`remat="stage"`: a stage's layers run
+    forward again in its backward pass, so the loop's residuals no longer grow with the
+    layers a stage holds)."""
     B = batch or scan.batch_size
     n = options.num_devices or usable
     if options.mesh is not None:
@@ -219,16 +230,35 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
                  if n % p == 0 and n // p >> i >= 1]
     if not sizes or B % p:
         return None
+    priced = functools.partial(_priced, fn, args, scan, p, B, sizes, cluster, objective,
+                               options, budget, forced, rules, tree_calls)
+    best = priced(False)
+    if best is None or not best.fits:
+        inputs_only = priced(True)
+        if inputs_only is not None and (best is None or _better(inputs_only, best, objective,
+                                                                 cluster)):
+            best = inputs_only
+    return best
+
+
+def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
+            sizes: Sequence[int], cluster: Cluster, objective: Objective,
+            options: PlanOptions, budget: float, forced: dict[str, int] | None,
+            rules: LayoutRules | None, tree_calls: int, stage_remat: bool
+            ) -> MeshResult | None:
+    """`_best_for_stages`' search for one kind of loop step: keeping what its layers
+    keep, or (`stage_remat`) its input alone."""
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
     # keep for the backward pass is the difference (the pipeline keeps it for all its
-    # micro-batches, p times these rows)
+    # micro-batches, p times these rows; with `stage_remat`, what its recomputation
+    # holds, for one micro-batch at a time)
     k = scan.length // p
-    graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options),
+    graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
         return None
-    twice = _stage_graph(fn, args, scan, 2 * k, B // p, options)
+    twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
     stacked = set(scan.stacked)
@@ -236,32 +266,50 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
         node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]
         if pins_hold(graph, rules, *dm, options.offload) is None]
+    remat = "stage" if stage_remat else "none"
     best: MeshResult | None = None
     for d, m in meshes:
-        variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr)
+        variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr, remat=remat)
                     for mb, rr in _shapes(B // d, p, k, forced)]
         if not variants:
             continue
         # the stage's layouts must leave room for the least the loop holds beside them
         room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
                             for v in variants)
-        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
-        if not uses_model_axis(stage):
-            continue
-        strategies = _staged(stage.strategies, stacked)
-        specs = _stage_specs(stage.strategies, scan.stacked)
-        # what the tensor-parallel layers keep is split over the model axis too
-        kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
-        for variant in variants:
-            variant = dataclasses.replace(variant, stage_specs=specs)
-            pred = pipeline_prediction(graph, cluster, stage.predicted, d, m,
-                                       stage.strategies, sorted(stacked), variant, k,
-                                       scan.carry_row_bytes, B, kept)
-            cand = MeshResult(d, m, strategies, pred, stage.fits and
-                              pred.peak_memory_bytes <= budget, step=variant)
-            if best is None or _better(cand, best, objective, cluster):
-                best = cand
+        for _ in range(RESOLVES + 1):
+            stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
+            if not uses_model_axis(stage):
+                break
+            cands = _candidates(graph, twice, cluster, stage, d, m, stacked, scan, variants,
+                                k, B, stack_live, budget)
+            for cand in cands:
+                if best is None or _better(cand, best, objective, cluster):
+                    best = cand
+            # what the loop holds beside the stage's layouts depends on them (the weights
+            # a loop step slices): where none fits, solve again with that much less room
+            over = min(c.predicted.peak_memory_bytes for c in cands) - budget
+            if any(c.fits for c in cands) or over <= 0 or not stage.fits:
+                break
+            room -= over
     return best
+
+
+def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult, d: int,
+                m: int, stacked: set[int], scan: LayerScan, variants: Sequence[StepVariant],
+                k: int, B: int, stack_live: float, budget: float) -> list[MeshResult]:
+    """Each schedule in `variants` priced on the stage's solution `stage` on (d, m)."""
+    strategies = _staged(stage.strategies, stacked)
+    specs = _stage_specs(stage.strategies, scan.stacked)
+    # what the tensor-parallel layers keep is split over the model axis too
+    kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
+    out = []
+    for variant in variants:
+        variant = dataclasses.replace(variant, stage_specs=specs)
+        pred = pipeline_prediction(graph, cluster, stage.predicted, d, m, stage.strategies,
+                                   sorted(stacked), variant, k, scan.carry_row_bytes, B, kept)
+        out.append(MeshResult(d, m, strategies, pred, stage.fits and
+                              pred.peak_memory_bytes <= budget, step=variant))
+    return out
 
 
 def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
@@ -280,10 +328,15 @@ def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: i
 
 def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None
             ) -> list[tuple[int, int]]:
-    """(micro-batches, rounds) worth pricing: micro-batch counts from p (the least that
-    keeps every stage busy in the steady state) doubling while each holds a row per
-    device, and rounds that divide a stage's k layers (circular needs m >= p)."""
-    ms = [mb for mb in (p << i for i in range(12)) if mb <= rows and rows % mb == 0]
+    """(micro-batches, rounds) worth pricing: micro-batch counts that divide the rows,
+    from p (the least that keeps every stage busy in the steady state) to a row per
+    device (at most `MICRO_COUNTS` of them, spread evenly on a log scale, the least and
+    the most always among them), and rounds that divide a stage's k layers (circular
+    needs m >= p)."""
+    ms = [mb for mb in range(p, rows + 1) if rows % mb == 0]
+    if len(ms) > MICRO_COUNTS:
+        picks = np.unique(np.round(np.geomspace(1, len(ms), MICRO_COUNTS)).astype(int) - 1)
+        ms = [ms[int(i)] for i in picks]
     ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
     rs = [r for r in REPEATS if k % r == 0]
     if forced is not None:
