@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -46,6 +47,16 @@ def _policy(name: str) -> Any:
             "layer_dots": cp.dots_with_no_batch_dims_saveable,
             "layer_full": cp.nothing_saveable,
             "layer_offload": offload}[name]
+
+
+@dataclass(frozen=True)
+class _WithoutAux:
+    """A loss function returning its loss alone, as `(params, batch) -> (loss, None)`."""
+
+    loss_fn: Callable[..., Any]
+
+    def __call__(self, params: Any, batch: Any) -> tuple[Any, None]:
+        return self.loss_fn(params, batch), None
 
 
 class TrainStep:
@@ -74,8 +85,10 @@ class TrainStep:
         return self.optimizer.init(params)
 
     def loss_and_aux(self) -> Callable[..., Any]:
-        """`loss_fn` as `(params, batch) -> (loss, aux)`, aux None without `has_aux`."""
-        return self.loss_fn if self.has_aux else (lambda p, b: (self.loss_fn(p, b), None))
+        """`loss_fn` as `(params, batch) -> (loss, aux)`, aux None without `has_aux`: the
+        same function (equal, hashable) for every variant of the step, so the traces of
+        it `layer_scan.trace_loss` keeps serve them all."""
+        return self.loss_fn if self.has_aux else _WithoutAux(self.loss_fn)
 
     def _loss(self) -> Callable[..., Any]:
         fn = self.loss_and_aux()
