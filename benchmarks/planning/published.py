@@ -24,7 +24,9 @@ The plan's step is **predicted** (nothing runs), the published step is **publish
 recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)), the planning time **measured** on the
 machine running this. The "balanced" and "energy" columns are what those objectives pick
 among the same plan's candidates (its meshes and power limits), ranked by the planner's
-own rankers.
+own rankers. "Published layout predicted" is the expert's model planned on the experts'
+mesh and stage count (the rest still jaxwap's choice): the model's error on their own
+layout, apart from what the plan's layout changes.
 
 Writes `benchmarks/results/published/cpu.{json,md}`.
 """
@@ -85,6 +87,8 @@ class Job:
     published_layout: str
     source: str
     inter_node_gbs: float | None = None
+    #: the published layout as `jaxwap.plan` options (mesh_shape, pipeline)
+    layout: tuple[tuple[str, Any], ...] = ()
 
     def workload(self, written: str, global_batch: int | None = None) -> Any:
         """The model as written `written` ("expert" or "newcomer") at `global_batch`."""
@@ -107,9 +111,12 @@ def _gpt(params_b: str, heads: int, hidden: int, layers: int, tp: int, pp: int, 
     """A Table 1 row: GPT with Megatron's 4h MLP written as Llama's SwiGLU of 8h/3 rounded
     to 256 (the same flops within 1%), vocab 51,200, seq 2048."""
     step = batch * megatron_flops(layers, hidden) / (tflops * 1e12 * gpus)
+    dp = gpus // (tp * pp)
+    layout = (("mesh_shape", {"data": dp, "model": tp}),
+              ("pipeline", {"stages": pp} if pp > 1 else False))
     return Job(f"GPT {params_b}B, {gpus} A100", "megatron", layers, hidden, heads, heads,
                256 * round(8 * hidden / 3 / 256), 51200, 2048, gpus, batch, "a100-sxm-80gb",
-               step, f"TP{tp} x PP{pp} x DP{gpus // (tp * pp)}", MEGATRON, 25.0)
+               step, f"TP{tp} x PP{pp} x DP{dp}", MEGATRON, 25.0, layout)
 
 
 def megatron_jobs() -> list[Job]:
@@ -130,7 +137,9 @@ def maxtext_jobs() -> list[Job]:
     return [Job(f"Llama-3-70B, {n} H100", "maxtext", 80, 8192, 64, 8, 28672, 128256, 8192,
                 n, 2 * n, "h100-sxm", s,
                 f"FSDP{n if n <= 256 else 128}" + (f" x DP{n // 128}" if n > 256 else ""),
-                MAXTEXT)
+                MAXTEXT, layout=(("mesh_shape", {"data": n} if n <= 256 else
+                                  {"replica": n // 128, "data": 128}),
+                                 ("pipeline", False)))
             for n, s in published.items()]
 
 
@@ -190,7 +199,8 @@ def run(job: Job, written: str, global_batch: int | None = None) -> dict[str, An
     planning_s = time.perf_counter() - t0
     step = plan.step
     pred = plan.predicted
-    return {**base, "planning_s": planning_s, "no_plan": None,
+    as_published = _as_published(job, w, hw, published) if written == "expert" else None
+    return {**base, "planning_s": planning_s, "no_plan": None, "as_published": as_published,
             "mesh": dict(plan.mesh_shape), "devices": _devices(dict(plan.mesh_shape)),
             "strategies": sorted({p.strategy for p in plan.params}),
             "stages": step.stages, "repeats": getattr(step, "repeats", 1),
@@ -198,6 +208,22 @@ def run(job: Job, written: str, global_batch: int | None = None) -> dict[str, An
             "step_s": float(pred.step_time_s), "ratio": float(pred.step_time_s) / published,
             "peak_memory_gb": float(pred.peak_memory_bytes) / GB,
             "energy_j": float(pred.energy_per_step_j), "objectives": by_objective(plan, hw)}
+
+
+def _as_published(job: Job, w: Any, hw: jaxwap.Cluster, published: float
+                  ) -> dict[str, Any]:
+    """The expert's model planned on the published layout (its mesh and stage count; the
+    layouts of its parameters, the schedule and micro-batches still jaxwap's): how far
+    the model's prediction of the experts' own layout is from their step, apart from how
+    the plan's layout differs from theirs."""
+    try:
+        plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=hw, verify=0,
+                           cache=False, objective="throughput", **dict(job.layout))
+    except (MemoryError, ValueError) as e:
+        return {"step_s": None, "ratio": None, "no_plan": str(e)}
+    step_s = float(plan.predicted.step_time_s)
+    return {"step_s": step_s, "ratio": step_s / published, "no_plan": None,
+            "schedule": plan.step.describe()}
 
 
 # ------------------------------------------------------------------------------ the table
@@ -218,6 +244,15 @@ def plan_text(r: dict[str, Any]) -> str:
     if r["remat"] != "none":
         parts.append(f"remat {r['remat']}")
     return "; ".join(parts)
+
+
+def _published_text(r: dict[str, Any]) -> str:
+    a = r.get("as_published")
+    if not a:
+        return "-"
+    if a["no_plan"]:
+        return "no plan: " + a["no_plan"].split(":")[1].split(",")[0].strip()[:60]
+    return f"{a['step_s']:.2f} s ({a['ratio']:.2f}x)"
 
 
 def _objective_text(r: dict[str, Any], objective: str) -> str:
@@ -254,8 +289,9 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         f"{EXPERT_RANGE[0]}-{EXPERT_RANGE[1]}x, newcomer {NEWCOMER_RANGE[0]}-"
         f"{NEWCOMER_RANGE[1]}x, planning <= {PLANNING_GOAL_S:g} s.", "",
         "| job | written | published layout | jaxwap's plan (throughput) | planning s | "
-        "predicted step s | published step s | ratio | balanced picks | energy picks |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "predicted step s | published step s | ratio | published layout predicted | "
+        "balanced picks | energy picks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         pred = "-" if r["step_s"] is None else f"{r['step_s']:.2f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x" + (
@@ -263,7 +299,8 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         lines.append(
             f"| {r['job']} | {r['written']} | {r['published_layout']} | {plan_text(r)} | "
             f"{r['planning_s']:.1f} | {pred} | {r['published_step_s']:.2f} | {ratio} | "
-            f"{_objective_text(r, 'balanced')} | {_objective_text(r, 'energy')} |")
+            f"{_published_text(r)} | {_objective_text(r, 'balanced')} | "
+            f"{_objective_text(r, 'energy')} |")
     lines.append("")
     for written in WRITINGS:
         w = s[written]
