@@ -42,6 +42,10 @@ class FlatOp:
     ins: list[int]
     outs: list[int]
     repeat: int = 1
+    # the differentiated `jax.checkpoint` (CSE prevented) it runs in, numbered in program
+    # order, -1 for none: XLA's barrier on that checkpoint's inputs makes every value it
+    # reads there a value of its own (a sharded weight gathered again, say)
+    region: int = -1
 
     @property
     def prim(self) -> str:
@@ -126,6 +130,7 @@ class _Flattener:
         self.vars: list[Var] = []
         self.ops: list[FlatOp] = []
         self.repeat = 1
+        self.region, self.regions = -1, 0     # the checkpoint being inlined; how many
         # a Var is a function of (aval, repeat) alone: the blocks of a deep model share
         # their values' avals, so each distinct one is described once
         self._described: dict[tuple[Any, int], Var] = {}
@@ -142,7 +147,7 @@ class _Flattener:
         return len(self.vars) - 1
 
     def op(self, eqn: Any, ins: list[int], outs: list[int]) -> None:
-        self.ops.append(FlatOp(eqn, ins, outs, self.repeat))
+        self.ops.append(FlatOp(eqn, ins, outs, self.repeat, self.region))
 
     def scan(self, eqn: Any, ins: list[int]) -> list[int]:
         """Inline a scan's body once, its ops repeated `length` times."""
@@ -176,7 +181,12 @@ class _Flattener:
         for eqn in inner.eqns:
             ins = [self.atom(a, env) for a in eqn.invars]
             sub = _sub_jaxpr(eqn)
-            if sub is not None:
+            if sub is not None and _barriered(eqn):
+                outer, self.region = self.region, self.regions
+                self.regions += 1
+                outs = self.run(sub, ins)
+                self.region = outer
+            elif sub is not None:
                 outs = self.run(sub, ins)
             elif eqn.primitive.name == "scan":
                 outs = self.scan(eqn, ins)
@@ -186,6 +196,16 @@ class _Flattener:
             for v, o in zip(eqn.outvars, outs, strict=True):
                 env[v] = o
         return [self.atom(a, env) for a in inner.outvars]
+
+
+def _barriered(eqn: Any) -> bool:
+    """Whether `eqn` is a differentiated `jax.checkpoint` whose inputs jax lowers through
+    an optimization barrier (`prevent_cse`): its recomputation reads values of its own."""
+    p = eqn.params
+    if eqn.primitive.name not in ("remat2", "checkpoint") or not p.get("differentiated"):
+        return False
+    cse = p.get("prevent_cse", False)
+    return any(cse) if isinstance(cse, tuple) else bool(cse)
 
 
 def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:

@@ -83,13 +83,23 @@ def gathered_whole(ops: Sequence[FlatOp], nbytes: np.ndarray, layers: Sequence[L
     matmul shares with its weight operand while its result is batched activations) is
     whole where it is made, before it is reduced. A scanned layer's weight (`stacked`) is
     gathered a slice per iteration: left out. (A 4096 x 4096 FSDP layer on a 4x1 mesh:
-    XLA's memory 201 MB, the model 95 MB without these.)"""
+    XLA's memory 201 MB, the model 95 MB without these.)
+
+    Uses inside a differentiated `jax.checkpoint` (`FlatOp.region`: a checkpointed layer's
+    recomputation and gradient) read the weight through that checkpoint's optimization
+    barrier, a value of its own, which XLA gathers again there: each such region holds
+    its own gather, from its first use to its last, and the uses outside any share one.
+    An unrolled model checkpointed block by block then holds one layer's gathered weights
+    at a time in its backward pass, not every layer's from the forward pass on."""
     out: list[tuple[int, int, int, float]] = []
+    regions = np.array([op.region for op in ops], dtype=np.int64)
     for L in layers:
         if stacked[L.param] >= 0:
             continue
         ks = np.flatnonzero(tp_param == L.param)
-        out.append((int(ks.min()), int(ks.max()), L.param, float(L.weight_bytes)))
+        for r in np.unique(regions[ks]).tolist():
+            kr = ks[regions[ks] == r]
+            out.append((int(kr.min()), int(kr.max()), L.param, float(L.weight_bytes)))
         out += [(k, k, L.param, float(nbytes[ops[k].outs[0]])) for k in ks.tolist()
                 if ops[k].outs and value_owner[ops[k].outs[0]] == L.param]
     return out
