@@ -34,11 +34,13 @@ Writes `benchmarks/results/published/cpu.{json,md}`.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -234,7 +236,10 @@ def in_goal(r: dict[str, Any]) -> bool:
 
 def plan_text(r: dict[str, Any]) -> str:
     if r["no_plan"]:
-        return f"no plan: {r['no_plan'][:140]}"
+        need = re.search(r"the smallest, mesh (.*?), needs ([0-9.]+ [kMGT]?B) per device",
+                         r["no_plan"])
+        return (f"no plan: the smallest, {need.group(1)}, needs {need.group(2)} a device"
+                if need else f"no plan: {r['no_plan'][:140]}")
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items() if v > 1) or "1 device"
     parts = [mesh]
     if r["stages"] > 1:
@@ -251,7 +256,8 @@ def _published_text(r: dict[str, Any]) -> str:
     if not a:
         return "-"
     if a["no_plan"]:
-        return "no plan: " + a["no_plan"].split(":")[1].split(",")[0].strip()[:60]
+        need = re.search(r"needs ([0-9.]+ [kMGT]?B) per device", a["no_plan"])
+        return "no plan" + (f" (needs {need.group(1)} a device)" if need else "")
     return f"{a['step_s']:.2f} s ({a['ratio']:.2f}x)"
 
 
@@ -320,7 +326,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--only", help="jobs whose name contains this")
     p.add_argument("--written", choices=WRITINGS, help="one way of writing only")
     p.add_argument("--no-save", action="store_true", help="print only")
+    p.add_argument("--render", action="store_true",
+                   help="rewrite the saved record's table from its rows (no planning)")
     args = p.parse_args(argv)
+    if args.render:
+        record = json.loads((RESULTS / "cpu.json").read_text())
+        text = markdown(record["rows"], record["command"])
+        (RESULTS / "cpu.md").write_text(text)
+        print(text)
+        return record
     jobs = quick_jobs() if args.quick else [(j, None) for j in all_jobs()]
     if args.only:
         jobs = [(j, b) for j, b in jobs if args.only in j.name]
