@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from jaxwap.analysis.primitives import prim_info
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
     LayerScan,
@@ -36,9 +37,6 @@ from jaxwap.runtime.layer_scan import (
     find_in_jaxpr,
     is_var,
 )
-
-# what makes a repeat a layer: it multiplies by a weight of its own
-_WEIGHT_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot"})
 
 
 @dataclass(frozen=True)
@@ -187,7 +185,9 @@ class _BlockSearch:
 
     @staticmethod
     def _is_layer(eqn: Any, param_of: dict[Any, int], own: set[Any]) -> bool:
-        return eqn.primitive.name in _WEIGHT_PRIMITIVES and any(
+        # what makes a repeat a layer: a matmul the primitive table gives a layer rule
+        # (it multiplies by a weight), reading a weight of its own
+        return prim_info(eqn.primitive.name).layer is not None and any(
             is_var(v) and (v in param_of or v in own) for v in eqn.invars)
 
     def best(self) -> RepeatedBlocks:

@@ -232,22 +232,39 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         return None
     priced = functools.partial(_priced, fn, args, scan, p, B, sizes, cluster, objective,
                                options, budget, forced, rules, tree_calls)
-    best = priced(False)
-    if best is None or not best.fits:
-        inputs_only = priced(True)
+    best, stack_live = priced(False)
+    if best is None or (not best.fits and _inputs_only_may_fit(best, stack_live, scan, B,
+                                                               budget)):
+        inputs_only, _ = priced(True)
         if inputs_only is not None and (best is None or _better(inputs_only, best, objective,
                                                                  cluster)):
             best = inputs_only
     return best
 
 
+def _inputs_only_may_fit(best: MeshResult, stack_live: float, scan: LayerScan, B: int,
+                         budget: float) -> bool:
+    """Whether keeping only each loop step's input could bring `best` (the schedule that
+    keeps what its layers keep) within the budget: its peak less all the loop's residuals
+    plus the inputs alone, at its own mesh and schedule. Where not, its stage step is not
+    traced again."""
+    step = best.step
+    if step is None:
+        return True
+    kept = loop_memory(stack_live, scan.carry_row_bytes, B, best.d, step)
+    inputs = loop_memory(stack_live, scan.carry_row_bytes, B, best.d,
+                         dataclasses.replace(step, remat="stage"))
+    return best.predicted.peak_memory_bytes - kept + inputs <= budget
+
+
 def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             sizes: Sequence[int], cluster: Cluster, objective: Objective,
             options: PlanOptions, budget: float, forced: dict[str, int] | None,
             rules: LayoutRules | None, tree_calls: int, stage_remat: bool
-            ) -> MeshResult | None:
+            ) -> tuple[MeshResult | None, float]:
     """`_best_for_stages`' search for one kind of loop step: keeping what its layers
-    keep, or (`stage_remat`) its input alone."""
+    keep, or (`stage_remat`) its input alone; and what the stack keeps for the backward
+    pass (`_stack_live`, with no layout splitting it)."""
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
     # keep for the backward pass is the difference (the pipeline keeps it for all its
@@ -257,7 +274,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
-        return None
+        return None, 0.0
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
@@ -291,7 +308,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             if any(c.fits for c in cands) or over <= 0 or not stage.fits:
                 break
             room -= over
-    return best
+    return best, stack_live
 
 
 def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult, d: int,
