@@ -220,11 +220,12 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     if found is None and restructurable:
         # the pipelined search found the layer scan when it considered pipelines at all
         layers, no_layers = ("scan", None) if pipes.reason is None else _layers(fn, layout)
-        if layers == "blocks" and platform == "cpu":
+        rungs = ladder(layout.inputs.batch_size, platform, layers=layers)
+        if layers is not None and all(r.remat == "none" for r in rungs):
+            # the ladder's CPU rule (`train_step.ladder`)
             no_layers = ("the loss's layers are unrolled blocks, and XLA:CPU computes "
                          "their recomputations all ahead of the backward pass, so "
                          "checkpointing them saves nothing there")
-        rungs = ladder(layout.inputs.batch_size, platform, layers=layers)
         layered = no_layers is None
         fixed = [r for r in rungs if r.micro_batches == 1]
         micro = [r for r in rungs if r.micro_batches > 1]
