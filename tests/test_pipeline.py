@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxwap.runtime.schedule import (
     STAGE,
+    chunking,
     micro_join,
     micro_split,
     pipelined,
@@ -36,7 +37,7 @@ def _layer(w, h):
     return jnp.tanh(h @ w["kernel"] + w["bias"])
 
 
-def _setup():
+def _setup(L=L):
     rng = np.random.default_rng(0)
     params = {"kernel": jnp.asarray(rng.standard_normal((L, D, D)) / np.sqrt(D), jnp.float32),
               "bias": jnp.asarray(rng.standard_normal((L, D)) * 0.1, jnp.float32)}
@@ -52,19 +53,37 @@ def test_stage_order_gives_each_stage_its_rounds():
     # 8 layers, 2 stages, 2 rounds: chunks of 2; stage 0 holds chunks 0 and 2
     assert stage_order(8, 2, 2) == [0, 1, 4, 5, 2, 3, 6, 7]
     assert stage_order(8, 4, 1) == list(range(8))
-    with pytest.raises(ValueError, match="8 layers cannot be split into 3 stages"):
-        stage_order(8, 3, 1)
+    with pytest.raises(ValueError, match="3 layers cannot be split into 2 stages x 2"):
+        stage_order(3, 2, 2)
 
 
-@pytest.mark.parametrize("stages, data, micro, repeats, stage_remat", [
-    (2, 4, 4, 1, False), (4, 2, 4, 1, False), (2, 4, 2, 2, False), (4, 2, 4, 2, False),
-    (4, 2, 4, 1, True), (2, 4, 2, 2, True)])
-def test_pipelined_stack_equals_the_scan_forward_and_backward(stages, data, micro, repeats,
-                                                              stage_remat):
-    params, x = _setup()
+def test_an_uneven_stack_is_spread_as_evenly_as_it_goes():
+    """Chunks of ceil(L / (p r)) slots, the last ones one layer short (an empty slot,
+    -1); 126 layers over 16 stages: 14 stages of 8 layers and 2 of 7."""
+    assert stage_order(8, 3, 1) == [0, 1, 2, 3, 4, 5, 6, 7, -1]
+    # 4 chunks of 3, 3, 2, 2 layers; stage 0 holds chunks 0 and 2
+    assert stage_order(10, 2, 2) == [0, 1, 2, 6, 7, -1, 3, 4, 5, 8, 9, -1]
+    assert chunking(126, 16) == (8, 14)
+    per_stage = np.asarray(stage_order(126, 16)).reshape(16, 8)
+    assert sorted((per_stage >= 0).sum(1).tolist()) == [7] * 2 + [8] * 14
+    assert sorted(i for i in per_stage.ravel() if i >= 0) == list(range(126))
+    x = jnp.arange(10.0).reshape(10, 1)
+    np.testing.assert_array_equal(np.asarray(to_stages(x, 2, 2))[:, 0],
+                                  [0, 1, 2, 6, 7, 0, 3, 4, 5, 8, 9, 0])
+
+
+@pytest.mark.parametrize("layers, stages, data, micro, repeats, stage_remat", [
+    (L, 2, 4, 4, 1, False), (L, 4, 2, 4, 1, False), (L, 2, 4, 2, 2, False),
+    (L, 4, 2, 4, 2, False), (L, 4, 2, 4, 1, True), (L, 2, 4, 2, 2, True),
+    (7, 4, 2, 4, 1, False), (10, 2, 4, 2, 2, False), (11, 2, 4, 4, 2, True)])
+def test_pipelined_stack_equals_the_scan_forward_and_backward(layers, stages, data, micro,
+                                                              repeats, stage_remat):
+    """Even splits and uneven ones (7 layers over 4 stages, 10 over 2 stages x 2 rounds):
+    the padded slots run no layer and get a zero gradient."""
+    params, x = _setup(layers)
     mesh = jax.make_mesh((stages, data), (STAGE, "data"), axis_types=(AUTO, AUTO))
     f = pipelined(_layer, mesh, micro_batches=micro, repeats=repeats, data_axis="data",
-                  stage_remat=stage_remat)
+                  stage_remat=stage_remat, layers=layers)
     staged = to_stages(params, stages, repeats)
 
     got = jax.jit(f)(staged, x)
@@ -129,11 +148,13 @@ def test_a_pipeline_needs_a_mesh_with_a_stage_axis():
             f(params, x)
 
 
-@pytest.mark.parametrize("stages, data, micro, repeats", [(2, 4, 4, 1), (4, 2, 4, 2)])
-def test_a_stage_in_the_bubble_runs_no_layer(stages, data, micro, repeats):
-    """Every device runs its L / p layers once per micro-batch and nothing more: the
-    m r + p - 1 loop steps of a padded bubble would run (m r + p - 1) L / (p r)."""
-    params, x = _setup()
+@pytest.mark.parametrize("layers, stages, data, micro, repeats", [
+    (L, 2, 4, 4, 1), (L, 4, 2, 4, 2), (7, 4, 2, 4, 1), (10, 2, 4, 2, 2)])
+def test_a_stage_in_the_bubble_runs_no_layer(layers, stages, data, micro, repeats):
+    """Every device runs its layers once per micro-batch and nothing more: the
+    m r + p - 1 loop steps of a padded bubble would run (m r + p - 1) L / (p r), and
+    an uneven stack's empty slots would add theirs."""
+    params, x = _setup(layers)
     calls = []
 
     def counted(w, h):
@@ -141,10 +162,11 @@ def test_a_stage_in_the_bubble_runs_no_layer(stages, data, micro, repeats):
         return _layer(w, h)
 
     mesh = jax.make_mesh((stages, data), (STAGE, "data"), axis_types=(AUTO, AUTO))
-    f = pipelined(counted, mesh, micro_batches=micro, repeats=repeats, data_axis="data")
+    f = pipelined(counted, mesh, micro_batches=micro, repeats=repeats, data_axis="data",
+                  layers=layers)
     jax.block_until_ready(jax.jit(f)(to_stages(params, stages, repeats), x))
     jax.effects_barrier()
-    assert len(calls) == stages * data * micro * L // stages
+    assert len(calls) == data * micro * layers
 
 
 def test_micro_batch_i_holds_rows_i_i_plus_m_and_so_on():
@@ -277,3 +299,12 @@ def test_stage_remat_holds_one_input_per_loop_step_whatever_the_layers_keep():
     assert inputs[8] < 0.5 * kept[8], (inputs, kept)
     # twice the layers a stage: what the layers keep doubles its residuals, inputs do not
     assert inputs[16] - inputs[8] < 0.25 * (kept[16] - kept[8]), (inputs, kept)
+
+
+def test_a_staged_stack_must_hold_the_slots_its_layer_count_takes():
+    params, x = _setup(7)
+    mesh = jax.make_mesh((4, 2), (STAGE, "data"), axis_types=(AUTO, AUTO))
+    with pytest.raises(ValueError, match="7 staged layer slots do not split into 4 stages"):
+        pipelined(_layer, mesh, micro_batches=4, layers=7)(params, x)
+    with pytest.raises(ValueError, match="layers=9 over 4 stages x 1 repeats takes 12"):
+        pipelined(_layer, mesh, micro_batches=4, layers=9)(to_stages(params, 4), x)

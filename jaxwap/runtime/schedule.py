@@ -14,6 +14,15 @@ the loop at the price of r times the sends. A micro-batch back at stage 0 for it
 round waits in a buffer until its turn, so the circular schedule needs at least as many
 micro-batches as stages.
 
+A stack whose layers do not divide into p x r chunks is split as evenly as it goes (126
+layers over 16 stages: 14 stages of 8 and 2 of 7): every chunk gets c = ceil(L / (p r))
+slots, the first L - p r (c - 1) chunks c layers and the rest c - 1 and an empty slot
+(`to_stages` pads the stack with a zero layer there), and a stage skips its empty slot
+under `lax.cond`. A loop step waits for its slowest stage anyway, so the step takes c
+layers' time per loop step whichever chunks hold fewer; the layers outside the stack
+(embedding, head, loss) run on every stage, split over its rows, so no stage has other
+work to weigh against its layers.
+
 Micro-batch i holds rows i, i+m, i+2m, ... of the batch (`micro_split`), so a batch
 sharded over the data axis in contiguous blocks splits without moving data.
 
@@ -48,30 +57,53 @@ from jax.sharding import PartitionSpec as P
 from jaxwap.core.records import STAGE
 
 
+def chunking(num_layers: int, stages: int, repeats: int = 1) -> tuple[int, int]:
+    """(c, a): the slots of each of the p x r chunks, and how many of the chunks (the
+    first, in layer order) fill all c with layers; the others hold c - 1 and an empty
+    slot. a = p r where the layers divide evenly."""
+    chunks = stages * repeats
+    if num_layers < chunks:
+        raise ValueError(f"{num_layers} layers cannot be split into {stages} stages x "
+                         f"{repeats} repeats of at least one layer each")
+    c = -(-num_layers // chunks)
+    return c, num_layers - chunks * (c - 1)
+
+
 def stage_order(num_layers: int, stages: int, repeats: int = 1) -> list[int]:
-    """The layer order along the stage-sharded dim: stage s's share (its contiguous block
-    of the stacked dim once split over `stages`) holds its chunks round by round."""
-    _check(num_layers, stages, repeats)
-    k = num_layers // (stages * repeats)
-    return [(q * stages + s) * k + j for s in range(stages) for q in range(repeats)
-            for j in range(k)]
+    """The layer order along the stage-sharded dim (what `to_stages` makes of the stack):
+    stage s's share (its contiguous block once split over `stages`) holds its chunks
+    round by round, chunk q p + s in round q; -1 marks an empty slot (`chunking`)."""
+    c, a = chunking(num_layers, stages, repeats)
+    starts = [min(i, a) * c + max(0, i - a) * (c - 1) for i in range(stages * repeats)]
+    return [starts[q * stages + s] + j if j < c - (q * stages + s >= a) else -1
+            for s in range(stages) for q in range(repeats) for j in range(c)]
 
 
 def to_stages(stacked: Any, stages: int, repeats: int = 1) -> Any:
-    """Stacked parameters [L, ...] reordered so that splitting their leading dim over
-    the stage axis gives each stage its chunks (`stage_order`); the identity for GPipe.
+    """Stacked parameters [L, ...] laid out so that splitting their leading dim over
+    the stage axis gives each stage its chunks (`stage_order`): padded with a zero layer
+    at the end of each chunk one short (`chunking`; none where the layers divide), and
+    reordered round by round for the circular schedule.
 
-    Written as a reshape to [r, p, L / (p r)] and a transpose, not as a gather by
-    `stage_order`: on a stacked dim sharded over the stage axis XLA makes the transpose
-    one all-to-all of the layers that change stage, where the gather became a
-    collective-permute of the whole share plus an all-reduce of it (and, on 4 stages, a
-    temporary of the whole stack on every device)."""
+    Written as reshapes, a pad and a transpose, not as a gather by `stage_order`: on a
+    stacked dim sharded over the stage axis XLA makes the transpose one all-to-all of
+    the layers that change stage, where the gather became a collective-permute of the
+    whole share plus an all-reduce of it (and, on 4 stages, a temporary of the whole
+    stack on every device)."""
+    chunks = stages * repeats
+
     def one(x: jax.Array) -> jax.Array:
+        c, a = chunking(x.shape[0], stages, repeats)
+        rest = x.shape[1:]
+        if a < chunks:
+            short = x[a * c:].reshape(chunks - a, c - 1, *rest)
+            short = jnp.pad(short, [(0, 0), (0, 1)] + [(0, 0)] * len(rest))
+            x = jnp.concatenate([x[:a * c].reshape(a, c, *rest), short]).reshape(
+                chunks * c, *rest)
         if repeats == 1:
             return x
-        _check(x.shape[0], stages, repeats)
-        chunks = x.reshape(repeats, stages, x.shape[0] // (stages * repeats), *x.shape[1:])
-        return jnp.swapaxes(chunks, 0, 1).reshape(x.shape)
+        per = x.reshape(repeats, stages, c, *rest)
+        return jnp.swapaxes(per, 0, 1).reshape(chunks * c, *rest)
     return jax.tree.map(one, stacked)
 
 
@@ -108,7 +140,8 @@ def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
 def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
               micro_batches: int, repeats: int = 1,
               data_axis: str | tuple[str, ...] | None = None,
-              param_specs: Any = None, stage_remat: bool = False) -> Callable[..., jax.Array]:
+              param_specs: Any = None, stage_remat: bool = False,
+              layers: int | None = None) -> Callable[..., jax.Array]:
     """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
     `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
     the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
@@ -136,7 +169,10 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     the stage's layers forward again first (what MaxText's pipeline does): the loop then
     holds one activation per micro-batch and round, whatever the stage's layers keep, at
     the price of one more forward pass of the stack. Without it, a loop step keeps what
-    its layers keep (all but views), for every micro-batch at once."""
+    its layers keep (all but views), for every micro-batch at once.
+
+    `layers`: the stack's own layers, where `to_stages` padded it to more slots (None:
+    every slot is a layer); a stage skips its empty slots (`chunking`)."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -146,7 +182,6 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     # the axes the loop runs by hand; the rest of the mesh is XLA's to partition
     manual = frozenset({STAGE, *((data_axis,) if isinstance(data_axis, str)
                                  else (data_axis or ()))})
-    stage_step = _stage_step(layer, r, manual, param_specs, stage_remat)
 
     def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
         here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
@@ -154,8 +189,10 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
             raise ValueError("pipelined() needs a mesh: pass one, or trace inside "
                              "`with jax.set_mesh(mesh):`")
         p = _check_schedule(here, m, r)
+        c, a = _slots(params, layers, p, r)
+        stage_step = _stage_step(layer, r, manual, param_specs, stage_remat, a < p * r)
         params, specs = _stage_specs(params, param_specs, mesh, here, manual)
-        staged = jax.shard_map(_per_stage(stage_step, m, r, p), mesh=mesh,
+        staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a), mesh=mesh,
                                in_specs=(specs, batch_spec, *(P() for _ in consts)),
                                out_specs=batch_spec, check_vma=False,
                                axis_names=set(manual & set(here.axis_names)))
@@ -164,10 +201,29 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     return f
 
 
+def _slots(params: Any, layers: int | None, p: int, r: int) -> tuple[int, int]:
+    """`chunking` of the staged stack: (slots per chunk, chunks full of layers)."""
+    leaves = jax.tree.leaves(params)
+    total = leaves[0].shape[0] if leaves else p * r
+    if any(x.shape[0] != total for x in leaves):
+        raise ValueError(f"the staged parameters' layer dims differ: "
+                         f"{sorted({x.shape[0] for x in leaves})}")
+    if total % (p * r):
+        raise ValueError(f"{total} staged layer slots do not split into {p} stages x "
+                         f"{r} repeats: lay the stack out with to_stages")
+    c, a = chunking(layers if layers is not None else total, p, r)
+    if c * p * r != total:
+        raise ValueError(f"layers={layers} over {p} stages x {r} repeats takes {c * p * r} "
+                         f"slots (to_stages), but the staged parameters have {total}")
+    return c, a
+
+
 def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
-                param_specs: Any, stage_remat: bool = False) -> Callable[..., jax.Array]:
-    """`stage_step(chunks, q, h, busy, consts)`: round q's chunk of a stage's layers on
-    `h` where `busy`, `h` as it is in the bubble (under `lax.cond`, so an idle device
+                param_specs: Any, stage_remat: bool = False,
+                uneven: bool = False) -> Callable[..., jax.Array]:
+    """`stage_step(chunks, q, h, busy, consts, count)`: round q's chunk of a stage's
+    layers on `h` where `busy` (with `uneven`, its first `count` slots; the rest are
+    empty and skipped), `h` as it is in the bubble (under `lax.cond`, so an idle device
     idles), checkpointed to keep everything but views (`_keep_all_but_views`: the weights
     are sliced again in the backward pass rather than kept once per loop step), or with
     `stage_remat` nothing (its inputs alone: `h`, the round and whether it is busy; the
@@ -187,32 +243,43 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
             return x
         return jax.tree.map(one, w, param_specs)
 
-    def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
-        return lax.scan(lambda c, w: (layer(gather_layer(w), c, *consts), None), h,
-                        chunk)[0]
+    def one_layer(w: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
+        return layer(gather_layer(w), h, *consts)
 
-    def idle(chunk: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
+    def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...],
+                   count: jax.Array) -> jax.Array:
+        if not uneven:
+            return lax.scan(lambda c, w: (one_layer(w, c, consts), None), h, chunk)[0]
+        slots = jax.tree.leaves(chunk)[0].shape[0]
+
+        def slot(c: jax.Array, wj: tuple[Any, jax.Array]) -> tuple[jax.Array, None]:
+            w, j = wj
+            return lax.cond(j < count, one_layer, idle, w, c, consts), None
+        return lax.scan(slot, h, (chunk, jnp.arange(slots)))[0]
+
+    def idle(chunk: Any, h: jax.Array, consts: tuple[Any, ...], *_: Any) -> jax.Array:
         return h
 
     def stage_step(chunks: Any, q: jax.Array, h: jax.Array, busy: jax.Array,
-                   consts: tuple[Any, ...]) -> jax.Array:
+                   consts: tuple[Any, ...], count: jax.Array) -> jax.Array:
         """Round q's chunk of this stage's layers on `h`, or nothing outside the work."""
         chunk = jax.tree.map(lambda c: c[0] if r == 1 else c[q], chunks)
-        return lax.cond(busy, run_layers, idle, chunk, h, consts)
+        return lax.cond(busy, run_layers, idle, chunk, h, consts, count)
 
     # inside the loop, CSE across steps cannot happen anyway: no barriers needed
     policy = jax.checkpoint_policies.nothing_saveable if stage_remat else _keep_all_but_views
     return jax.checkpoint(stage_step, policy=policy, prevent_cse=False)
 
 
-def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int,
-               p: int) -> Callable[..., jax.Array]:
+def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: int,
+               a: int) -> Callable[..., jax.Array]:
     """What each device of the stage axis runs under `shard_map`: the schedule's loop of
     m r + p - 1 steps over its share of the layers (`local`, [r k, ...]) and the
     micro-batches `xs` [m, ...]. Each step it takes its work item's input (stage 0: a new
     micro-batch, or one back for its next round; the others: what the stage before sent),
-    runs `stage_step` on it and sends the result on round the ring; the last stage keeps
-    the finished micro-batches, which every stage returns."""
+    runs `stage_step` on it (chunk q p + s: c layers among the first `a` chunks, else
+    c - 1) and sends the result on round the ring; the last stage keeps the finished
+    micro-batches, which every stage returns."""
 
     def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
         s = lax.axis_index(STAGE)
@@ -229,7 +296,7 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int,
             first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
             h_in = jnp.where(s == 0, first, recv)
             busy = (w >= 0) & (w < m * r)
-            h = stage_step(chunks, q, h_in, busy, consts)
+            h = stage_step(chunks, q, h_in, busy, consts, c - (q * p + s >= a))
             done = (s == p - 1) & (q == r - 1) & busy
             out = out.at[b].set(jnp.where(done, h, out[b]))
             recv = lax.ppermute(h, STAGE, shift)
@@ -306,10 +373,5 @@ def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
                                  f"{mesh.shape[axis]}")
 
 
-def _check(num_layers: int, stages: int, repeats: int) -> None:
-    if num_layers % (stages * repeats):
-        raise ValueError(f"{num_layers} layers cannot be split into {stages} stages x "
-                         f"{repeats} repeats of equal chunks")
-
-
-__all__ = ["STAGE", "micro_join", "micro_split", "pipelined", "stage_order", "to_stages"]
+__all__ = ["STAGE", "chunking", "micro_join", "micro_split", "pipelined", "stage_order",
+           "to_stages"]
