@@ -32,12 +32,13 @@ def _loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
 
 
-def _setup(seed=0):
+def _setup(seed=0, layers=L):
     rng = np.random.default_rng(seed)
     f = lambda *s, scale=0.3: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
     params = {"embed": f(V, D), "head": f(D, V),
-              "blocks": {"w1": f(L, D, 2 * D, scale=D ** -0.5), "b1": f(L, 2 * D, scale=0.1),
-                         "w2": f(L, 2 * D, D, scale=(2 * D) ** -0.5)}}
+              "blocks": {"w1": f(layers, D, 2 * D, scale=D ** -0.5),
+                         "b1": f(layers, 2 * D, scale=0.1),
+                         "w2": f(layers, 2 * D, D, scale=(2 * D) ** -0.5)}}
     batch = {"x": jnp.asarray(rng.integers(0, V, (B, 4)), jnp.int32),
              "y": jnp.asarray(rng.integers(0, V, (B,)), jnp.int32)}
     return params, batch
@@ -74,6 +75,32 @@ def test_a_forced_pipeline_is_planned_as_asked_and_equals_the_unsharded_step(
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     # the first call consumes the state it is given (copied onto the mesh, then deleted)
     assert params["blocks"]["w1"].is_deleted()
+
+
+@pytest.mark.parametrize("layers, stages, micro, repeats", [(10, 4, 4, 1), (7, 2, 4, 2)])
+def test_an_uneven_pipeline_is_stored_split_along_another_dim_and_equals_the_step(
+        layers, stages, micro, repeats):
+    """10 layers over 4 stages (3, 3, 2, 2), 7 over 2 stages x 2 rounds (2, 2, 2, 1): the
+    [L, ...] leaves cannot split their layer dim over the stages, so the plan stores
+    them split along another dim, and the step lays them out by layers inside. SGD, not
+    Adam: Adam's first step is lr x g / (|g| + eps), which turns the float32 noise of a
+    gradient summed in another order near zero (|g| ~ 4e-7 here) into 3e-5 of the update."""
+    step = jaxwap.make_train_step(_loss, optax.sgd(0.1))
+    params, batch = _setup(layers=layers)
+    opt = step.init(params)
+    want = jax.jit(step)(params, opt, batch)
+    sharded = jaxwap.auto_shard(step, cache=False, verify=1, num_devices=8, pipeline={
+        "stages": stages, "micro_batches": micro, "repeats": repeats})
+    got = sharded(params, opt, batch)
+    plan = sharded.plan
+    assert (plan.step.stages, plan.step.micro_batches, plan.step.repeats) == (
+        stages, micro, repeats)
+    for p in plan.params:
+        axes = [a for e in p.spec for a in (e if isinstance(e, tuple) else (e,))]
+        assert (STAGE in axes) == (p.path[0] == "blocks"), p
+        assert p.spec[0] != STAGE, p
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
 def test_pipelined_candidates_are_weighed_beside_the_others():

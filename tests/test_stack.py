@@ -26,10 +26,11 @@ L, D, B = 8, 16, 16
 AUTO = jax.sharding.AxisType.Auto
 
 
-def _setup():
+def _setup(layers=L):
     rng = np.random.default_rng(1)
     f = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-1]), jnp.float32)  # noqa: E731
-    params = {"a_in": f(4, D), "blocks": {"w": f(L, D, D), "scale": f(L, D)}, "z_out": f(D, 3)}
+    params = {"a_in": f(4, D), "blocks": {"w": f(layers, D, D), "scale": f(layers, D)},
+              "z_out": f(D, 3)}
     batch = {"x": f(B, 4), "y": jnp.asarray(rng.standard_normal((B, 3)), jnp.float32)}
     return params, batch
 
@@ -144,11 +145,14 @@ def _assert_close(got, want):
     jax.tree_util.tree_map_with_path(check, got, want)
 
 
-@pytest.mark.parametrize("stages, data, micro, repeats", [
-    (2, 4, 4, 1), (4, 2, 4, 1), (2, 4, 2, 2), (4, 2, 4, 2)])
-def test_the_rewritten_loss_equals_the_loss_value_and_gradients(stages, data, micro,
+@pytest.mark.parametrize("layers, stages, data, micro, repeats", [
+    (L, 2, 4, 4, 1), (L, 4, 2, 4, 1), (L, 2, 4, 2, 2), (L, 4, 2, 4, 2), (6, 4, 2, 4, 1),
+    (7, 2, 4, 2, 2)])
+def test_the_rewritten_loss_equals_the_loss_value_and_gradients(layers, stages, data, micro,
                                                                  repeats):
-    params, batch = _setup()
+    """Even and uneven splits (6 layers over 4 stages; 7 over 2 stages x 2 rounds): the
+    parameters keep their shapes, the gradients too."""
+    params, batch = _setup(layers)
     scan = find_layer_scan(_loss, params, batch)
     fn = pipelined_loss(_loss, scan, stages=stages, micro_batches=micro, repeats=repeats,
                         data_axis="data")
@@ -166,8 +170,8 @@ def test_the_rewritten_loss_keeps_the_output_tree():
         (loss, aux), _ = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, batch)
     assert set(aux) == {"h_norm"}
     _assert_close((loss, aux), aux_loss(params, batch))
-    with pytest.raises(ValueError, match="8 layers cannot be split into 3 stages"):
-        pipelined_loss(aux_loss, scan, stages=3, micro_batches=2)
+    with pytest.raises(ValueError, match="8 layers cannot be split into 3 stages x 3"):
+        pipelined_loss(aux_loss, scan, stages=3, micro_batches=3, repeats=3)
     with jax.set_mesh(_mesh(4, 2)), pytest.raises(ValueError, match="made for 2 stages"):
         fn(params, batch)
 

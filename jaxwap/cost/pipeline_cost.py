@@ -57,7 +57,14 @@ module adds what pipelining changes:
   reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
   one all-to-all over the stage axis (forward) and one for their gradients (backward),
   each moving the chunks that change stage, with the reordered copy held beside the
-  original.
+  original;
+- **an uneven stack** (L not a multiple of p: `schedule.chunking`) is priced as the stage
+  graph of k = ceil(L / p) layers, every stage's loop step waiting for the fullest
+  chunk; the user's [L, ...] leaves cannot split their layer dim over p, so they are
+  stored split over the stage axis along another dim (`pipeline_search._staged`) and
+  laid out by layers inside the step: the same all-to-all forward and backward, and the
+  copy, as the circular reorder (the padded slots make the stage graph's own share of
+  the stack, state included, k p / L of what is stored: a slight overestimate).
 
 The figures are predicted; `benchmarks/pipelines/pipeline.py` reports them, and verification
 compiles the pipelined step for XLA's memory.
@@ -114,12 +121,14 @@ def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
 def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: int, m: int,
                         strategies: Sequence[Strategy], stacked: Sequence[int],
                         variant: StepVariant, layers_per_stage: int, carry_row_bytes: float,
-                        batch: int, stack_live: float) -> Prediction:
+                        batch: int, stack_live: float, stack_layers: int | None = None
+                        ) -> Prediction:
     """The pipelined step's prediction on p x d x m devices, from the stage graph's
     (`graph`: the step with `layers_per_stage` layers on batch / p rows) prediction
     `stage` on its (d, m) mesh with `strategies`; `stacked` indexes the stacked
     parameters, `stack_live` is what the graph's stack keeps for the backward pass (all
-    devices' bytes)."""
+    devices' bytes). `stack_layers`: the stack's layers, where they do not fill the p
+    stages' `layers_per_stage` slots (None: they do)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
     n = p * d * m
     # the stage was priced as if its d*m devices were all the job used
@@ -192,8 +201,10 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     # recomputed forward cond hands the backward one (a slice, made a buffer at the cond's
     # boundary); the layer a sharded share gathers, forward and for the backward pass
     held = 2 * stage_stack / rr + 2 * whole / layers_per_stage
-    if rr > 1:
-        # the reorder into stage order: an all-to-all of each device's share, forward and
+    uneven = stack_layers is not None and stack_layers != p * layers_per_stage
+    if rr > 1 or uneven:
+        # the reorder into stage order (and an uneven stack, stored split along another
+        # dim, laid out by layers): an all-to-all of each device's share, forward and
         # backward (priced as the all-gather of that share, as XLA's all-to-alls are)
         local = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
         a_t, a_b = all_gather(local, p, cluster, inner=inner)

@@ -44,7 +44,7 @@ from jaxwap.runtime.layer_scan import (
     is_var,
     trace_loss,
 )
-from jaxwap.runtime.schedule import pipelined, stage_order, to_stages
+from jaxwap.runtime.schedule import chunking, pipelined, to_stages
 
 # inside a stage the rows are the stage's own: their layout constraints do not apply
 _STAGE_IDENTITY = frozenset({"sharding_constraint"})
@@ -110,7 +110,9 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
               remat_stack: bool = False) -> Callable[[Any, Any], Any]:
     """`loss_fn` over `layers` of its stack's layers: the function takes the parameters
     with every stacked leaf (`scan.stacked`) cut to `layers` along its layer dim, and
-    returns what `loss_fn` does for a model of that depth. What one pipeline stage runs.
+    returns what `loss_fn` does for a model of that depth. What one pipeline stage runs
+    (more layers than the stack's are allowed: the pricing traces a stage step with twice
+    a stage's layers, which an uneven split's ceil(L / p) may take past L).
 
     Built from the traced jaxpr, never by calling `loss_fn` with fewer layers: a module
     whose depth is fixed (Flax's `nn.scan(..., length=L)`, an `nnx.scan` over a module
@@ -123,8 +125,8 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
     `remat_stack`: the cut stack runs under one `jax.checkpoint` keeping only its input,
     as a pipeline stage whose loop steps keep only their inputs (`remat="stage"`) runs
     it: its backward pass runs the stage's layers forward again first."""
-    if not 1 <= layers <= scan.length:
-        raise ValueError(f"layers={layers} is outside 1..{scan.length} (the stack's layers)")
+    if layers < 1:
+        raise ValueError(f"layers={layers}: a stack has at least one layer")
     stacked = set(scan.stacked)
 
     def loss(params: Any, batch: Any) -> Any:
@@ -292,7 +294,10 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     (`to_stages`) inside. `param_specs`, one per stacked parameter in `scan.stacked`'s
     order (empty: none), shards a stage's share of it beyond the layer dim
     (`pipelined`'s FSDP inside a stage); `stage_remat` keeps only each loop step's input
-    (`pipelined`). The returned function takes `(params, batch)`
+    (`pipelined`). The layers need not divide into the stages' chunks: `to_stages` pads
+    each short chunk with an empty slot, laid out over the stage axis inside the step,
+    so the parameters themselves keep the user's shapes (and whatever layout the plan
+    stores them in). The returned function takes `(params, batch)`
     and returns what `loss_fn` does; it traces `loss_fn` once per argument shapes and
     mesh."""
     if min(stages, micro_batches, repeats) < 1:
@@ -302,7 +307,7 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
         raise ValueError(f"param_specs has {len(param_specs)} specs for the layer scan's "
                          f"{len(scan.stacked)} stacked parameters {scan.stacked}")
     specs = [tuple(s) for s in param_specs] if param_specs else None
-    stage_order(scan.length, stages, repeats)       # raises if the layers do not split
+    chunking(scan.length, stages, repeats)      # raises if a chunk would have no layer
     traces: dict[Any, tuple[ClosedJaxpr, Any, LayerScan]] = {}
     bodies: dict[Any, ClosedJaxpr] = {}
 
@@ -345,7 +350,8 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
-                        data_axis=data_axis, param_specs=specs, stage_remat=stage_remat)
+                        data_axis=data_axis, param_specs=specs, stage_remat=stage_remat,
+                        layers=scan.length)
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]

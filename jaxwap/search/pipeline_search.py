@@ -2,14 +2,16 @@
 
 A step `make_train_step` built, whose loss runs a `lax.scan` over stacked layer
 parameters (`layer_scan.find_layer_scan`), can run its stack as a pipeline over a stage mesh
-axis (`schedule.pipelined`). For each stage count p (a divisor of the layers leaving each
-stage at least two, powers of two first) the step is traced once more with the stack cut
-to L / p layers: that *stage step* is what each stage's devices run, the layers outside
-the stack replicated over the stages. It is solved like any other step on each (data,
+axis (`schedule.pipelined`). For each stage count p (one the devices divide into, leaving
+each stage at least two layers: divisors of the layers first, then the splits with the
+fewest empty slots; `_stage_counts`) the step is traced once more with the stack cut to
+ceil(L / p) layers: that *stage step* is what each stage's devices run, the layers
+outside the stack split over the stages' rows. It is solved like any other step on each (data,
 model) mesh a stage may get (every parameter's layout chosen as usual, tensor
 parallelism included), and `pipeline_cost` adds what the pipeline changes for every
 micro-batch count and number of rounds worth trying; the best of each stage count joins
-the search's candidates, its stacked parameters' leading dim over the stage axis.
+the search's candidates, its stacked parameters' leading dim over the stage axis (where
+the layers do not divide, another dim: `_staged`).
 `mesh_shape` fixes the stage's (data, model) mesh: the stage axis is added outside it.
 
 When pipelining is not considered, the reason is returned for `explain()`.
@@ -38,12 +40,13 @@ import numpy as np
 from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
 from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.core.objective import Objective
-from jaxwap.core.records import STAGE, StepVariant, Strategy
+from jaxwap.core.records import DATA, MODEL, STAGE, StepVariant, Strategy
 from jaxwap.cost.layout_memory import memory_weights
 from jaxwap.cost.pipeline_cost import loop_memory, pipeline_prediction
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
+from jaxwap.runtime.schedule import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
@@ -111,10 +114,10 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
     except NoLayerScan as e:
         return none(str(e))
     L = scan.length
-    counts = _stage_counts(L, usable, forced)
+    counts = _stage_counts(L, options.num_devices or usable, forced)
     if not counts:
-        return none(f"no stage count divides the {L} layers into stages of two or more "
-                    f"on {usable} devices")
+        return none(f"no stage count splits the {L} layers into stages of two or more "
+                    f"over {options.num_devices or usable} devices")
     out = []
     for p in counts:
         try:
@@ -146,14 +149,16 @@ def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
                         -1 if only else result.baseline)
 
 
-def _stage_counts(L: int, usable: int, forced: dict[str, int] | None) -> list[int]:
-    """Stage counts to try: the forced one, else divisors of L leaving >= 2 layers per
-    stage, powers of two first, at most `MAX_STAGE_COUNTS`."""
+def _stage_counts(L: int, n: int, forced: dict[str, int] | None) -> list[int]:
+    """Stage counts to try: the forced one, else those the n devices divide into that
+    leave every stage >= 2 layers, at most `MAX_STAGE_COUNTS`: the fewest empty slots
+    first (an uneven split pads its short chunks, `schedule.chunking`; a divisor of L
+    has none), then powers of two, then the fewest stages."""
     if forced is not None:
         p = forced["stages"]
-        return [p] if L % p == 0 and L // p >= 2 and p <= usable else []
-    ok = [p for p in range(2, min(L // 2, usable) + 1) if L % p == 0]
-    ok.sort(key=lambda p: (p & (p - 1) != 0, p))
+        return [p] if L // p >= 2 and p <= n else []
+    ok = [p for p in range(2, min(L // 2, n) + 1) if n % p == 0]
+    ok.sort(key=lambda p: (-L % p, p & (p - 1) != 0, p))
     return sorted(ok[:MAX_STAGE_COUNTS])
 
 
@@ -187,16 +192,36 @@ def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: in
     return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
 
 
-def _staged(strategies: Sequence[Strategy], stacked: set[int]) -> tuple[Strategy, ...]:
-    """The stage step's layouts with each stacked parameter's leading dim (and its
-    optimizer state's) over the stage axis."""
-    def one(j: int, s: Strategy) -> Strategy:
-        if j not in stacked:
-            return s
-        state = None if s.state_spec is None else (STAGE, *s.state_spec[1:])
-        return dataclasses.replace(s, name=f"stage+{s.name}", spec=(STAGE, *s.spec[1:]),
-                                   state_spec=state)
-    return tuple(one(j, s) for j, s in enumerate(strategies))
+def _staged(strategies: Sequence[Strategy], stacked: set[int], graph: Graph, p: int,
+            d: int, m: int, uneven: bool) -> tuple[Strategy, ...] | None:
+    """The stage step's layouts with each stacked parameter (and its optimizer state)
+    split over the stage axis: along its leading (layer) dim; for an `uneven` split,
+    whose layers do not divide over the stages, along the first other dim that divides
+    (beside the axis already there, if any), the step laying the stack out by layers
+    inside (`schedule.to_stages`). None: a stacked parameter has no such dim."""
+    sizes = {DATA: d, MODEL: m}
+
+    def over_stages(spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+        if not uneven:
+            return (STAGE, *spec[1:])
+        for dim in range(1, len(shape)):
+            axes = () if spec[dim] is None else (spec[dim],)
+            if shape[dim] % (math.prod(sizes[a] for a in axes) * p) == 0:
+                return (None, *spec[1:dim], (*axes, STAGE) if axes else STAGE,
+                        *spec[dim + 1:])
+        return None
+
+    out = []
+    for j, s in enumerate(strategies):
+        if j in stacked:
+            shape = graph.params[j].shape
+            spec = over_stages(tuple(s.spec), shape)
+            state = None if s.state_spec is None else over_stages(tuple(s.state_spec), shape)
+            if spec is None or (s.state_spec is not None and state is None):
+                return None
+            s = dataclasses.replace(s, name=f"stage+{s.name}", spec=spec, state_spec=state)
+        out.append(s)
+    return tuple(out)
 
 
 def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
@@ -270,7 +295,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     # keep for the backward pass is the difference (the pipeline keeps it for all its
     # micro-batches, p times these rows; with `stage_remat`, what its recomputation
     # holds, for one micro-batch at a time)
-    k = scan.length // p
+    k = -(-scan.length // p)                       # layer slots per stage
     graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
@@ -287,7 +312,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     best: MeshResult | None = None
     for d, m in meshes:
         variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr, remat=remat)
-                    for mb, rr in _shapes(B // d, p, k, forced)]
+                    for mb, rr in _shapes(B // d, p, scan.length, forced)]
         if not variants:
             continue
         # the stage's layouts must leave room for the least the loop holds beside them
@@ -302,6 +327,8 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             for cand in cands:
                 if best is None or _better(cand, best, objective, cluster):
                     best = cand
+            if not cands:         # no layout of the stage step stores the stack uneven
+                break
             # what the loop holds beside the stage's layouts depends on them (the weights
             # a loop step slices): where none fits, solve again with that much less room
             over = min(c.predicted.peak_memory_bytes for c in cands) - budget
@@ -315,7 +342,10 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
                 m: int, stacked: set[int], scan: LayerScan, variants: Sequence[StepVariant],
                 k: int, B: int, stack_live: float, budget: float) -> list[MeshResult]:
     """Each schedule in `variants` priced on the stage's solution `stage` on (d, m)."""
-    strategies = _staged(stage.strategies, stacked)
+    p = variants[0].stages
+    strategies = _staged(stage.strategies, stacked, graph, p, d, m, k * p != scan.length)
+    if strategies is None:
+        return []
     specs = _stage_specs(stage.strategies, scan.stacked)
     # what the tensor-parallel layers keep is split over the model axis too
     kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
@@ -323,7 +353,8 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
     for variant in variants:
         variant = dataclasses.replace(variant, stage_specs=specs)
         pred = pipeline_prediction(graph, cluster, stage.predicted, d, m, stage.strategies,
-                                   sorted(stacked), variant, k, scan.carry_row_bytes, B, kept)
+                                   sorted(stacked), variant, k, scan.carry_row_bytes, B, kept,
+                                   scan.length)
         out.append(MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant))
     return out
@@ -343,24 +374,29 @@ def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: i
     return max(0.0, peak(twice) - peak(graph))
 
 
-def _shapes(rows: int, p: int, k: int, forced: dict[str, int] | None
+def _shapes(rows: int, p: int, L: int, forced: dict[str, int] | None
             ) -> list[tuple[int, int]]:
     """(micro-batches, rounds) worth pricing: micro-batch counts that divide the rows,
     from p (the least that keeps every stage busy in the steady state) to a row per
     device (at most `MICRO_COUNTS` of them, spread evenly on a log scale, the least and
-    the most always among them), and rounds that divide a stage's k layers (circular
-    needs m >= p)."""
+    the most always among them), and rounds whose chunks of the L layers fill a stage's
+    k = ceil(L / p) slots exactly (every round count dividing k, where p divides L;
+    circular needs m >= p)."""
     ms = [mb for mb in range(p, rows + 1) if rows % mb == 0]
     if len(ms) > MICRO_COUNTS:
         picks = np.unique(np.round(np.geomspace(1, len(ms), MICRO_COUNTS)).astype(int) - 1)
         ms = [ms[int(i)] for i in picks]
     ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
-    rs = [r for r in REPEATS if k % r == 0]
+    k = -(-L // p)
+
+    def fills(r: int) -> bool:
+        return L >= p * r and chunking(L, p, r)[0] * r == k
+    rs = [r for r in REPEATS if fills(r)]
     if forced is not None:
         if "micro_batches" in forced:
             ms = [forced["micro_batches"]] if rows % forced["micro_batches"] == 0 else []
         if "repeats" in forced:
-            rs = [forced["repeats"]] if k % forced["repeats"] == 0 else []
+            rs = [forced["repeats"]] if fills(forced["repeats"]) else []
     return [(mb, r) for mb in ms for r in rs if r == 1 or mb >= p]
 
 
