@@ -101,6 +101,10 @@ def test_an_uneven_pipeline_is_stored_split_along_another_dim_and_equals_the_ste
         assert p.spec[0] != STAGE, p
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+    # priced as closely as the even splits are (XLA:CPU compiles them 13-16% above the
+    # model at these sizes, uneven or not)
+    chosen = next(c for c in plan.candidates if c.chosen)
+    assert 0.8 < chosen.compiled.memory_bytes / chosen.predicted.peak_memory_bytes < 1.25
 
 
 def test_pipelined_candidates_are_weighed_beside_the_others():
