@@ -308,3 +308,27 @@ def test_a_staged_stack_must_hold_the_slots_its_layer_count_takes():
         pipelined(_layer, mesh, micro_batches=4, layers=7)(params, x)
     with pytest.raises(ValueError, match="layers=9 over 4 stages x 1 repeats takes 12"):
         pipelined(_layer, mesh, micro_batches=4, layers=9)(to_stages(params, 4), x)
+
+
+@pytest.mark.parametrize("repeats, stacked_buffers", [(1, 1), (2, 2)])
+def test_only_the_circular_loop_carries_a_round_buffer(repeats, stacked_buffers):
+    """The loop's state of m micro-batches: the output, and for the circular schedule the
+    round buffer of micro-batches waiting for their next round. GPipe has none (one
+    less buffer of the local batch forward, and one less for its gradient backward)."""
+    params, x = _setup()
+    mesh = jax.make_mesh((2, 4), (STAGE, "data"), axis_types=(AUTO, AUTO))
+    f = pipelined(_layer, mesh, micro_batches=4, repeats=repeats, data_axis="data")
+    jaxpr = jax.make_jaxpr(f)(to_stages(params, 2, repeats), x)
+
+    def loops(jx):          # the schedule's loop (fori_loop: a scan, its bounds fixed)
+        for eqn in jx.eqns:
+            if eqn.primitive.name in ("scan", "while") and any(
+                    v.aval.shape[:1] == (4,) for v in eqn.outvars):
+                yield eqn
+            for sub in eqn.params.values():
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from loops(sub)
+    (loop,) = list(loops(jaxpr.jaxpr))
+    micro = (4, B // (4 * 4), D)                 # m micro-batches of a data shard's rows
+    assert sum(v.aval.shape == micro for v in loop.outvars) == stacked_buffers

@@ -36,7 +36,8 @@ module adds what pipelining changes:
   the stage step on batch / p rows kept: the difference between that step with 2 L / p
   layers and with L / p), and for its bubble steps too ((p - 1) / (m r) more), its
   micro-batch buffers (input, round buffer, output, the summed output: four activations
-  of the local batch), one chunk's weight gradient, which the backward `lax.cond` hands
+  of the local batch; two for GPipe, which has no round buffer to hold forward and
+  backward), one chunk's weight gradient, which the backward `lax.cond` hands
   out in a buffer of its own (compiled on 8 CPU devices, GPipe on 2 stages: +5.2 MB of
   temporaries for 4.2 MB of stage weights), and one chunk's weights, which the
   recomputed forward `lax.cond` hands the backward one as a residual (XLA:CPU's buffer
@@ -87,6 +88,10 @@ from jaxwap.hardware.cluster import Cluster
 # loop buffers of one local batch's activation each: the micro-batched input, the round
 # buffer, the output, and the output summed over the stage axis
 _LOOP_BUFFERS = 4
+# of which GPipe (one round) has no round buffer, held forward and as its gradient
+# backward: dropping it took two local batches' activations off XLA:CPU's compiled
+# temporaries (2 stages x 4 data devices, 8 micro-batches, with and without stage remat)
+_ROUND_BUFFERS = 2
 
 
 def steps_of(variant: StepVariant) -> int:
@@ -105,7 +110,7 @@ def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
     live for one micro-batch at a time, beyond the stage step's where a micro-batch has
     more rows than it (fewer micro-batches than stages)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
-    buffers = _LOOP_BUFFERS * carry_row_bytes * batch / d
+    buffers = (_LOOP_BUFFERS - (_ROUND_BUFFERS if rr == 1 else 0)) * carry_row_bytes * batch / d
     if variant.remat == "stage":
         inputs = carry_row_bytes * batch / (d * mb) * (mb * rr + p - 1)
         return inputs + stack_live / d * max(0.0, p / mb - 1) + buffers

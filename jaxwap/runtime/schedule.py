@@ -290,29 +290,31 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: 
         shift = [(i, (i + 1) % p) for i in range(p)]
 
         def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            recv, buf, out = carry
+            recv, out, *buf = carry                     # GPipe has no round buffer
             w = i - s                                   # this stage's work item
             b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
-            first = jnp.where(q == 0, xs[b], buf[b])    # stage 0: a new round's input
+            # stage 0: a new micro-batch, or one back for its next round
+            first = jnp.where(q == 0, xs[b], buf[0][b]) if buf else xs[b]
             h_in = jnp.where(s == 0, first, recv)
             busy = (w >= 0) & (w < m * r)
             h = stage_step(chunks, q, h_in, busy, consts, c - (q * p + s >= a))
             done = (s == p - 1) & (q == r - 1) & busy
             out = out.at[b].set(jnp.where(done, h, out[b]))
             recv = lax.ppermute(h, STAGE, shift)
+            if not buf:
+                return recv, out
             # stage 0 keeps what the last stage finished for that micro-batch's next
             # round
             wl = i - (p - 1)
             keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
             bl = jnp.mod(wl, m)
-            buf = buf.at[bl].set(jnp.where(keep, recv, buf[bl]))
-            return recv, buf, out
+            return recv, out, buf[0].at[bl].set(jnp.where(keep, recv, buf[0][bl]))
 
         zeros = jnp.zeros_like(xs)
         # the loop's state differs from stage to stage: say so to shard_map's type check
         init = tuple(lax.pcast(z, (STAGE,), to="varying")
-                     for z in (jnp.zeros_like(xs[0]), zeros, zeros))
-        _, _, out = lax.fori_loop(0, steps, body, init)
+                     for z in (jnp.zeros_like(xs[0]), zeros, *((zeros,) if r > 1 else ())))
+        out = lax.fori_loop(0, steps, body, init)[1]
         # the outputs live on the last stage: every stage returns them
         return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
     return per_stage
