@@ -255,6 +255,9 @@ def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step():
     assert any(c.kind == "all-reduce" and c.axes == (MODEL,)
                for c in plan.compiled.collectives), plan.compiled.collectives
     assert plan.predicted.tp_comm_time_s > plan.predicted.send_time_s
+    # the loop keeps its activations split over the model axis, gathered for the layers
+    assert any(c.kind == "all-gather" and c.axes == (MODEL,)
+               for c in plan.compiled.collectives), plan.compiled.collectives
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
     back = jaxwap.Plan.from_json(plan.to_json())

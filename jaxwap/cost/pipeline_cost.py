@@ -126,14 +126,16 @@ def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
 def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: int, m: int,
                         strategies: Sequence[Strategy], stacked: Sequence[int],
                         variant: StepVariant, layers_per_stage: int, carry_row_bytes: float,
-                        batch: int, stack_live: float, stack_layers: int | None = None
-                        ) -> Prediction:
+                        batch: int, stack_live: float, stack_layers: int | None = None,
+                        carry_split: int = 1) -> Prediction:
     """The pipelined step's prediction on p x d x m devices, from the stage graph's
     (`graph`: the step with `layers_per_stage` layers on batch / p rows) prediction
     `stage` on its (d, m) mesh with `strategies`; `stacked` indexes the stacked
     parameters, `stack_live` is what the graph's stack keeps for the backward pass (all
     devices' bytes). `stack_layers`: the stack's layers, where they do not fill the p
-    stages' `layers_per_stage` slots (None: they do)."""
+    stages' `layers_per_stage` slots (None: they do). `carry_split`: the ways the loop
+    keeps its carried activations split over the model axis (`schedule.pipelined`'s
+    `carry_axis`; 1: whole)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
     n = p * d * m
     # the stage was priced as if its d*m devices were all the job used
@@ -169,9 +171,10 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     local_rows = batch / d
     across = cluster.num_nodes > 1 and n > cluster.node_size
     steps = steps_of(variant)
-    sends = 2 * steps * send(carry_row_bytes * local_rows / mb, cluster, across)
+    row = carry_row_bytes / carry_split         # what a device of the model axis holds
+    sends = 2 * steps * send(row * local_rows / mb, cluster, across)
     inner = cluster.devices_in_node(p, d * m)
-    act = carry_row_bytes * local_rows
+    act = row * local_rows
     ar_t, ar_b = all_reduce(act, p, cluster, inner=inner)
     ag_t, ag_b = all_gather(act, p, cluster, inner=inner)
     io_t, io_b = ar_t + 3 * ag_t, ar_b + 3 * ag_b
@@ -183,6 +186,14 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     blocking = tp_t + sends + io_t
     comm_bytes = (stage.comm_bytes - tp_chain_cost(graph, kinds, d, m, cluster)[1] + tp_b
                   + io_b + 2 * steps * act / mb)
+    if carry_split > 1:
+        # a busy loop step's input gathered over the model axis for the stage's layers,
+        # forward and again backward (XLA:CPU compiled these beside the layers'
+        # all-reduces, half of which it no longer needed; those are not credited)
+        sp_t, sp_b = all_gather(carry_row_bytes * local_rows / mb, carry_split, cluster,
+                                inner=cluster.devices_in_node(carry_split, 1))
+        blocking += 2 * mb * rr * sp_t
+        comm_bytes += 2 * mb * rr * sp_b
     grad_comm = stage.grad_comm_time_s
 
     # FSDP inside the stage (`StepVariant.stage_specs`): every loop step gathers its
@@ -217,7 +228,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         comm_bytes += 2 * a_b
         held += local
     memory = (stage.peak_memory_bytes + held
-              + loop_memory(stack_live, carry_row_bytes, batch, d, variant))
+              + loop_memory(stack_live, row, batch, d, variant))
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
         busy=stage.busy_time_s * ratio + delta_busy,

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
 from jaxwap.analysis.flatten import bind, evaluate, group_io, scan_counts
-from jaxwap.core.records import STAGE
+from jaxwap.core.records import MODEL, STAGE
 from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
@@ -297,9 +297,10 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     (`pipelined`). The layers need not divide into the stages' chunks: `to_stages` pads
     each short chunk with an empty slot, laid out over the stage axis inside the step,
     so the parameters themselves keep the user's shapes (and whatever layout the plan
-    stores them in). The returned function takes `(params, batch)`
-    and returns what `loss_fn` does; it traces `loss_fn` once per argument shapes and
-    mesh."""
+    stores them in). On a mesh with a model axis the loop keeps the activations it holds
+    and sends split over it (`pipelined`'s `carry_axis`). The returned function takes
+    `(params, batch)` and returns what `loss_fn` does; it traces `loss_fn` once per
+    argument shapes and mesh."""
     if min(stages, micro_batches, repeats) < 1:
         raise ValueError(f"stages={stages}, micro_batches={micro_batches} and "
                          f"repeats={repeats} must be at least 1")
@@ -351,7 +352,7 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
                         data_axis=data_axis, param_specs=specs, stage_remat=stage_remat,
-                        layers=scan.length)
+                        layers=scan.length, carry_axis=MODEL)
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]

@@ -45,7 +45,7 @@ The planner's side is `runtime.layer_scan` (finding the scan), `runtime.layer_sc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -141,7 +141,8 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
               micro_batches: int, repeats: int = 1,
               data_axis: str | tuple[str, ...] | None = None,
               param_specs: Any = None, stage_remat: bool = False,
-              layers: int | None = None) -> Callable[..., jax.Array]:
+              layers: int | None = None,
+              carry_axis: str | None = None) -> Callable[..., jax.Array]:
     """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
     `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
     the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
@@ -172,7 +173,16 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     its layers keep (all but views), for every micro-batch at once.
 
     `layers`: the stack's own layers, where `to_stages` padded it to more slots (None:
-    every slot is a layer); a stage skips its empty slots (`chunking`)."""
+    every slot is a layer); a stage skips its empty slots (`chunking`).
+
+    `carry_axis`: a mesh axis left to XLA (the model axis) over which the loop keeps the
+    activations it holds and sends (the micro-batches, the round buffer, the outputs,
+    each loop step's input and output) split, along the first dim of a row that divides
+    (`carry_split_dim`: a transformer's sequence, as Megatron's sequence parallelism
+    splits it); a stage's layers get them whole (XLA gathers them at the chunk's entry,
+    and can reduce-scatter the chunk's last tensor-parallel sum where it all-reduced it).
+    The loop's buffers and the stage-to-stage sends are then 1/size of the local batch's
+    activation. Ignored where the mesh lacks the axis or no dim divides."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -192,13 +202,26 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
         c, a = _slots(params, layers, p, r)
         stage_step = _stage_step(layer, r, manual, param_specs, stage_remat, a < p * r)
         params, specs = _stage_specs(params, param_specs, mesh, here, manual)
-        staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a), mesh=mesh,
+        split = None
+        if carry_axis in here.axis_names and carry_axis not in manual:
+            dim = carry_split_dim(x.shape[1:], here.shape[carry_axis])
+            split = None if dim is None else (dim, carry_axis)
+        staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a, split), mesh=mesh,
                                in_specs=(specs, batch_spec, *(P() for _ in consts)),
                                out_specs=batch_spec, check_vma=False,
                                axis_names=set(manual & set(here.axis_names)))
         return micro_join(staged(params, micro_split(x, m), *consts))
 
     return f
+
+
+def carry_split_dim(row: Sequence[int], ways: int) -> int | None:
+    """The dim of a carried activation's row (its dims after the batch) that a pipeline's
+    loop keeps split `ways` ways (`pipelined`'s `carry_axis`): the first that divides;
+    None where none does, or `ways` is 1."""
+    if ways <= 1:
+        return None
+    return next((i for i, n in enumerate(row) if n % ways == 0), None)
 
 
 def _slots(params: Any, layers: int | None, p: int, r: int) -> tuple[int, int]:
@@ -272,17 +295,27 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
 
 
 def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: int,
-               a: int) -> Callable[..., jax.Array]:
+               a: int, split: tuple[int, str] | None = None) -> Callable[..., jax.Array]:
     """What each device of the stage axis runs under `shard_map`: the schedule's loop of
     m r + p - 1 steps over its share of the layers (`local`, [r k, ...]) and the
     micro-batches `xs` [m, ...]. Each step it takes its work item's input (stage 0: a new
     micro-batch, or one back for its next round; the others: what the stage before sent),
     runs `stage_step` on it (chunk q p + s: c layers among the first `a` chunks, else
     c - 1) and sends the result on round the ring; the last stage keeps the finished
-    micro-batches, which every stage returns."""
+    micro-batches, which every stage returns. `split` (a row dim, a mesh axis left to
+    XLA): every activation the loop holds or sends is kept split so."""
+
+    def keep(v: jax.Array, lead: int) -> jax.Array:
+        """`v`, with `lead` dims before its row, split as `split` asks."""
+        if split is None:
+            return v
+        spec: list[str | None] = [None] * v.ndim
+        spec[lead + split[0]] = split[1]
+        return lax.with_sharding_constraint(v, P(*spec))
 
     def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
         s = lax.axis_index(STAGE)
+        xs = keep(xs, 2)
         # this stage's chunks: [r, k, ...]
         chunks = jax.tree.map(lambda w: w.reshape(r, w.shape[0] // r, *w.shape[1:]),
                               local)
@@ -295,25 +328,26 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: 
             b, q = jnp.mod(w, m), jnp.clip(w // m, 0, r - 1)
             # stage 0: a new micro-batch, or one back for its next round
             first = jnp.where(q == 0, xs[b], buf[0][b]) if buf else xs[b]
-            h_in = jnp.where(s == 0, first, recv)
+            h_in = keep(jnp.where(s == 0, first, recv), 1)
             busy = (w >= 0) & (w < m * r)
-            h = stage_step(chunks, q, h_in, busy, consts, c - (q * p + s >= a))
+            h = keep(stage_step(chunks, q, h_in, busy, consts, c - (q * p + s >= a)), 1)
             done = (s == p - 1) & (q == r - 1) & busy
-            out = out.at[b].set(jnp.where(done, h, out[b]))
-            recv = lax.ppermute(h, STAGE, shift)
+            out = keep(out.at[b].set(jnp.where(done, h, out[b])), 2)
+            recv = keep(lax.ppermute(h, STAGE, shift), 1)
             if not buf:
                 return recv, out
             # stage 0 keeps what the last stage finished for that micro-batch's next
             # round
             wl = i - (p - 1)
-            keep = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
+            back = (s == 0) & (wl >= 0) & (wl < m * (r - 1))
             bl = jnp.mod(wl, m)
-            return recv, out, buf[0].at[bl].set(jnp.where(keep, recv, buf[0][bl]))
+            return recv, out, keep(buf[0].at[bl].set(jnp.where(back, recv, buf[0][bl])), 2)
 
-        zeros = jnp.zeros_like(xs)
+        zeros = keep(jnp.zeros_like(xs), 2)
         # the loop's state differs from stage to stage: say so to shard_map's type check
         init = tuple(lax.pcast(z, (STAGE,), to="varying")
-                     for z in (jnp.zeros_like(xs[0]), zeros, *((zeros,) if r > 1 else ())))
+                     for z in (keep(jnp.zeros_like(xs[0]), 1), zeros,
+                               *((zeros,) if r > 1 else ())))
         out = lax.fori_loop(0, steps, body, init)[1]
         # the outputs live on the last stage: every stage returns them
         return lax.psum(jnp.where(s == p - 1, out, jnp.zeros_like(out)), STAGE)
@@ -375,5 +409,5 @@ def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
                                  f"{mesh.shape[axis]}")
 
 
-__all__ = ["STAGE", "chunking", "micro_join", "micro_split", "pipelined", "stage_order",
-           "to_stages"]
+__all__ = ["STAGE", "carry_split_dim", "chunking", "micro_join", "micro_split", "pipelined",
+           "stage_order", "to_stages"]

@@ -46,7 +46,7 @@ from jaxwap.cost.pipeline_cost import loop_memory, pipeline_prediction
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
-from jaxwap.runtime.schedule import chunking
+from jaxwap.runtime.schedule import carry_split_dim, chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
@@ -276,8 +276,9 @@ def _inputs_only_may_fit(best: MeshResult, stack_live: float, scan: LayerScan, B
     step = best.step
     if step is None:
         return True
-    kept = loop_memory(stack_live, scan.carry_row_bytes, B, best.d, step)
-    inputs = loop_memory(stack_live, scan.carry_row_bytes, B, best.d,
+    row = scan.carry_row_bytes / _carry_split(scan, best.m)
+    kept = loop_memory(stack_live, row, B, best.d, step)
+    inputs = loop_memory(stack_live, row, B, best.d,
                          dataclasses.replace(step, remat="stage"))
     return best.predicted.peak_memory_bytes - kept + inputs <= budget
 
@@ -316,7 +317,8 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
         if not variants:
             continue
         # the stage's layouts must leave room for the least the loop holds beside them
-        room = budget - min(loop_memory(stack_live, scan.carry_row_bytes, B, d, v)
+        row = scan.carry_row_bytes / _carry_split(scan, m)
+        room = budget - min(loop_memory(stack_live, row, B, d, v)
                             for v in variants)
         for _ in range(RESOLVES + 1):
             stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
@@ -354,10 +356,17 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
         variant = dataclasses.replace(variant, stage_specs=specs)
         pred = pipeline_prediction(graph, cluster, stage.predicted, d, m, stage.strategies,
                                    sorted(stacked), variant, k, scan.carry_row_bytes, B, kept,
-                                   scan.length)
+                                   scan.length, _carry_split(scan, m))
         out.append(MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant))
     return out
+
+
+def _carry_split(scan: LayerScan, m: int) -> int:
+    """The ways the loop keeps its carried activations split over a model axis of m
+    devices: m where a dim of the carry's row divides (`schedule.carry_split_dim`, the
+    rule the pipelined step runs by), else 1."""
+    return m if carry_split_dim(scan.carry_shape[1:], m) is not None else 1
 
 
 def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
