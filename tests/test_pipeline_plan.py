@@ -341,6 +341,10 @@ def test_where_gpipe_does_not_fit_loop_steps_keep_only_their_inputs_and_equal_th
                                                              rel=0.15)
     assert plan.compiled.memory_bytes < 0.6 * gpipe.compiled.memory_bytes
     assert "only its input kept" in plan.explain()
+    # GPipe keeping only its inputs computes its bubble rather than idle (a stage share
+    # of memory less): said, and priced busy
+    assert not plan.step.bubble_idles and "run on no micro-batch" in plan.explain()
+    assert plan.predicted.bubble_time_s == 0.0
     want = jax.jit(step)(params, opt, batch)
     got = jaxwap.auto_shard(step, cache=False, verify=0, memory_budget=budget,
                             **{k: v for k, v in kw.items() if k not in ("cache", "verify")}

@@ -27,6 +27,15 @@ def mesh_dims(mesh_shape: Any) -> tuple[int, int, int]:
     return r * int(sizes.get(DATA, 1)), int(sizes.get(MODEL, 1)), r
 
 
+def bubble_idles(stage_remat: bool, repeats: int) -> bool:
+    """Whether a pipeline stage idles in the bubble (its layers skipped under `lax.cond`),
+    or runs its layers there and drops the result: GPipe keeping only its loop steps'
+    inputs does the latter, since the backward cond hands out the chunk's weight gradient
+    in a buffer of its own, a whole stage share on GPipe (`schedule._stage_step`), and
+    that schedule is the one the planner takes where memory is what binds."""
+    return not (stage_remat and repeats == 1)
+
+
 def mesh_stages(mesh_shape: Any) -> int:
     """The pipeline stages of a plan's `mesh_shape` (1: not pipelined)."""
     return int(dict(mesh_shape).get(STAGE, 1))
@@ -320,6 +329,11 @@ class StepVariant:
         return self.stages > 1
 
     @property
+    def bubble_idles(self) -> bool:
+        """Whether a stage idles in the bubble (`bubble_idles`)."""
+        return bubble_idles(self.remat == "stage", self.repeats)
+
+    @property
     def bubble_share(self) -> float:
         """The share of the pipeline's loop a stage waits: (p - 1) / (m r + p - 1)."""
         p, m, r = self.stages, self.micro_batches, self.repeats
@@ -333,7 +347,8 @@ class StepVariant:
                       + (", layers gathered per step" if self.stage_sharded else ""))
             parts.append(f"pipeline of {self.stages} stages x {self.micro_batches} "
                          f"micro-batches ({sched}; bubble {self.bubble_share:.0%} of the "
-                         f"loop{inside})")
+                         f"loop{'' if self.bubble_idles else ', computed and dropped'}"
+                         f"{inside})")
         elif self.micro_batches > 1:
             parts.append(f"{self.micro_batches} micro-batches")
         if self.remat != "none":
@@ -382,6 +397,6 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
 
 __all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REMAT_WORDS",
            "REPLICA",
-           "STAGE", "mesh_dims", "mesh_stages",
+           "STAGE", "bubble_idles", "mesh_dims", "mesh_stages",
            "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
            "Prediction", "StepVariant", "Strategy", "judge"]

@@ -15,7 +15,9 @@ module adds what pipelining changes:
   backward on no micro-batch: the stack's loop time x (p - 1) / (m r). A stage in the
   bubble skips its layers (`schedule.pipelined` runs them under `lax.cond`), so its
   devices wait at idle power for the step to move on: part of the step's time, none of
-  its busy time (Perseus's energy bloat);
+  its busy time (Perseus's energy bloat). GPipe keeping only its loop steps' inputs runs
+  its layers there instead (`records.bubble_idles`): the same time, busy, and one chunk
+  less memory;
 - **the loop's weight gradient**: every loop step's backward pass hands out the chunk's
   weight gradient (zeros in the bubble) and adds it to the loop's running sum, four
   chunk-sized passes over memory a step; and a micro-batch reads the weights (and writes
@@ -157,6 +159,12 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     delta_bound = float(micro_bound[mask].sum() - whole_bound[mask].sum())
     delta_work = float(micro_work[mask].sum() - whole_work[mask].sum())
     bubble = loop * (p - 1) / (mb * rr)           # idle: in the step time, not busy
+    if not variant.bubble_idles:
+        # the stages run their layers in the bubble too (and drop the result): busy
+        share = (p - 1) / (mb * rr)
+        delta_busy += float((micro - over * mb)[mask].sum()) * share
+        delta_bound += float(micro_bound[mask].sum()) * share
+        delta_work += float(micro_work[mask].sum()) * share
 
     # every loop step, bubble or not, the backward pass hands out the chunk's weight
     # gradient (zeros in the bubble) and adds it to the loop's sum: written, then read
@@ -215,8 +223,10 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
 
     # one chunk's weight gradient out of the backward cond, and the chunk's weights its
     # recomputed forward cond hands the backward one (a slice, made a buffer at the cond's
-    # boundary); the layer a sharded share gathers, forward and for the backward pass
-    held = 2 * stage_stack / rr + 2 * whole / layers_per_stage
+    # boundary); without the cond (a bubble not idled) the one chunk a loop step's
+    # gradient takes before the loop's sum; the layer a sharded share gathers, forward
+    # and for the backward pass
+    held = (2 if variant.bubble_idles else 1) * stage_stack / rr + 2 * whole / layers_per_stage
     uneven = stack_layers is not None and stack_layers != p * layers_per_stage
     if rr > 1 or uneven:
         # the reorder into stage order (and an uneven stack, stored split along another
@@ -236,7 +246,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         tail_comm=stage.tail_comm_time_s, batched_time=stage.batched_time_s * ratio + delta,
         host_one_way=stage.host_transfer_time_s / 2, comm_bytes=comm_bytes, memory=memory,
         flops=stage.flops_per_device, loop_flops_ratio=stage.loop_flops_ratio,
-        bubble=bubble, sends=sends + io_t,
+        bubble=bubble if variant.bubble_idles else 0.0, sends=sends + io_t,
         bound=stage.compute_bound_time_s * ratio + delta_bound,
         bound_work=stage.compute_bound_work_s * ratio + delta_work,
         relayout=stage.layout_change_time_s * ratio, call=call_time(cluster, graph.buffers, n,

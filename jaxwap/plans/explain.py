@@ -146,9 +146,13 @@ def _predicted(plan: Plan) -> list[str]:
         _power_line(plan),
     ]
     if plan.step.pipelined:
+        share = pr.bubble_time_s / pr.step_time_s
+        bubble = (f"{pr.bubble_time_s * 1e3:10.3f} ms bubble ({share:.0%} of the step, "
+                  f"devices idle)" if plan.step.bubble_idles else
+                  f"bubble {plan.step.bubble_share:.0%} of the loop, its layers run on no "
+                  f"micro-batch and dropped (busy; one stage share less memory than idling)")
         lines.append(
-            f"  pipeline        {pr.bubble_time_s * 1e3:10.3f} ms bubble "
-            f"({pr.bubble_time_s / pr.step_time_s:.0%} of the step, devices idle); "
+            f"  pipeline        {bubble}; "
             f"{pr.send_time_s * 1e3:.3f} ms of stage sends and the stack's entry/exit "
             f"over the {STAGE} axis" + _inside_stage(plan))
     return lines
