@@ -120,6 +120,32 @@ def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
     return residuals * (1 - 1 / p + (p - 1) / (mb * rr)) + buffers
 
 
+def stack_shares(graph: Graph, strategies: Sequence[Strategy], stacked: Sequence[int],
+                 d: int, m: int) -> tuple[float, float]:
+    """Bytes per device of a stage's share of the stack (its stacked parameters as the
+    stage's layouts split them), and of the stack's weights as the data axis gathers
+    them where FSDP inside the stage shards them (split over the model axis still)."""
+    share = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
+    gathered = sum(graph.params[j].nbytes / (m if strategies[j].tp != "none" else 1)
+                   for j in stacked if strategies[j].data_sharded)
+    return share, gathered
+
+
+def loop_held(share: float, gathered: float, layers_per_stage: int, variant: StepVariant,
+              relaid: bool) -> float:
+    """Bytes per device the loop holds of the stack's weights beyond the stage step (a
+    stage's `share`, the `gathered` stack of `stack_shares`): one chunk's weight gradient
+    out of the backward `lax.cond` and the chunk's weights its recomputed forward cond
+    hands the backward one (a slice, made a buffer at the cond's boundary), or, with no
+    cond (a bubble not idled), the one chunk a loop step's gradient takes before the
+    loop's sum; the layer a sharded share gathers, forward and for the backward pass; and
+    with the circular schedule's reorder or an uneven stack laid out by layers
+    (`relaid`), the reordered copy of the share."""
+    chunks = 2 if variant.bubble_idles else 1
+    held = chunks * share / variant.repeats + 2 * gathered / layers_per_stage
+    return held + (share if variant.repeats > 1 or relaid else 0.0)
+
+
 def stack_ops(graph: Graph, layers_per_stage: int) -> np.ndarray:
     """[ops] bool: the ops of the stage graph's layer stack (repeated once per layer)."""
     return graph.repeat == layers_per_stage
@@ -170,7 +196,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     # gradient (zeros in the bubble) and adds it to the loop's sum: written, then read
     # twice and written again; a stage's share sharded over data (FSDP inside the
     # stage) is 1/d of it on each device
-    stage_stack = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
+    stage_stack, whole = stack_shares(graph, strategies, stacked, d, m)
     accumulate = 4 * steps_of(variant) * stage_stack / rr \
         / (cluster.device.memory_bandwidth * speed)
     delta += accumulate
@@ -208,11 +234,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     # chunk's layers for the forward pass and again for the backward pass, and
     # reduce-scatters their gradient, the loop waiting for each; the stage step priced
     # one such round, overlapped with its backward pass: that round is replaced
-    sharded = [j for j in stacked if strategies[j].data_sharded]
-    # a layer's weights as the data axis gathers them: split over the model axis still
-    whole = sum(graph.params[j].nbytes / (m if strategies[j].tp != "none" else 1)
-                for j in sharded)
-    if sharded:
+    if whole:
         in_node = cluster.devices_in_node(d, m)
         g_t, g_b = all_gather(whole / rr, d, cluster, inner=in_node)
         blocking += 3 * steps * g_t
@@ -221,23 +243,16 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         grad_comm = max(0.0, grad_comm - once_t)
         comm_bytes = max(0.0, comm_bytes - once_b)
 
-    # one chunk's weight gradient out of the backward cond, and the chunk's weights its
-    # recomputed forward cond hands the backward one (a slice, made a buffer at the cond's
-    # boundary); without the cond (a bubble not idled) the one chunk a loop step's
-    # gradient takes before the loop's sum; the layer a sharded share gathers, forward
-    # and for the backward pass
-    held = (2 if variant.bubble_idles else 1) * stage_stack / rr + 2 * whole / layers_per_stage
     uneven = stack_layers is not None and stack_layers != p * layers_per_stage
     if rr > 1 or uneven:
         # the reorder into stage order (and an uneven stack, stored split along another
         # dim, laid out by layers): an all-to-all of each device's share, forward and
         # backward (priced as the all-gather of that share, as XLA's all-to-alls are)
-        local = sum(graph.params[j].nbytes / strategies[j].shard(d, m) for j in stacked)
-        a_t, a_b = all_gather(local, p, cluster, inner=inner)
+        a_t, a_b = all_gather(stage_stack, p, cluster, inner=inner)
         blocking += 2 * a_t
         comm_bytes += 2 * a_b
-        held += local
-    memory = (stage.peak_memory_bytes + held
+    memory = (stage.peak_memory_bytes
+              + loop_held(stage_stack, whole, layers_per_stage, variant, uneven)
               + loop_memory(stack_live, row, batch, d, variant))
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
@@ -254,4 +269,5 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     return assemble(cluster, n, batch, parts)
 
 
-__all__ = ["loop_memory", "pipeline_prediction", "stack_ops", "steps_of"]
+__all__ = ["loop_held", "loop_memory", "pipeline_prediction", "stack_ops", "stack_shares",
+           "steps_of"]

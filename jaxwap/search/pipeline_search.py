@@ -42,7 +42,12 @@ from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.core.objective import Objective
 from jaxwap.core.records import DATA, MODEL, STAGE, StepVariant, Strategy
 from jaxwap.cost.layout_memory import memory_weights
-from jaxwap.cost.pipeline_cost import loop_memory, pipeline_prediction
+from jaxwap.cost.pipeline_cost import (
+    loop_held,
+    loop_memory,
+    pipeline_prediction,
+    stack_shares,
+)
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
@@ -257,40 +262,48 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         return None
     priced = functools.partial(_priced, fn, args, scan, p, B, sizes, cluster, objective,
                                options, budget, forced, rules, tree_calls)
-    best, stack_live = priced(False)
-    if best is None or (not best.fits and _inputs_only_may_fit(best, stack_live, scan, B,
-                                                               budget)):
-        inputs_only, _ = priced(True)
+    best, stack_live, graph = priced(False)
+    if best is None or (not best.fits and _inputs_only_may_fit(best, stack_live, graph, scan,
+                                                               B, budget)):
+        inputs_only, _, _ = priced(True)
         if inputs_only is not None and (best is None or _better(inputs_only, best, objective,
                                                                  cluster)):
             best = inputs_only
     return best
 
 
-def _inputs_only_may_fit(best: MeshResult, stack_live: float, scan: LayerScan, B: int,
-                         budget: float) -> bool:
+def _inputs_only_may_fit(best: MeshResult, stack_live: float, graph: Graph | None,
+                         scan: LayerScan, B: int, budget: float) -> bool:
     """Whether keeping only each loop step's input could bring `best` (the schedule that
-    keeps what its layers keep) within the budget: its peak less all the loop's residuals
-    plus the inputs alone, at its own mesh and schedule. Where not, its stage step is not
+    keeps what its layers keep) within the budget: its peak less what the loop holds
+    (all the loop's residuals, the stack's weights it holds: `loop_held`) plus what the
+    loop holds keeping the inputs alone, at its own mesh, in its rounds or GPipe's
+    (whose bubble is computed, one chunk fewer held). Where not, its stage step is not
     traced again."""
     step = best.step
-    if step is None:
+    if step is None or graph is None:
         return True
     row = scan.carry_row_bytes / _carry_split(scan, best.m)
-    kept = loop_memory(stack_live, row, B, best.d, step)
-    inputs = loop_memory(stack_live, row, B, best.d,
-                         dataclasses.replace(step, remat="stage"))
-    return best.predicted.peak_memory_bytes - kept + inputs <= budget
+    k = -(-scan.length // step.stages)
+    relaid = k * step.stages != scan.length
+    share, gathered = stack_shares(graph, best.strategies, scan.stacked, best.d, best.m)
+
+    def holds(v: StepVariant) -> float:
+        return (loop_memory(stack_live, row, B, best.d, v)
+                + loop_held(share, gathered, k, v, relaid))
+    lean = min(holds(dataclasses.replace(step, remat="stage", repeats=r))
+               for r in {step.repeats, 1})
+    return best.predicted.peak_memory_bytes - holds(step) + lean <= budget
 
 
 def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             sizes: Sequence[int], cluster: Cluster, objective: Objective,
             options: PlanOptions, budget: float, forced: dict[str, int] | None,
             rules: LayoutRules | None, tree_calls: int, stage_remat: bool
-            ) -> tuple[MeshResult | None, float]:
+            ) -> tuple[MeshResult | None, float, Graph | None]:
     """`_best_for_stages`' search for one kind of loop step: keeping what its layers
-    keep, or (`stage_remat`) its input alone; and what the stack keeps for the backward
-    pass (`_stack_live`, with no layout splitting it)."""
+    keep, or (`stage_remat`) its input alone; what the stack keeps for the backward
+    pass (`_stack_live`, with no layout splitting it); and the stage graph."""
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
     # keep for the backward pass is the difference (the pipeline keeps it for all its
@@ -300,7 +313,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
-        return None, 0.0
+        return None, 0.0, None
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
@@ -337,7 +350,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             if any(c.fits for c in cands) or over <= 0 or not stage.fits:
                 break
             room -= over
-    return best, stack_live
+    return best, stack_live, graph
 
 
 def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult, d: int,
