@@ -268,3 +268,40 @@ def test_fsdp_gathers_a_checkpointed_unrolled_block_again_in_its_backward_pass()
                 strategies=("fsdp",), verify=0, cache=False).predicted.peak_memory_bytes
     assert peak[False, "layer_full"] < 0.3 * peak[False, "none"], peak
     assert peak[False, "layer_full"] < 1.6 * peak[True, "layer_full"], peak
+
+
+def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monkeypatch):
+    """Predicted for 16 H100s with a budget below full per-layer remat's need: selective
+    and full remat are traced and miss; offload, which keeps on the device at least what
+    full remat keeps, is not traced; micro-batched full remat is bisected from the counts
+    the full-remat step's activations, at 1/k of the rows, leave room for. The plan is
+    the one tracing every rung gives."""
+    from jaxwap.planning import step_variants
+
+    step, params, opt, batch = unrolled
+    gpu = jaxwap.Cluster("h100-sxm", 16)
+    one = {"hardware": gpu, "mesh_shape": {"data": 1}, "verify": 0, "cache": False}
+    full = jaxwap.plan(step.with_variant(StepVariant(remat="layer_full")), params, opt,
+                       batch, **one).predicted.peak_memory_bytes
+    traced = []
+    real_trace = step_variants.trace_layout
+
+    def counted(fn, layout):
+        traced.append(fn.variant)
+        return real_trace(fn, layout)
+
+    def plan():
+        traced.clear()
+        return jaxwap.plan(step, params, opt, batch, **one, memory_budget=0.7 * full)
+
+    monkeypatch.setattr(step_variants, "trace_layout", counted)
+    bounded = plan()
+    skipped = list(traced)
+    assert StepVariant(remat="layer_offload") not in skipped
+    assert StepVariant(remat="layer_full") in skipped
+    assert bounded.step.remat == "layer_full" and bounded.step.micro_batches > 1
+    monkeypatch.setattr(step_variants, "_holds_at_least", lambda a, b: False)
+    monkeypatch.setattr(step_variants, "_above_floor", lambda *a, **k: 0)
+    every = plan()
+    assert StepVariant(remat="layer_offload") in traced and len(traced) > len(skipped)
+    assert (every.step, every.mesh_shape) == (bounded.step, bounded.mesh_shape)

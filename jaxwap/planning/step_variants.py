@@ -106,6 +106,8 @@ class _Trials:
         self.tried: list[str] = []
         self.first_error: str | None = None
         self.plain_graph: Graph | None = None
+        self.graphs: dict[StepVariant, Graph] = {}     # every variant traced, by rung
+        self.misses: set[StepVariant] = set()          # those that did not fit
 
     def attempt(self, rung: StepVariant) -> FoundVariant | None:
         """Plan one variant; None (and what was tried, and why not) when nothing fits."""
@@ -141,7 +143,18 @@ class _Trials:
         self.tried.append(f"{rung.describe()}: " + (
             f"needs {si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
             if not best.fits else "no candidate fits by XLA's analysis"))
+        self.misses.add(rung)
         return None
+
+    def attempt_unless_bounded(self, rung: StepVariant) -> FoundVariant | None:
+        """`attempt`, except for a rung that holds at least what a rung that did not fit
+        holds on the device (`_holds_at_least`): that is said in `tried`, not traced."""
+        below = next((r for r in self.misses if _holds_at_least(rung, r)), None)
+        if below is not None:
+            self.tried.append(f"{rung.describe()}: not traced, it keeps on the device at "
+                              f"least what {below.remat} does, which did not fit")
+            return None
+        return self.attempt(rung)
 
     def _graph(self, rung: StepVariant, fn_v: Callable) -> tuple[Graph, Any] | None:
         """The variant traced and analysed, and its trace (the step as written: its trace
@@ -161,6 +174,7 @@ class _Trials:
             return None
         if rung.is_plain:
             self.plain_graph = graph
+        self.graphs[rung] = graph
         return graph, closed
 
     def _checked(self, result: SearchResult, fn_v: Callable,
@@ -229,15 +243,18 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
         layered = no_layers is None
         fixed = [r for r in rungs if r.micro_batches == 1]
         micro = [r for r in rungs if r.micro_batches > 1]
-        found = next((f for f in map(trials.attempt, fixed) if f is not None), None)
+        found = next((f for f in map(trials.attempt_unless_bounded, fixed) if f is not None),
+                     None)
         if found is None:
             found = _fewest_micro_batches(trials, micro)
         if found is None or (layered and found.rung.micro_batches > 1):
             # full per-layer remat holds less per micro-batch: fewer of them may fit, and
-            # the objective weighs the recomputation against the micro-batches saved
+            # the objective weighs the recomputation against the micro-batches saved; the
+            # counts worth tracing bounded from the full-remat step, where it was traced
             remat = [dataclasses.replace(r, remat="layer_full") for r in micro]
-            found = _preferred(ctx, found, _fewest_micro_batches(trials, remat, floor=False)
-                               if layered else None)
+            full = trials.graphs.get(StepVariant(remat="layer_full"))
+            found = _preferred(ctx, found, _fewest_micro_batches(
+                trials, remat, base=full, floor=full is not None) if layered else None)
     if found is None:
         raise trials.no_fit()
     if found.graph.unmodeled:
@@ -269,6 +286,16 @@ def _layers(fn: TrainStep, layout: ArgLayout) -> tuple[str | None, str | None]:
     return ("blocks" if isinstance(found, RepeatedBlocks) else "scan"), None
 
 
+def _holds_at_least(a: StepVariant, b: StepVariant) -> bool:
+    """Whether variant `a` keeps at least what `b` does in device memory, by what jax's
+    checkpoint policies keep: at the same micro-batches, every per-layer policy keeps
+    each layer's input, as full remat does (`layer_full` keeps nothing else), and the
+    offload policy keeps what selective remat keeps beside it, in host memory, with the
+    device holding the inputs still."""
+    return (a.micro_batches == b.micro_batches and a.stages == b.stages == 1
+            and b.remat == "layer_full" and a.remat in ("layer_dots", "layer_offload"))
+
+
 def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | None:
     """The variant whose best candidate the objective ranks first (None: none found)."""
     got = [f for f in found if f is not None]
@@ -279,12 +306,15 @@ def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | 
 
 
 def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
-                          floor: bool = True) -> FoundVariant | None:
+                          base: Graph | None = None, floor: bool = True
+                          ) -> FoundVariant | None:
     """The fewest micro-batches that fit, found by bisection (more micro-batches hold
     fewer activations at once, so whether k fits is monotone in k): a few traces instead
-    of one per count. Counts below the floor are not traced (`_above_floor`; `floor=False`
-    for rungs the step as written's activations do not bound, remat ones)."""
-    lo, hi = (_above_floor(trials, micro) if floor else 0), len(micro) - 1
+    of one per count. Counts below the floor are not traced (`_above_floor`, estimated
+    from `base`: the step as written (None), or for remat rungs, whose activations the
+    step as written does not bound, the step with that remat and no micro-batches;
+    `floor=False` where that step was not traced)."""
+    lo, hi = (_above_floor(trials, micro, base) if floor else 0), len(micro) - 1
     found = None
     mid = lo
     while found is None and lo <= hi:
@@ -304,16 +334,18 @@ def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
     return found
 
 
-def _above_floor(trials: _Trials, micro: list[StepVariant]) -> int:
+def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None = None
+                 ) -> int:
     """The index of the first count in `micro` worth tracing: counts whose activations
-    alone, estimated from the step as written, leave no layout within the budget are
-    skipped, each said in `trials.tried` (5% margin for the estimate; the last count is
-    always tried)."""
+    alone, estimated from `base` (None: the step as written) at 1/k of its rows, leave no
+    layout within the budget are skipped, each said in `trials.tried` (5% margin for the
+    estimate; the last count is always tried)."""
     lo, hi = 0, len(micro) - 1
-    if not micro or trials.plain_graph is None:
+    base = base if base is not None else trials.plain_graph
+    if not micro or base is None:
         return lo
     ctx, options = trials.ctx, trials.options
-    floor = functools.partial(micro_batch_floor, trials.plain_graph, ctx.cluster, trials.usable,
+    floor = functools.partial(micro_batch_floor, base, ctx.cluster, trials.usable,
                               offload=options.offload, allowed=trials.rules,
                               num_devices_exact=options.num_devices, mesh=options.mesh)
     while lo < hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
