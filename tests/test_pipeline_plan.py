@@ -313,11 +313,7 @@ def _wide_loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
 
 
-def test_where_gpipe_does_not_fit_loop_steps_keep_only_their_inputs_and_equal_the_step():
-    """A budget below what GPipe's loop keeps (every layer's residuals for every
-    micro-batch): the planner keeps only each loop step's input (`remat="stage"`), its
-    predicted peak within 15% of XLA's compiled one, well below GPipe's compiled peak, and
-    the step equals the unsharded one."""
+def _wide_setup():
     rng = np.random.default_rng(0)
     f = lambda *s, scale=0.3: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
     d, b, t = 128, 128, 16
@@ -327,7 +323,52 @@ def test_where_gpipe_does_not_fit_loop_steps_keep_only_their_inputs_and_equal_th
     batch = {"x": jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32),
              "y": jnp.asarray(rng.integers(0, V, (b,)), jnp.int32)}
     step = jaxwap.make_train_step(_wide_loss, optax.sgd(1e-2))
-    opt = step.init(params)
+    return step, params, step.init(params), batch
+
+
+def test_where_the_budget_binds_keeping_only_inputs_wins_even_where_a_schedule_fits(
+        monkeypatch):
+    """A budget between what the circular schedule keeps with 32 micro-batches and with
+    16: 32 fits, but the budget binds (the 4 micro-batches the objective prefers do not
+    fit), so the schedule keeping only each loop step's input is priced too, and with 4
+    micro-batches it is predicted faster than 32 that keep what their layers keep: the
+    plan takes it, as the objective ranks the two."""
+    from jaxwap.search import pipeline_search
+
+    step, params, opt, batch = _wide_setup()
+    kw = dict(cache=False, verify=0, mesh_shape={"data": 4, "model": 1},
+              strategies=("replicate",), objective="throughput")
+    need = {}
+    for mb in (16, 32):
+        forced = jaxwap.plan(step, params, opt, batch, **kw,
+                             pipeline={"stages": 2, "micro_batches": mb, "repeats": 4})
+        assert forced.step.remat == "none"
+        need[mb] = forced.predicted.peak_memory_bytes
+    assert need[32] < need[16]
+    priced = {}
+    real = pipeline_search._priced
+
+    def spy(*args):
+        out = real(*args)
+        priced[args[-1]] = out
+        return out
+    monkeypatch.setattr(pipeline_search, "_priced", spy)
+    plan = jaxwap.plan(step, params, opt, batch, **kw, pipeline={"stages": 2},
+                       memory_budget=(need[16] + need[32]) / 2)
+    kept, binds = priced[False][0], priced[False][3]
+    assert kept.fits and binds and kept.step.micro_batches == 32
+    lean = priced[True][0]
+    assert lean.fits and lean.step.micro_batches < 32
+    assert lean.predicted.step_time_s < kept.predicted.step_time_s
+    assert (plan.step.remat, plan.step.micro_batches) == ("stage", lean.step.micro_batches)
+
+
+def test_where_gpipe_does_not_fit_loop_steps_keep_only_their_inputs_and_equal_the_step():
+    """A budget below what GPipe's loop keeps (every layer's residuals for every
+    micro-batch): the planner keeps only each loop step's input (`remat="stage"`), its
+    predicted peak within 15% of XLA's compiled one, well below GPipe's compiled peak, and
+    the step equals the unsharded one."""
+    step, params, opt, batch = _wide_setup()
     kw = dict(cache=False, verify=1, mesh_shape={"data": 4, "model": 1},
               strategies=("replicate",),
               pipeline={"stages": 2, "micro_batches": 8, "repeats": 1})

@@ -245,10 +245,11 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
                      tree_calls: int = 0) -> MeshResult | None:
     """The best pipelined candidate with p stages: the stage step solved on each (data,
     model) mesh a stage may get (all the devices, or fewer; `mesh_shape` fixes it), then
-    every micro-batch count and number of rounds priced. Where none of those fits, the
-    same with each loop step keeping only its input (`remat="stage"`: a stage's layers run
+    every micro-batch count and number of rounds priced. Where memory binds (none of
+    those fits, or one the objective prefers to the best that fits does not), the same
+    with each loop step keeping only its input (`remat="stage"`: a stage's layers run
     forward again in its backward pass, so the loop's residuals no longer grow with the
-    layers a stage holds)."""
+    layers a stage holds, and fewer micro-batches may fit), the better of the two kept."""
     B = batch or scan.batch_size
     n = options.num_devices or usable
     if options.mesh is not None:
@@ -262,10 +263,10 @@ def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int
         return None
     priced = functools.partial(_priced, fn, args, scan, p, B, sizes, cluster, objective,
                                options, budget, forced, rules, tree_calls)
-    best, stack_live, graph = priced(False)
-    if best is None or (not best.fits and _inputs_only_may_fit(best, stack_live, graph, scan,
-                                                               B, budget)):
-        inputs_only, _, _ = priced(True)
+    best, stack_live, graph, binds = priced(False)
+    if best is None or (best.fits and binds) or (
+            not best.fits and _inputs_only_may_fit(best, stack_live, graph, scan, B, budget)):
+        inputs_only = priced(True)[0]
         if inputs_only is not None and (best is None or _better(inputs_only, best, objective,
                                                                  cluster)):
             best = inputs_only
@@ -300,10 +301,11 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             sizes: Sequence[int], cluster: Cluster, objective: Objective,
             options: PlanOptions, budget: float, forced: dict[str, int] | None,
             rules: LayoutRules | None, tree_calls: int, stage_remat: bool
-            ) -> tuple[MeshResult | None, float, Graph | None]:
+            ) -> tuple[MeshResult | None, float, Graph | None, bool]:
     """`_best_for_stages`' search for one kind of loop step: keeping what its layers
     keep, or (`stage_remat`) its input alone; what the stack keeps for the backward
-    pass (`_stack_live`, with no layout splitting it); and the stage graph."""
+    pass (`_stack_live`, with no layout splitting it); the stage graph; and whether the
+    budget binds (a candidate that does not fit ranks above the best one that does)."""
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
     # keep for the backward pass is the difference (the pipeline keeps it for all its
@@ -313,7 +315,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
-        return None, 0.0, None
+        return None, 0.0, None, False
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
@@ -324,6 +326,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
         if pins_hold(graph, rules, *dm, options.offload) is None]
     remat = "stage" if stage_remat else "none"
     best: MeshResult | None = None
+    free: MeshResult | None = None         # the best with no budget
     for d, m in meshes:
         variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr, remat=remat)
                     for mb, rr in _shapes(B // d, p, scan.length, forced)]
@@ -342,6 +345,8 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             for cand in cands:
                 if best is None or _better(cand, best, objective, cluster):
                     best = cand
+                if free is None or _ranks_above(cand, free, objective, cluster):
+                    free = cand
             if not cands:         # no layout of the stage step stores the stack uneven
                 break
             # what the loop holds beside the stage's layouts depends on them (the weights
@@ -350,7 +355,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             if any(c.fits for c in cands) or over <= 0 or not stage.fits:
                 break
             room -= over
-    return best, stack_live, graph
+    return best, stack_live, graph, free is not None and not free.fits
 
 
 def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult, d: int,
@@ -428,8 +433,13 @@ def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster
         return a.fits
     if not a.fits:
         return a.predicted.peak_memory_bytes < b.predicted.peak_memory_bytes
-    ranking = cluster.ranker(objective)([a.predicted, b.predicted])
-    return ranking.best == 0
+    return _ranks_above(a, b, objective, cluster)
+
+
+def _ranks_above(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster
+                 ) -> bool:
+    """Whether the objective's score puts a above b, memory aside."""
+    return cluster.ranker(objective)([a.predicted, b.predicted]).best == 0
 
 
 __all__ = ["Pipelines", "plan_pipelines", "with_pipelines"]
