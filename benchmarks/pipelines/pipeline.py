@@ -115,10 +115,12 @@ def markdown(rows: list[dict[str, Any]], command: str) -> str:
         f"clusters described (8 GPUs a node); command: `{command}`. Step time and energy "
         f"are **predicted** by jaxwap's model (analytic plans, nothing ran on an H100); "
         f"planning time is **measured** here. Gain = best non-pipelined / best pipelined "
-        f"candidate of the same plan (> 1: pipelining predicted better).",
+        f"candidate of the same plan (> 1: pipelining predicted better). The bubble is the "
+        f"time devices idle in it: 0 where GPipe keeping only each loop step's input runs "
+        f"its layers there (busy) instead.",
         "",
         "| model | devices | inter-node link | objective | chosen mesh | pipelined? | step "
-        "(predicted) | best pipelined: mesh, step, bubble, sends | best not pipelined: "
+        "(predicted) | best pipelined: mesh, step, idle bubble, sends | best not pipelined: "
         "mesh, step | gain time / energy (predicted) | planning s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
