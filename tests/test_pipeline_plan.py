@@ -48,25 +48,30 @@ def _step():
     return jaxwap.make_train_step(_loss, optax.adam(1e-2))
 
 
-@pytest.mark.parametrize("stages, micro, repeats", [(2, 4, 1), (4, 4, 1), (2, 4, 2),
-                                                    (4, 4, 2)])
-def test_a_forced_pipeline_is_planned_as_asked_and_equals_the_unsharded_step(
-        stages, micro, repeats):
-    step = _step()
-    params, batch = _setup()
+def _forced(step, params, batch, stages, micro, repeats):
+    """(the plan, its step's outputs, plain jax.jit's) for `step` forced into a pipeline of
+    that shape on all 8 devices (num_devices=8: else the objective may give a stage
+    fewer), checked to be the shape asked for."""
     opt = step.init(params)
     want = jax.jit(step)(params, opt, batch)
-
-    # num_devices=8: without it the objective may give a stage fewer devices
     sharded = jaxwap.auto_shard(step, cache=False, verify=1, num_devices=8, pipeline={
         "stages": stages, "micro_batches": micro, "repeats": repeats})
     got = sharded(params, opt, batch)
     plan = sharded.plan
+    assert (plan.step.stages, plan.step.micro_batches, plan.step.repeats) == (
+        stages, micro, repeats)
+    return plan, got, want
+
+
+@pytest.mark.parametrize("stages, micro, repeats", [(2, 4, 1), (4, 4, 1), (2, 4, 2),
+                                                    (4, 4, 2)])
+def test_a_forced_pipeline_is_planned_as_asked_and_equals_the_unsharded_step(
+        stages, micro, repeats):
+    params, batch = _setup()
+    plan, got, want = _forced(_step(), params, batch, stages, micro, repeats)
     assert dict(plan.mesh_shape)[STAGE] == stages
     # a stage's devices: all 8 // stages (the model may split them over data and model)
     assert dict(plan.mesh_shape)[DATA] * dict(plan.mesh_shape)[MODEL] == 8 // stages
-    assert (plan.step.stages, plan.step.micro_batches, plan.step.repeats) == (
-        stages, micro, repeats)
     for p in plan.params:
         assert (p.spec[:1] == (STAGE,)) == (p.path[0] == "blocks"), p
     assert "pipeline" in plan.explain() and "bubble" in plan.explain()
@@ -85,16 +90,8 @@ def test_an_uneven_pipeline_is_stored_split_along_another_dim_and_equals_the_ste
     them split along another dim, and the step lays them out by layers inside. SGD, not
     Adam: Adam's first step is lr x g / (|g| + eps), which turns the float32 noise of a
     gradient summed in another order near zero (|g| ~ 4e-7 here) into 3e-5 of the update."""
-    step = jaxwap.make_train_step(_loss, optax.sgd(0.1))
-    params, batch = _setup(layers=layers)
-    opt = step.init(params)
-    want = jax.jit(step)(params, opt, batch)
-    sharded = jaxwap.auto_shard(step, cache=False, verify=1, num_devices=8, pipeline={
-        "stages": stages, "micro_batches": micro, "repeats": repeats})
-    got = sharded(params, opt, batch)
-    plan = sharded.plan
-    assert (plan.step.stages, plan.step.micro_batches, plan.step.repeats) == (
-        stages, micro, repeats)
+    plan, got, want = _forced(jaxwap.make_train_step(_loss, optax.sgd(0.1)),
+                              *_setup(layers=layers), stages, micro, repeats)
     for p in plan.params:
         axes = [a for e in p.spec for a in (e if isinstance(e, tuple) else (e,))]
         assert (STAGE in axes) == (p.path[0] == "blocks"), p
