@@ -1,5 +1,6 @@
-"""Pipeline stages (`jaxwap.runtime.schedule`): a pipelined stack equals the plain `lax.scan` over
-the same layers, forward and gradients, in float32 (rtol 1e-5, atol 1e-6).
+"""Pipeline stages (`jaxwap.runtime.schedule`, laid out by `runtime.stage_layout`): a
+pipelined stack equals the plain `lax.scan` over the same layers, forward and gradients,
+in float32 (rtol 1e-5, atol 1e-6).
 
 2 and 4 stages, each with a data axis, on the 8 simulated CPU devices; GPipe (one round)
 and the circular schedule (two rounds, micro-batches >= stages), each loop step keeping
@@ -19,13 +20,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxwap.runtime.schedule import (
-    STAGE,
+from jaxwap.runtime.schedule import STAGE, pipelined
+from jaxwap.runtime.stage_layout import (
     carry_split_dim,
     chunking,
     micro_join,
     micro_split,
-    pipelined,
     stage_order,
     to_stages,
 )

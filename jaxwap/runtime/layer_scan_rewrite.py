@@ -44,7 +44,8 @@ from jaxwap.runtime.layer_scan import (
     is_var,
     trace_loss,
 )
-from jaxwap.runtime.schedule import chunking, pipelined, to_stages
+from jaxwap.runtime.schedule import pipelined
+from jaxwap.runtime.stage_layout import chunking, to_stages
 
 # inside a stage the rows are the stage's own: their layout constraints do not apply
 _STAGE_IDENTITY = frozenset({"sharding_constraint"})

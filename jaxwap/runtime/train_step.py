@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxwap.analysis.roles import likeliest_batch
 from jaxwap.core.records import DATA, REPLICA, StepVariant
-from jaxwap.runtime.schedule import micro_join, micro_split
+from jaxwap.runtime.stage_layout import micro_join, micro_split
 
 
 def _policy(name: str) -> Any:

@@ -51,7 +51,7 @@ from jaxwap.cost.pipeline_cost import (
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
-from jaxwap.runtime.schedule import carry_split_dim, chunking
+from jaxwap.runtime.stage_layout import carry_split_dim, chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
