@@ -64,7 +64,7 @@ module adds what pipelining changes:
 - **an uneven stack** (L not a multiple of p: `schedule.chunking`) is priced as the stage
   graph of k = ceil(L / p) layers, every stage's loop step waiting for the fullest
   chunk; the user's [L, ...] leaves cannot split their layer dim over p, so they are
-  stored split over the stage axis along another dim (`pipeline_search._staged`) and
+  stored split over the stage axis along another dim (`pipeline_shapes.staged_layouts`) and
   laid out by layers inside the step: the same all-to-all forward and backward, and the
   copy, as the circular reorder (the padded slots make the stage graph's own share of
   the stack, state included, k p / L of what is stored: a slight overestimate).

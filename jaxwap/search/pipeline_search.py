@@ -2,17 +2,18 @@
 
 A step `make_train_step` built, whose loss runs a `lax.scan` over stacked layer
 parameters (`layer_scan.find_layer_scan`), can run its stack as a pipeline over a stage mesh
-axis (`schedule.pipelined`). For each stage count p (one the devices divide into, leaving
-each stage at least two layers: divisors of the layers first, then the splits with the
-fewest empty slots; `_stage_counts`) the step is traced once more with the stack cut to
-ceil(L / p) layers: that *stage step* is what each stage's devices run, the layers
-outside the stack split over the stages' rows. It is solved like any other step on each (data,
-model) mesh a stage may get (every parameter's layout chosen as usual, tensor
-parallelism included), and `pipeline_cost` adds what the pipeline changes for every
-micro-batch count and number of rounds worth trying; the best of each stage count joins
-the search's candidates, its stacked parameters' leading dim over the stage axis (where
-the layers do not divide, another dim: `_staged`).
-`mesh_shape` fixes the stage's (data, model) mesh: the stage axis is added outside it.
+axis (`schedule.pipelined`). For each stage count p (one the devices divide into,
+leaving each stage at least two layers: divisors of the layers first, then the splits
+with the fewest empty slots; `pipeline_shapes.stage_counts`) the step is traced once
+more with the stack cut to ceil(L / p) layers: that *stage step* is what each stage's
+devices run, the layers outside the stack split over the stages' rows. It is solved like
+any other step on each (data, model) mesh a stage may get (every parameter's layout
+chosen as usual, tensor parallelism included), and `pipeline_cost` adds what the
+pipeline changes for every micro-batch count and number of rounds worth trying; the best
+of each stage count joins the search's candidates, its stacked parameters' leading dim
+over the stage axis (where the layers do not divide, another dim:
+`pipeline_shapes.staged_layouts`). `mesh_shape` fixes the stage's (data, model) mesh:
+the stage axis is added outside it.
 
 When pipelining is not considered, the reason is returned for `explain()`.
 
@@ -35,12 +36,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
-import numpy as np
 
 from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
 from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.core.objective import Objective
-from jaxwap.core.records import DATA, MODEL, STAGE, StepVariant, Strategy
+from jaxwap.core.records import StepVariant, Strategy
 from jaxwap.cost.layout_memory import memory_weights
 from jaxwap.cost.pipeline_cost import (
     loop_held,
@@ -51,24 +51,24 @@ from jaxwap.cost.pipeline_cost import (
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
-from jaxwap.runtime.stage_layout import carry_split_dim, chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
+from jaxwap.search.pipeline_shapes import (
+    carry_split,
+    schedule_shapes,
+    stage_counts,
+    stage_specs,
+    staged_layouts,
+)
 from jaxwap.search.solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
 from jaxwap.search.strategies import pins_hold
 
 if TYPE_CHECKING:  # the record only: the options sit above the search, which reads its fields
     from jaxwap.options import PlanOptions
 
-# Stage counts tried per plan: each costs a trace and an analysis of the stage step.
-MAX_STAGE_COUNTS = 4
 # Sizes of a stage's data axis tried per stage count: all the devices, half, ...
 MESH_SIZES = 4
-# Rounds of the circular schedule tried (1: GPipe).
-REPEATS = (1, 2, 4)
-# Micro-batch counts priced per stage mesh (pricing one is cheap: no trace).
-MICRO_COUNTS = 12
 # Times a stage mesh is solved again with less room where the loop's own holdings leave
 # none of its schedules within the budget.
 RESOLVES = 2
@@ -119,7 +119,7 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
     except NoLayerScan as e:
         return none(str(e))
     L = scan.length
-    counts = _stage_counts(L, options.num_devices or usable, forced)
+    counts = stage_counts(L, options.num_devices or usable, forced)
     if not counts:
         return none(f"no stage count splits the {L} layers into stages of two or more "
                     f"over {options.num_devices or usable} devices")
@@ -154,19 +154,6 @@ def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
                         -1 if only else result.baseline)
 
 
-def _stage_counts(L: int, n: int, forced: dict[str, int] | None) -> list[int]:
-    """Stage counts to try: the forced one, else those the n devices divide into that
-    leave every stage >= 2 layers, at most `MAX_STAGE_COUNTS`: the fewest empty slots
-    first (an uneven split pads its short chunks, `schedule.chunking`; a divisor of L
-    has none), then powers of two, then the fewest stages."""
-    if forced is not None:
-        p = forced["stages"]
-        return [p] if L // p >= 2 and p <= n else []
-    ok = [p for p in range(2, min(L // 2, n) + 1) if n % p == 0]
-    ok.sort(key=lambda p: (-L % p, p & (p - 1) != 0, p))
-    return sorted(ok[:MAX_STAGE_COUNTS])
-
-
 def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
                 rows: int, remat_stack: bool = False) -> tuple[TrainStep, tuple[Any, ...]]:
     """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
@@ -195,47 +182,6 @@ def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: in
     layout, closed = layout_of(step, stage_args, {}, stage_args[0],
                                rows if options.batch_size else None)
     return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
-
-
-def _staged(strategies: Sequence[Strategy], stacked: set[int], graph: Graph, p: int,
-            d: int, m: int, uneven: bool) -> tuple[Strategy, ...] | None:
-    """The stage step's layouts with each stacked parameter (and its optimizer state)
-    split over the stage axis: along its leading (layer) dim; for an `uneven` split,
-    whose layers do not divide over the stages, along the first other dim that divides
-    (beside the axis already there, if any), the step laying the stack out by layers
-    inside (`schedule.to_stages`). None: a stacked parameter has no such dim."""
-    sizes = {DATA: d, MODEL: m}
-
-    def over_stages(spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...] | None:
-        if not uneven:
-            return (STAGE, *spec[1:])
-        for dim in range(1, len(shape)):
-            axes = () if spec[dim] is None else (spec[dim],)
-            if shape[dim] % (math.prod(sizes[a] for a in axes) * p) == 0:
-                return (None, *spec[1:dim], (*axes, STAGE) if axes else STAGE,
-                        *spec[dim + 1:])
-        return None
-
-    out = []
-    for j, s in enumerate(strategies):
-        if j in stacked:
-            shape = graph.params[j].shape
-            spec = over_stages(tuple(s.spec), shape)
-            state = None if s.state_spec is None else over_stages(tuple(s.state_spec), shape)
-            if spec is None or (s.state_spec is not None and state is None):
-                return None
-            s = dataclasses.replace(s, name=f"stage+{s.name}", spec=spec, state_spec=state)
-        out.append(s)
-    return tuple(out)
-
-
-def _stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
-                 ) -> tuple[tuple[str | None, ...], ...]:
-    """`StepVariant.stage_specs` of the stage's layouts: for each stacked parameter (in
-    the scan's order) its spec beyond the layer dim (over data: FSDP, the loop gathers
-    its layers; over model: tensor parallelism); empty when none is sharded."""
-    specs = tuple(tuple(strategies[j].spec[1:]) for j in stacked)
-    return specs if any(a is not None for spec in specs for a in spec) else ()
 
 
 def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
@@ -284,7 +230,7 @@ def _inputs_only_may_fit(best: MeshResult, stack_live: float, graph: Graph | Non
     step = best.step
     if step is None or graph is None:
         return True
-    row = scan.carry_row_bytes / _carry_split(scan, best.m)
+    row = scan.carry_row_bytes / carry_split(scan, best.m)
     k = -(-scan.length // step.stages)
     relaid = k * step.stages != scan.length
     share, gathered = stack_shares(graph, best.strategies, scan.stacked, best.d, best.m)
@@ -329,11 +275,11 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     free: MeshResult | None = None         # the best with no budget
     for d, m in meshes:
         variants = [StepVariant(micro_batches=mb, stages=p, repeats=rr, remat=remat)
-                    for mb, rr in _shapes(B // d, p, scan.length, forced)]
+                    for mb, rr in schedule_shapes(B // d, p, scan.length, forced)]
         if not variants:
             continue
         # the stage's layouts must leave room for the least the loop holds beside them
-        row = scan.carry_row_bytes / _carry_split(scan, m)
+        row = scan.carry_row_bytes / carry_split(scan, m)
         room = budget - min(loop_memory(stack_live, row, B, d, v)
                             for v in variants)
         for _ in range(RESOLVES + 1):
@@ -363,10 +309,10 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
                 k: int, B: int, stack_live: float, budget: float) -> list[MeshResult]:
     """Each schedule in `variants` priced on the stage's solution `stage` on (d, m)."""
     p = variants[0].stages
-    strategies = _staged(stage.strategies, stacked, graph, p, d, m, k * p != scan.length)
+    strategies = staged_layouts(stage.strategies, stacked, graph, p, d, m, k * p != scan.length)
     if strategies is None:
         return []
-    specs = _stage_specs(stage.strategies, scan.stacked)
+    specs = stage_specs(stage.strategies, scan.stacked)
     # what the tensor-parallel layers keep is split over the model axis too
     kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
     out = []
@@ -374,17 +320,10 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
         variant = dataclasses.replace(variant, stage_specs=specs)
         pred = pipeline_prediction(graph, cluster, stage.predicted, d, m, stage.strategies,
                                    sorted(stacked), variant, k, scan.carry_row_bytes, B, kept,
-                                   scan.length, _carry_split(scan, m))
+                                   scan.length, carry_split(scan, m))
         out.append(MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant))
     return out
-
-
-def _carry_split(scan: LayerScan, m: int) -> int:
-    """The ways the loop keeps its carried activations split over a model axis of m
-    devices: m where a dim of the carry's row divides (`schedule.carry_split_dim`, the
-    rule the pipelined step runs by), else 1."""
-    return m if carry_split_dim(scan.carry_shape[1:], m) is not None else 1
 
 
 def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
@@ -399,32 +338,6 @@ def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: i
         w[1:2 + NUM_CLASSES * len(g.params)] = 0.0
         return float(g.live_at(w).max()) if len(g.live) else 0.0
     return max(0.0, peak(twice) - peak(graph))
-
-
-def _shapes(rows: int, p: int, L: int, forced: dict[str, int] | None
-            ) -> list[tuple[int, int]]:
-    """(micro-batches, rounds) worth pricing: micro-batch counts that divide the rows,
-    from p (the least that keeps every stage busy in the steady state) to a row per
-    device (at most `MICRO_COUNTS` of them, spread evenly on a log scale, the least and
-    the most always among them), and rounds whose chunks of the L layers fill a stage's
-    k = ceil(L / p) slots exactly (every round count dividing k, where p divides L;
-    circular needs m >= p)."""
-    ms = [mb for mb in range(p, rows + 1) if rows % mb == 0]
-    if len(ms) > MICRO_COUNTS:
-        picks = np.unique(np.round(np.geomspace(1, len(ms), MICRO_COUNTS)).astype(int) - 1)
-        ms = [ms[int(i)] for i in picks]
-    ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
-    k = -(-L // p)
-
-    def fills(r: int) -> bool:
-        return L >= p * r and chunking(L, p, r)[0] * r == k
-    rs = [r for r in REPEATS if fills(r)]
-    if forced is not None:
-        if "micro_batches" in forced:
-            ms = [forced["micro_batches"]] if rows % forced["micro_batches"] == 0 else []
-        if "repeats" in forced:
-            rs = [forced["repeats"]] if fills(forced["repeats"]) else []
-    return [(mb, r) for mb in ms for r in rs if r == 1 or mb >= p]
 
 
 def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster) -> bool:

@@ -1,0 +1,117 @@
+"""The shapes and layouts a pipeline may take, for `pipeline_search` to price: the stage
+counts tried, the (micro-batches, rounds) of each, the stage's layouts with the stack over
+the stage axis (uneven splits stored along another dim), and how the loop's carried
+activations split over the model axis. No tracing here: arithmetic on shapes and specs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxwap.analysis.graph import Graph
+from jaxwap.core.records import DATA, MODEL, STAGE, Strategy
+from jaxwap.runtime.layer_scan import LayerScan
+from jaxwap.runtime.stage_layout import carry_split_dim, chunking
+
+# Stage counts tried per plan: each costs a trace and an analysis of the stage step.
+MAX_STAGE_COUNTS = 4
+# Rounds of the circular schedule tried (1: GPipe).
+REPEATS = (1, 2, 4)
+# Micro-batch counts priced per stage mesh (pricing one is cheap: no trace).
+MICRO_COUNTS = 12
+
+
+def stage_counts(L: int, n: int, forced: dict[str, int] | None) -> list[int]:
+    """Stage counts to try: the forced one, else those the n devices divide into that
+    leave every stage >= 2 layers, at most `MAX_STAGE_COUNTS`: the fewest empty slots
+    first (an uneven split pads its short chunks, `schedule.chunking`; a divisor of L
+    has none), then powers of two, then the fewest stages."""
+    if forced is not None:
+        p = forced["stages"]
+        return [p] if L // p >= 2 and p <= n else []
+    ok = [p for p in range(2, min(L // 2, n) + 1) if n % p == 0]
+    ok.sort(key=lambda p: (-L % p, p & (p - 1) != 0, p))
+    return sorted(ok[:MAX_STAGE_COUNTS])
+
+
+def schedule_shapes(rows: int, p: int, L: int, forced: dict[str, int] | None
+            ) -> list[tuple[int, int]]:
+    """(micro-batches, rounds) worth pricing: micro-batch counts that divide the rows,
+    from p (the least that keeps every stage busy in the steady state) to a row per
+    device (at most `MICRO_COUNTS` of them, spread evenly on a log scale, the least and
+    the most always among them), and rounds whose chunks of the L layers fill a stage's
+    k = ceil(L / p) slots exactly (every round count dividing k, where p divides L;
+    circular needs m >= p)."""
+    ms = [mb for mb in range(p, rows + 1) if rows % mb == 0]
+    if len(ms) > MICRO_COUNTS:
+        picks = np.unique(np.round(np.geomspace(1, len(ms), MICRO_COUNTS)).astype(int) - 1)
+        ms = [ms[int(i)] for i in picks]
+    ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
+    k = -(-L // p)
+
+    def fills(r: int) -> bool:
+        return L >= p * r and chunking(L, p, r)[0] * r == k
+    rs = [r for r in REPEATS if fills(r)]
+    if forced is not None:
+        if "micro_batches" in forced:
+            ms = [forced["micro_batches"]] if rows % forced["micro_batches"] == 0 else []
+        if "repeats" in forced:
+            rs = [forced["repeats"]] if fills(forced["repeats"]) else []
+    return [(mb, r) for mb in ms for r in rs if r == 1 or mb >= p]
+
+
+def staged_layouts(strategies: Sequence[Strategy], stacked: set[int], graph: Graph, p: int,
+            d: int, m: int, uneven: bool) -> tuple[Strategy, ...] | None:
+    """The stage step's layouts with each stacked parameter (and its optimizer state)
+    split over the stage axis: along its leading (layer) dim; for an `uneven` split,
+    whose layers do not divide over the stages, along the first other dim that divides
+    (beside the axis already there, if any), the step laying the stack out by layers
+    inside (`schedule.to_stages`). None: a stacked parameter has no such dim."""
+    sizes = {DATA: d, MODEL: m}
+
+    def over_stages(spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...] | None:
+        if not uneven:
+            return (STAGE, *spec[1:])
+        for dim in range(1, len(shape)):
+            axes = () if spec[dim] is None else (spec[dim],)
+            if shape[dim] % (math.prod(sizes[a] for a in axes) * p) == 0:
+                return (None, *spec[1:dim], (*axes, STAGE) if axes else STAGE,
+                        *spec[dim + 1:])
+        return None
+
+    out = []
+    for j, s in enumerate(strategies):
+        if j in stacked:
+            shape = graph.params[j].shape
+            spec = over_stages(tuple(s.spec), shape)
+            state = None if s.state_spec is None else over_stages(tuple(s.state_spec), shape)
+            if spec is None or (s.state_spec is not None and state is None):
+                return None
+            s = dataclasses.replace(s, name=f"stage+{s.name}", spec=spec, state_spec=state)
+        out.append(s)
+    return tuple(out)
+
+
+def stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
+                 ) -> tuple[tuple[str | None, ...], ...]:
+    """`StepVariant.stage_specs` of the stage's layouts: for each stacked parameter (in
+    the scan's order) its spec beyond the layer dim (over data: FSDP, the loop gathers
+    its layers; over model: tensor parallelism); empty when none is sharded."""
+    specs = tuple(tuple(strategies[j].spec[1:]) for j in stacked)
+    return specs if any(a is not None for spec in specs for a in spec) else ()
+
+
+def carry_split(scan: LayerScan, m: int) -> int:
+    """The ways the loop keeps its carried activations split over a model axis of m
+    devices: m where a dim of the carry's row divides (`schedule.carry_split_dim`, the
+    rule the pipelined step runs by), else 1."""
+    return m if carry_split_dim(scan.carry_shape[1:], m) is not None else 1
+
+
+__all__ = ["MAX_STAGE_COUNTS", "MICRO_COUNTS", "REPEATS", "carry_split", "schedule_shapes",
+           "stage_counts", "stage_specs", "staged_layouts"]
