@@ -56,12 +56,12 @@ module adds what pipelining changes:
   layers' matmuls over the model axis as in any step, and the stack's Megatron
   collectives (`collectives.tp_chain_cost`) run once per micro-batch on its activations: the
   bytes of the whole local batch, the latency once per micro-batch; they block;
-- **the circular schedule** (r > 1) reads the stack in stage order: `schedule.to_stages`
+- **the circular schedule** (r > 1) reads the stack in stage order: `stage_layout.to_stages`
   reorders the stacked parameters with a reshape and a transpose, which XLA compiles to
   one all-to-all over the stage axis (forward) and one for their gradients (backward),
   each moving the chunks that change stage, with the reordered copy held beside the
   original;
-- **an uneven stack** (L not a multiple of p: `schedule.chunking`) is priced as the stage
+- **an uneven stack** (L not a multiple of p: `stage_layout.chunking`) is priced as the stage
   graph of k = ceil(L / p) layers, every stage's loop step waiting for the fullest
   chunk; the user's [L, ...] leaves cannot split their layer dim over p, so they are
   stored split over the stage axis along another dim (`pipeline_shapes.staged_layouts`) and

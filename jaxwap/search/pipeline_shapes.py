@@ -29,7 +29,7 @@ MICRO_COUNTS = 12
 def stage_counts(L: int, n: int, forced: dict[str, int] | None) -> list[int]:
     """Stage counts to try: the forced one, else those the n devices divide into that
     leave every stage >= 2 layers, at most `MAX_STAGE_COUNTS`: the fewest empty slots
-    first (an uneven split pads its short chunks, `schedule.chunking`; a divisor of L
+    first (an uneven split pads its short chunks, `stage_layout.chunking`; a divisor of L
     has none), then powers of two, then the fewest stages."""
     if forced is not None:
         p = forced["stages"]
@@ -71,7 +71,7 @@ def staged_layouts(strategies: Sequence[Strategy], stacked: set[int], graph: Gra
     split over the stage axis: along its leading (layer) dim; for an `uneven` split,
     whose layers do not divide over the stages, along the first other dim that divides
     (beside the axis already there, if any), the step laying the stack out by layers
-    inside (`schedule.to_stages`). None: a stacked parameter has no such dim."""
+    inside (`stage_layout.to_stages`). None: a stacked parameter has no such dim."""
     sizes = {DATA: d, MODEL: m}
 
     def over_stages(spec: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[Any, ...] | None:
@@ -108,7 +108,7 @@ def stage_specs(strategies: Sequence[Strategy], stacked: Sequence[int]
 
 def carry_split(scan: LayerScan, m: int) -> int:
     """The ways the loop keeps its carried activations split over a model axis of m
-    devices: m where a dim of the carry's row divides (`schedule.carry_split_dim`, the
+    devices: m where a dim of the carry's row divides (`stage_layout.carry_split_dim`, the
     rule the pipelined step runs by), else 1."""
     return m if carry_split_dim(scan.carry_shape[1:], m) is not None else 1
 
