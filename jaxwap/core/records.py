@@ -28,11 +28,10 @@ def mesh_dims(mesh_shape: Any) -> tuple[int, int, int]:
 
 
 def bubble_idles(stage_remat: bool, repeats: int) -> bool:
-    """Whether a pipeline stage idles in the bubble (its layers skipped under `lax.cond`),
+    """Whether a pipeline stage idles in the bubble (its layers skipped under `lax.cond`)
     or runs its layers there and drops the result: GPipe keeping only its loop steps'
-    inputs does the latter, since the backward cond hands out the chunk's weight gradient
-    in a buffer of its own, a whole stage share on GPipe (`schedule._stage_step`), and
-    that schedule is the one the planner takes where memory is what binds."""
+    inputs, the schedule taken where memory binds, does the latter, since the backward
+    cond hands out a whole stage share's weight gradient (`schedule._stage_step`)."""
     return not (stage_remat and repeats == 1)
 
 
@@ -396,7 +395,6 @@ def judge(predicted: Prediction, verified: Prediction | None = None,
 
 
 __all__ = ["COMPILED", "DATA", "MEASURED", "MODEL", "PREDICTED", "REMAT_POLICIES", "REMAT_WORDS",
-           "REPLICA",
-           "STAGE", "bubble_idles", "mesh_dims", "mesh_stages",
-           "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged", "Measurement",
-           "Prediction", "StepVariant", "Strategy", "judge"]
+           "REPLICA", "STAGE", "STRATEGY_FAMILIES", "Collective", "CompiledFigures", "Judged",
+           "Measurement", "Prediction", "StepVariant", "Strategy", "bubble_idles", "judge",
+           "mesh_dims", "mesh_stages"]
