@@ -51,6 +51,7 @@ from jaxwap.cost.pipeline_cost import (
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
+from jaxwap.runtime.stage_layout import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
@@ -231,7 +232,7 @@ def _inputs_only_may_fit(best: MeshResult, stack_live: float, graph: Graph | Non
     if step is None or graph is None:
         return True
     row = scan.carry_row_bytes / carry_split(scan, best.m)
-    k = -(-scan.length // step.stages)
+    k = chunking(scan.length, step.stages)[0]
     relaid = k * step.stages != scan.length
     share, gathered = stack_shares(graph, best.strategies, scan.stacked, best.d, best.m)
 
@@ -257,7 +258,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     # keep for the backward pass is the difference (the pipeline keeps it for all its
     # micro-batches, p times these rows; with `stage_remat`, what its recomputation
     # holds, for one micro-batch at a time)
-    k = -(-scan.length // p)                       # layer slots per stage
+    k = chunking(scan.length, p)[0]                # layer slots per stage
     graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():

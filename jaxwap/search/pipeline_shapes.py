@@ -40,7 +40,7 @@ def stage_counts(L: int, n: int, forced: dict[str, int] | None) -> list[int]:
 
 
 def schedule_shapes(rows: int, p: int, L: int, forced: dict[str, int] | None
-            ) -> list[tuple[int, int]]:
+                    ) -> list[tuple[int, int]]:
     """(micro-batches, rounds) worth pricing: micro-batch counts that divide the rows,
     from p (the least that keeps every stage busy in the steady state) to a row per
     device (at most `MICRO_COUNTS` of them, spread evenly on a log scale, the least and
@@ -52,7 +52,7 @@ def schedule_shapes(rows: int, p: int, L: int, forced: dict[str, int] | None
         picks = np.unique(np.round(np.geomspace(1, len(ms), MICRO_COUNTS)).astype(int) - 1)
         ms = [ms[int(i)] for i in picks]
     ms = ms or [mb for mb in range(1, min(rows, p) + 1) if rows % mb == 0][-1:]
-    k = -(-L // p)
+    k = chunking(L, p)[0]
 
     def fills(r: int) -> bool:
         return L >= p * r and chunking(L, p, r)[0] * r == k
