@@ -297,6 +297,42 @@ def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them()
     assert excluded.predicted.step_time_s > chosen.predicted.step_time_s
 
 
+def test_a_stage_keeps_its_stacked_weights_whole_where_the_loop_would_gather_them_each_step():
+    """The stage step solved as an ordinary step shards the deep MLP's stacked weights
+    over data (FSDP: one gather a pass, hidden behind compute); the loop gathers them on
+    every loop step, forward and backward. The search also prices the stage with its
+    stacked weights whole over data (optimizer state ZeRO-1) and takes it where the
+    objective prefers it: here the pinned FSDP stage is predicted several times slower."""
+    S = jax.ShapeDtypeStruct
+    layers, d, rows = 48, 2048, 2048
+
+    def loss(p, b):
+        def layer(h, w):
+            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
+                         "down": S((layers, 4 * d, d), jnp.float32)}}
+    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    args = (step, params, jax.eval_shape(step.init, params), batch)
+    nodes = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8, inter_node_bandwidth=12.5e9)
+    kw = dict(hardware=nodes, verify=0, cache=False, objective="throughput",
+              pipeline={"stages": 4}, mesh_shape={"data": 16, "model": 1})
+
+    whole = jaxwap.plan(*args, **kw)
+    assert whole.step.stages == 4 and not whole.step.stage_sharded
+    assert all(p.strategy == "stage+zero1" and DATA not in p.spec for p in whole.params)
+    assert "gathering each layer" not in whole.explain()
+    gathered = jaxwap.plan(*args, constraints={"blocks": "fsdp"}, **kw)
+    assert gathered.step.stage_sharded
+    assert all(p.strategy.startswith("stage+fsdp") for p in gathered.params)
+    assert "gathering each layer" in gathered.explain()
+    assert gathered.predicted.step_time_s > 2 * whole.predicted.step_time_s
+
+
 def _wide_loss(params, batch):
     """Layers 8x wider inside than the activation they carry: what GPipe keeps per layer
     and micro-batch is 16 times the carried activation."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +109,18 @@ class LayoutRules:
 
     families: frozenset[str] | None = None
     pins: tuple[tuple[int, Constraint], ...] = ()
+    #: parameters whose weight stays whole over the data axis (no FSDP; ZeRO-1 may still
+    #: split their optimizer state): a pipeline's stacked weights, which a loop over the
+    #: stages would gather on every loop step (`pipeline_search`), where an ordinary step
+    #: gathers them once a pass
+    whole_over_data: frozenset[int] = frozenset()
 
     def pin(self, j: int) -> Constraint | None:
         return next((c for i, c in self.pins if i == j), None)
+
+    def keeping_whole(self, params: Iterable[int]) -> LayoutRules:
+        """These rules with `params` (indices) also kept whole over the data axis."""
+        return dataclasses.replace(self, whole_over_data=self.whole_over_data | set(params))
 
     def admits(self, s: Strategy) -> bool:
         """Whether the families allow this layout (pins aside)."""

@@ -18,9 +18,12 @@ the stage axis is added outside it.
 When pipelining is not considered, the reason is returned for `explain()`.
 
 A stacked parameter the stage's solution shards over data (FSDP) stays sharded inside
-the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it. One
-it splits over the model axis stays split: XLA partitions the layer inside the loop
-(`schedule.pipelined`).
+the stage (`StepVariant.stage_specs`): the loop gathers each layer where it runs it, on
+every loop step, where the stage's solve priced one gather a pass. So where it does, the
+stage is also solved with its stacked weights whole over data (`LayoutRules.
+whole_over_data`; their optimizer state may be ZeRO-1, as Megatron's data-parallel
+stages keep them), and the objective weighs both. One it splits over the model axis
+stays split: XLA partitions the layer inside the loop (`schedule.pipelined`).
 
 Not searched (yet): hybrid-sharded stages, stages of one layer.
 """
@@ -279,30 +282,50 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
                     for mb, rr in schedule_shapes(B // d, p, scan.length, forced)]
         if not variants:
             continue
-        # the stage's layouts must leave room for the least the loop holds beside them
-        row = scan.carry_row_bytes / carry_split(scan, m)
-        room = budget - min(loop_memory(stack_live, row, B, d, v)
-                            for v in variants)
-        for _ in range(RESOLVES + 1):
-            stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), options.offload, rules)
-            if not uses_model_axis(stage):
-                break
-            cands = _candidates(graph, twice, cluster, stage, d, m, stacked, scan, variants,
-                                k, B, stack_live, budget)
-            for cand in cands:
-                if best is None or _better(cand, best, objective, cluster):
-                    best = cand
-                if free is None or _ranks_above(cand, free, objective, cluster):
-                    free = cand
-            if not cands:         # no layout of the stage step stores the stack uneven
-                break
-            # what the loop holds beside the stage's layouts depends on them (the weights
-            # a loop step slices): where none fits, solve again with that much less room
-            over = min(c.predicted.peak_memory_bytes for c in cands) - budget
-            if any(c.fits for c in cands) or over <= 0 or not stage.fits:
-                break
-            room -= over
+        solved = functools.partial(_solved, graph, twice, cluster, d, m, stacked, scan,
+                                   variants, k, B, stack_live, budget, options.offload)
+        cands = solved(rules)
+        if any(c.strategies[j].data_sharded for c in cands for j in stacked):
+            # the stage step is solved as a step that runs each layer once a pass, where
+            # an FSDP layer's weights are gathered once; the loop gathers them on every
+            # loop step, forward and backward: the stage with its stacked weights whole
+            # over the data axis (their optimizer state may still be ZeRO-1) is priced too
+            cands += solved((rules or LayoutRules()).keeping_whole(stacked))
+        for cand in cands:
+            if best is None or _better(cand, best, objective, cluster):
+                best = cand
+            if free is None or _ranks_above(cand, free, objective, cluster):
+                free = cand
     return best, stack_live, graph, free is not None and not free.fits
+
+
+def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacked: set[int],
+            scan: LayerScan, variants: Sequence[StepVariant], k: int, B: int,
+            stack_live: float, budget: float, offload: bool, rules: LayoutRules | None
+            ) -> list[MeshResult]:
+    """The stage step solved on (d, m) under `rules` and each schedule in `variants`
+    priced on its layouts (`_candidates`; none where no layout uses the model axis). The
+    stage's layouts must leave room for the least the loop holds beside them; what the
+    loop holds depends on those layouts (the weights a loop step slices), so where none
+    of the schedules fits, the stage is solved again with that much less room
+    (`RESOLVES` times at most)."""
+    row = scan.carry_row_bytes / carry_split(scan, m)
+    room = budget - min(loop_memory(stack_live, row, B, d, v) for v in variants)
+    out: list[MeshResult] = []
+    for _ in range(RESOLVES + 1):
+        stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), offload, rules)
+        if not uses_model_axis(stage):
+            break
+        cands = _candidates(graph, twice, cluster, stage, d, m, stacked, scan, variants, k,
+                            B, stack_live, budget)
+        out += cands
+        if not cands:             # no layout of the stage step stores the stack uneven
+            break
+        over = min(c.predicted.peak_memory_bytes for c in cands) - budget
+        if any(c.fits for c in cands) or over <= 0 or not stage.fits:
+            break
+        room -= over
+    return out
 
 
 def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult, d: int,

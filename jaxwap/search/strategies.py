@@ -34,7 +34,8 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
     optimizer state, each of those with the state kept in host memory. `rules` keeps
     only the layouts whose families it allows (see `restrict`) and, for a parameter it
     pins, those its constraint allows (`LayoutRules.apply`: empty where the pin cannot
-    hold on this mesh)."""
+    hold on this mesh); for one it keeps whole over data (`whole_over_data`), those that
+    do not shard the weight over data, where any is left."""
     layer = graph.layer_of.get(j)
     dims = None if layer is None else (tuple(layer.out_dims), tuple(layer.in_dims))
     granules = (graph.tp_granule.get((j, "col"), 0), graph.tp_granule.get((j, "row"), 0))
@@ -57,7 +58,11 @@ def param_strategies(graph: Graph, j: int, d: int, m: int, offload: bool = True,
         # (replicated where no family allowed gives one): tensor parallelism alone allowed
         # would otherwise leave it only the split
         out = _strategies_for(shape, None, has_state, d, m, offload, families, stacked) + out
-    return out if pin is None else rules.apply(j, out, graph.params[j].shape, layer, m)
+    out = out if pin is None else rules.apply(j, out, graph.params[j].shape, layer, m)
+    if rules is not None and j in rules.whole_over_data:
+        # a pin to FSDP wins over the search's own preference for the weight whole
+        out = tuple(s for s in out if not s.data_sharded) or out
+    return out
 
 
 def _bias_col_dims(graph: Graph, j: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
