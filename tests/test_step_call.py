@@ -5,8 +5,10 @@ has none."""
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import json
+import pstats
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +173,28 @@ def test_a_step_in_custom_pytree_nodes_is_priced_their_python_calls():
     one = next(r for r in costly.search.results if r.d == r.m == 1).predicted
     assert one.call_time_s == pytest.approx(6e-6 + costly.graph.buffers * 6e-7
                                             + costly.graph.tree_calls * PER_CALL)
+
+
+def test_planning_under_cprofile_counts_the_same_calls_and_leaves_the_profiler_running():
+    """A user profiling their script with cProfile: the count is made in a thread of its
+    own (a profile function is per thread), so it is the same as without a profiler, and
+    cProfile's own hook is left in place (put back through `sys.setprofile`, it raised
+    "'Profile' object is not callable")."""
+    want = _plan_in(_Costly, _costly_step).graph.tree_calls
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        got = _plan_in(_Costly, _costly_step).graph.tree_calls
+        _after_counting()
+    finally:
+        profiler.disable()
+    assert got == want
+    names = {fn for _, _, fn in pstats.Stats(profiler).stats}
+    assert "_after_counting" in names
+
+
+def _after_counting() -> None:
+    """A call cProfile must still see after the planning counted its calls."""
 
 
 def test_python_calls_are_priced_by_the_calibrated_figure_and_kept_in_records():

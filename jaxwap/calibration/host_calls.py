@@ -20,6 +20,7 @@ across runs; the zoo's own calls took 190-240 ns in a run where it read 200;
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,20 +33,32 @@ from jaxwap.calibration.timing import time_it
 
 def _counted(work: Callable[[], Any]) -> int:
     """How many Python and C function calls `work()` makes (after one call of it, so
-    that caches it fills are filled). Whatever profile function was set is put back."""
-    work()
+    that caches it fills are filled), counted in a thread of its own: a profile function
+    is per thread, so whatever profiler the caller's thread runs (cProfile's, which
+    `sys.setprofile` could not put back: its hook is C's) is left as it was."""
     count = 0
+    failed: list[BaseException] = []
 
     def counter(frame: Any, event: str, arg: Any) -> None:
         nonlocal count
         if event in ("call", "c_call"):
             count += 1
-    before = sys.getprofile()
-    sys.setprofile(counter)
-    try:
-        work()
-    finally:
-        sys.setprofile(before)
+
+    def counted() -> None:
+        try:
+            work()
+            sys.setprofile(counter)
+            try:
+                work()
+            finally:
+                sys.setprofile(None)
+        except BaseException as e:     # raised in the caller's thread below
+            failed.append(e)
+    thread = threading.Thread(target=counted, name="jaxwap-tree-calls")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
     return count
 
 
