@@ -333,6 +333,27 @@ def test_a_stage_keeps_its_stacked_weights_whole_where_the_loop_would_gather_the
     assert gathered.predicted.step_time_s > 2 * whole.predicted.step_time_s
 
 
+def test_a_stage_with_its_stacked_weights_whole_and_their_state_zero1_equals_the_step():
+    """The layout the search now also prices, run: the stacked weights whole over the
+    stage's data axis (no gather in the loop), their Adam moments split over it (ZeRO-1),
+    GPipe on 2 stages x data 4; the step equals the unsharded one."""
+    step = _step()
+    params, batch = _setup()
+    opt = step.init(params)
+    want = jax.jit(step)(params, opt, batch)
+    sharded = jaxwap.auto_shard(step, cache=False, verify=1, constraints={"blocks": "zero1"},
+                                mesh_shape={"data": 4, "model": 1},
+                                pipeline={"stages": 2, "micro_batches": 4})
+    got = sharded(params, opt, batch)
+    plan = sharded.plan
+    blocks = [p for p in plan.params if p.path[0] == "blocks"]
+    assert blocks and all(p.spec[0] == STAGE and DATA not in p.spec for p in blocks)
+    assert all(DATA in p.state_spec for p in blocks), blocks
+    assert not plan.step.stage_sharded
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
+
+
 def _wide_loss(params, batch):
     """Layers 8x wider inside than the activation they carry: what GPipe keeps per layer
     and micro-batch is 16 times the carried activation."""
