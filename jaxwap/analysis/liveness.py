@@ -260,16 +260,17 @@ def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
 
 
 def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
-               nbytes: np.ndarray, width: int) -> np.ndarray:
+               nbytes: np.ndarray, width: int, passes: int = 8) -> np.ndarray:
     """`prune` of the [points, width] matrix whose column `cols[j]` holds `nbytes[j]` from
     row `begin[j]` to row `end[j] - 1` (`dense_live_rows`), without building it.
 
     A deep model has about as many rows as ops and a column per parameter, so the whole
-    matrix grows with the square of its depth. But the first pruning pass only asks, of
-    each row, whether it changes from the row before, and whether every change is a
-    growth or every change a shrinkage: the signs of the net change of each (row, column)
-    cell. So that pass runs on those changes (rows where nothing changes make runs of
-    equal rows, of which it keeps at most the last), and only the rows it keeps are
+    matrix grows with the square of its depth. But a pruning pass only asks, of each
+    pair of neighbouring rows, whether every cell grows from one to the next, or every
+    cell shrinks, or none changes: the signs of the net change of each column between
+    them. Those changes are few (each value starts and ends once), so every pass runs on
+    them alone (`_sparse_prune`: rows where nothing changes make runs of equal rows, of
+    which the first pass keeps at most the last), and only the rows the passes keep are
     summed. Byte counts are integers, so every sum is exact in float64 whatever its order
     while it stays below 2**53 bytes, and the result is that of `prune` on the whole
     matrix, bit for bit. (A step moving more than 2**53 bytes in all, a 70B model at a
@@ -278,7 +279,7 @@ def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray
     depth for nothing.)
     """
     if len(nbytes) == 0 or not np.all(nbytes == np.floor(nbytes)):
-        return dense_live_rows(points, begin, end, cols, nbytes, width)
+        return dense_live_rows(points, begin, end, cols, nbytes, width, passes)
     ev = np.concatenate([begin, end])
     inside = ev < points
     cell = (ev * width + np.concatenate([cols, cols]))[inside]
@@ -290,37 +291,68 @@ def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray
     row, col = cells // width, cells % width
     # runs of equal rows start at row 0 and at every row where something changes
     starts = np.unique(np.concatenate([[0], row]))
+
+    def rows_at(at: np.ndarray) -> np.ndarray:
+        """The rows `at` (ascending): each the sum of the changes at or before it."""
+        k = np.searchsorted(at, row)
+        ok = k < len(at)
+        dense = np.bincount(k[ok] * width + col[ok], weights=net[ok],
+                            minlength=len(at) * width).reshape(len(at), width)
+        return np.cumsum(dense, axis=0, out=dense)
+
+    if points < 3:
+        counts = np.diff(np.append(starts, points))
+        return np.repeat(rows_at(starts), counts, axis=0)
+    # the first pass of `prune` on the runs: a run's rows but its last are <= the next
+    # (equal) row; its last is dropped where the next row only grows from it or, when the
+    # run is one row, where it only shrinks from the row before
     run = np.searchsorted(starts, row)
     grows = np.bincount(run, weights=net > 0, minlength=len(starts)) > 0
     shrinks = np.bincount(run, weights=net < 0, minlength=len(starts)) > 0
     counts = np.diff(np.append(starts, points))
-
-    def rows_at(runs: np.ndarray) -> np.ndarray:
-        at = starts[runs]
-        dense = np.zeros((len(at) + 1, width))
-        np.add.at(dense, (np.searchsorted(at, row), col), net)
-        return np.cumsum(dense, axis=0)[: len(at)]
-
-    if points < 3:
-        return np.repeat(rows_at(np.arange(len(starts))), counts, axis=0)
-    # the first pass of `prune`: a run's rows but its last are <= the next (equal) row;
-    # its last is dropped where the next row only grows from it or, when the run is one
-    # row, where it only shrinks from the row before
     keep = np.ones(len(starts), bool)
     keep[:-1] &= shrinks[1:]
     keep[1:] &= ~((counts[1:] == 1) & ~grows[1:])
     if keep.all() and (counts == 1).all():  # the pass drops nothing: prune returns it all
-        return rows_at(np.arange(len(starts)))
-    return prune(rows_at(np.flatnonzero(keep)), passes=7)
+        return rows_at(starts)
+    return rows_at(_sparse_prune(starts[keep], row, col, net, width, passes - 1))
+
+
+def _sparse_prune(at: np.ndarray, row: np.ndarray, col: np.ndarray, net: np.ndarray,
+                  width: int, passes: int) -> np.ndarray:
+    """`prune`'s passes on the rows `at` of the matrix whose cell (row[i], col[i])
+    changes by net[i] from the row before, the rows kept (ascending): row a is <= row b
+    in every column where no column's changes between them sum below zero, equal where
+    none sums to anything but zero."""
+    for _ in range(passes):
+        if len(at) < 3:
+            return at
+        # the changes between neighbours at[g - 1] and at[g], summed per (g, column)
+        g = np.searchsorted(at, row)
+        inner = (g > 0) & (g < len(at))
+        cells, where = np.unique(g[inner] * width + col[inner], return_inverse=True)
+        sums = np.bincount(where, weights=net[inner], minlength=len(cells))
+        gap = cells // width
+        up = np.zeros(len(at), bool)
+        down = np.zeros(len(at), bool)
+        up[gap[sums > 0]] = True
+        down[gap[sums < 0]] = True
+        keep = np.ones(len(at), bool)
+        keep[:-1] &= down[1:]                 # not <= the next row
+        keep[1:] &= up[1:] | ~down[1:]        # not <= the row before (and unequal)
+        if keep.all():
+            return at
+        at = at[keep]
+    return at
 
 
 def dense_live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
-                    nbytes: np.ndarray, width: int) -> np.ndarray:
+                    nbytes: np.ndarray, width: int, passes: int = 8) -> np.ndarray:
     """`prune` of the whole [points, width] matrix `_live_rows` describes, built."""
     diff = np.zeros((points + 1, width))
     np.add.at(diff, (begin, cols), nbytes)
     np.add.at(diff, (end, cols), -nbytes)
-    return prune(np.cumsum(diff, axis=0)[:points])
+    return prune(np.cumsum(diff, axis=0)[:points], passes)
 
 
 def prune(live: np.ndarray, passes: int = 8) -> np.ndarray:
