@@ -227,7 +227,12 @@ class Graph:
         differ in a few buckets each (an activation made, a gradient produced), so a 70B
         model's 4739 x 4016 matrix changes in 16,622 cells: every per-point product is
         then a sparse product and a running sum (`live_at`), not a dense one."""
-        return scipy.sparse.csc_array(np.diff(self.live, axis=0, prepend=0.0))
+        live = self.live
+        changes = np.empty_like(live)      # (np.diff with prepend= copies it thrice)
+        if len(live):
+            changes[0] = live[0]
+            np.subtract(live[1:], live[:-1], out=changes[1:])
+        return scipy.sparse.csc_array(changes)
 
     def live_at(self, weights: np.ndarray) -> np.ndarray:
         """`live @ weights`, the bytes per device at every kept point, from the changes."""

@@ -216,8 +216,9 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
                     flow.owner, vclass, num_params, label, len(split.pairs), whole, reduced)
     base = 2 + NUM_CLASSES * num_params
     extra = live[:, base:]
+    held = extra.any(axis=0)
     used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])
-            if extra[:, e].any()]
+            if held[e]]
     live = np.concatenate([live[:, :base], extra[:, used]], axis=1)
     pairs = [split.pairs[e] for e in used]
     resident = np.zeros(num_params)

@@ -21,6 +21,8 @@ batch leaves only where `batch_size` is given (`raw_key`).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,11 +45,18 @@ class ParamInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        # Python's product of the dims (the cost model asks this of every parameter for
+        # every layout it prices: numpy's per-call overhead was most of that)
+        return int(math.prod(int(x) for x in self.shape))
 
     @property
     def nbytes(self) -> int:
-        return self.size * np.dtype(self.dtype).itemsize
+        return self.size * _itemsize(self.dtype)
+
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)

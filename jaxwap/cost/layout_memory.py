@@ -26,8 +26,11 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
     w = np.empty(graph.live.shape[1])
     w[0] = 1.0 / d
     w[1] = 1.0
-    div = np.array([s.divisors(d // r, m) for s in strats],
-                   dtype=np.float64).reshape(P, -1)
+    # by identity: the layers of a deep model share their layouts' objects, and this
+    # runs for every layout a search prices
+    of: dict[int, tuple[float, ...]] = {}
+    div = np.array([of[id(s)] if id(s) in of else of.setdefault(id(s), s.divisors(d // r, m))
+                    for s in strats], dtype=np.float64).reshape(P, -1)
     if r == 1:
         # a layer whose activations XLA moves keeps its weight sharded: nothing whole
         div[sorted(moved_in(graph.layers, strats)), WHOLE] = np.inf

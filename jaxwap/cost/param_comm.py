@@ -78,8 +78,9 @@ def param_comm_costs(graph: Graph, cluster: Cluster,
     g_comm, gathered, moved_c = [], [], []
     for j, strats in enumerate(strategies):
         row_g, row_m = [], []
+        whole = graph.params[j].nbytes
         for st in strats:
-            local = graph.params[j].nbytes / (m if st.tp != "none" else 1)
+            local = whole / (m if st.tp != "none" else 1)
             # under tensor parallelism too (the model axis splits the rest); not under
             # HSDP, whose replicas still all-reduce the weight's gradient shard
             act = graph.layer_of[j].act_in_bytes if j in graph.layer_of else np.inf

@@ -40,9 +40,12 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     cost = np.full((P, S), np.inf)               # time the strategy costs the step
     kind = np.full((P, S), -1, dtype=np.int64)   # tensor-parallel kind: 0 none, 1 col, 2 row
     codes = {"none": 0, "col": 1, "row": 2}
+    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
     for j, strats in enumerate(mc.strategies):
         for s, st in enumerate(strats):
-            inv[j, s] = 1.0 / np.asarray(st.divisors(d // r, m))
+            if id(st) not in inv_of:
+                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d // r, m))
+            inv[j, s] = inv_of[id(st)]
             host = 2 * mc.host[j][s]
             cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
             kind[j, s] = codes[st.tp]
