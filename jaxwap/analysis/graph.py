@@ -234,6 +234,19 @@ class Graph:
             np.subtract(live[1:], live[:-1], out=changes[1:])
         return scipy.sparse.csc_array(changes)
 
+    @functools.cached_property
+    def _param_changes(self) -> dict[int, scipy.sparse.csc_array]:
+        return {}
+
+    def param_changes(self, j: int) -> scipy.sparse.csc_array:
+        """`live_changes`' columns of parameter j's classes ([points, NUM_CLASSES]),
+        sliced once per graph: a memory repair moves one parameter at a time, on every
+        mesh the search tries."""
+        if j not in self._param_changes:
+            cols = 2 + np.arange(NUM_CLASSES) * len(self.params) + j
+            self._param_changes[j] = self.live_changes[:, cols]
+        return self._param_changes[j]
+
     def live_at(self, weights: np.ndarray) -> np.ndarray:
         """`live @ weights`, the bytes per device at every kept point, from the changes."""
         return np.cumsum(self.live_changes @ weights)

@@ -6,7 +6,6 @@ micro-batches (which spares the planner traces of counts that cannot fit)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -58,13 +57,11 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     weights = memory_weights(graph, d, [mc.strategies[j][s] for j, s in enumerate(choice)], m,
                              r)
     per_point = graph.live_at(weights)
-    cols = 2 + np.arange(NUM_CLASSES)[None, :] * P + idx[:, None]      # [P, classes]
     # each peak point's move tables, and the moves made since they were last brought up to
     # date (the peak often returns to a point: only the parameters moved meanwhile have new
     # rows there)
     tables: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
     history: list[int] = []
-    blocks: dict[int, Any] = {}
 
     def row(j: int, at_peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Parameter j's moves from its current strategy: bytes freed at the peak, time
@@ -110,9 +107,7 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
             rank = np.where(ok, saved / np.maximum(added, 1e-12), -np.inf)
         j, s = (int(x) for x in np.unravel_index(int(np.argmax(rank)), rank.shape))
         if kind[j, s] == kind[j, choice[j]]:
-            if j not in blocks:   # `live[:, cols[j]]`'s changes, sliced once a parameter
-                blocks[j] = graph.live_changes[:, cols[j]]
-            per_point += np.cumsum(blocks[j] @ (inv[j, s] - inv[j, choice[j]]))
+            per_point += np.cumsum(graph.param_changes(j) @ (inv[j, s] - inv[j, choice[j]]))
             choice[j] = s
         else:   # a new tensor-parallel kind also splits activations: sum afresh
             choice[j] = s
