@@ -200,15 +200,28 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
     def one_layer(w: Any, h: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
         return layer(gather_layer(w), h, *consts)
 
+    # a layer that gathers its weights, checkpointed to keep all but views: the chunk's
+    # scan would otherwise keep each layer's gathered weights for its backward pass,
+    # stacked (the whole chunk, gathered, in each loop step's backward pass: FSDP's
+    # saving gone); so each layer gathers its weights again there, as FSDP does
+    gathered_layer = jax.checkpoint(one_layer, policy=_keep_all_but_views, prevent_cse=False)
+
+    def gathers(chunk: Any) -> bool:
+        if param_specs is None:
+            return False
+        specs = jax.tree.structure(chunk).flatten_up_to(param_specs)
+        return any(axis in manual for spec in specs for axis in spec)
+
     def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...],
                    count: jax.Array) -> jax.Array:
+        one_layer_ = gathered_layer if gathers(chunk) else one_layer
         if not uneven:
-            return lax.scan(lambda c, w: (one_layer(w, c, consts), None), h, chunk)[0]
+            return lax.scan(lambda c, w: (one_layer_(w, c, consts), None), h, chunk)[0]
         slots = jax.tree.leaves(chunk)[0].shape[0]
 
         def slot(c: jax.Array, wj: tuple[Any, jax.Array]) -> tuple[jax.Array, None]:
             w, j = wj
-            return lax.cond(j < count, one_layer, idle, w, c, consts), None
+            return lax.cond(j < count, one_layer_, idle, w, c, consts), None
         return lax.scan(slot, h, (chunk, jnp.arange(slots)))[0]
 
     def idle(chunk: Any, h: jax.Array, consts: tuple[Any, ...], *_: Any) -> jax.Array:
