@@ -13,6 +13,7 @@ drops them.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -291,15 +292,33 @@ def _dce(ops: list[FlatOp], out_ids: Sequence[int]) -> list[FlatOp]:
     return keep
 
 
+#: flat programs by the jaxpr they were made from: the analysis and the attention advice
+#: flatten the same traced step. A cache, dropped with the jaxpr; its arrays read-only.
+_FLAT: weakref.WeakKeyDictionary[Any, FlatProgram] = weakref.WeakKeyDictionary()
+
+
 def flatten(closed_jaxpr: Any) -> FlatProgram:
     """The step's (closed) jaxpr as a flat, dead-code-free program."""
+    try:
+        hit = _FLAT.get(closed_jaxpr)
+    except TypeError:                  # not weakly referenceable: made each time
+        hit = None
+    if hit is not None:
+        return hit
     fl = _Flattener()
     in_ids = [fl.new(v.aval) for v in closed_jaxpr.jaxpr.invars]
     out_ids = fl.run(closed_jaxpr, in_ids)
     ops = _dce(fl.ops, out_ids)
     V = fl.vars
-    return FlatProgram(
+    prog = FlatProgram(
         vars=tuple(V), ops=tuple(ops), in_ids=tuple(in_ids), out_ids=tuple(out_ids),
         size=np.array([v.size for v in V], dtype=np.int64),
         nbytes=np.array([v.nbytes for v in V], dtype=np.float64),
         on_host=np.array([v.on_host for v in V], dtype=bool))
+    for a in (prog.size, prog.nbytes, prog.on_host):
+        a.setflags(write=False)
+    try:
+        _FLAT[closed_jaxpr] = prog
+    except TypeError:
+        pass
+    return prog
