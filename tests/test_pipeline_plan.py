@@ -285,11 +285,9 @@ def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step():
     assert back.step == plan.step
 
 
-def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them():
-    """A deep MLP stack (48 blocks of d 2048, batch 2048, abstract) on 64 H100s in 8 nodes
-    at 100 Gb/s: with the default `pipeline=None` the planner weighs pipelines itself and
-    chooses one, because it predicts it faster than every unpipelined candidate;
-    `pipeline=False` leaves them out entirely, and its plan is one of those slower ones."""
+def _deep_mlp_on_slow_nodes():
+    """(step, params, opt_state, batch), abstract, of a deep MLP stack (48 blocks of d
+    2048 under `lax.scan`, batch 2048, Adam), and 64 H100s in 8 nodes at 100 Gb/s."""
     S = jax.ShapeDtypeStruct
     layers, d, rows = 48, 2048, 2048
 
@@ -305,7 +303,16 @@ def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them()
     batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
     step = jaxwap.make_train_step(loss, optax.adam(1e-4))
     args = (step, params, jax.eval_shape(step.init, params), batch)
-    nodes = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8, inter_node_bandwidth=12.5e9)
+    return args, jaxwap.Cluster("h100-sxm", 64, devices_per_node=8,
+                                inter_node_bandwidth=12.5e9)
+
+
+def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them():
+    """A deep MLP stack (48 blocks of d 2048, batch 2048, abstract) on 64 H100s in 8 nodes
+    at 100 Gb/s: with the default `pipeline=None` the planner weighs pipelines itself and
+    chooses one, because it predicts it faster than every unpipelined candidate;
+    `pipeline=False` leaves them out entirely, and its plan is one of those slower ones."""
+    args, nodes = _deep_mlp_on_slow_nodes()
     kw = dict(hardware=nodes, verify=0, cache=False, objective="throughput")
 
     chosen = jaxwap.plan(*args, **kw)
@@ -327,22 +334,7 @@ def test_a_stage_keeps_its_stacked_weights_whole_where_the_loop_would_gather_the
     every loop step, forward and backward. The search also prices the stage with its
     stacked weights whole over data (optimizer state ZeRO-1) and takes it where the
     objective prefers it: here the pinned FSDP stage is predicted several times slower."""
-    S = jax.ShapeDtypeStruct
-    layers, d, rows = 48, 2048, 2048
-
-    def loss(p, b):
-        def layer(h, w):
-            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
-        return jnp.mean((h - b["y"]) ** 2)
-
-    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
-                         "down": S((layers, 4 * d, d), jnp.float32)}}
-    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
-    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
-    args = (step, params, jax.eval_shape(step.init, params), batch)
-    nodes = jaxwap.Cluster("h100-sxm", 64, devices_per_node=8, inter_node_bandwidth=12.5e9)
+    args, nodes = _deep_mlp_on_slow_nodes()
     kw = dict(hardware=nodes, verify=0, cache=False, objective="throughput",
               pipeline={"stages": 4}, mesh_shape={"data": 16, "model": 1})
 
