@@ -26,11 +26,7 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
     w = np.empty(graph.live.shape[1])
     w[0] = 1.0 / d
     w[1] = 1.0
-    # by identity: the layers of a deep model share their layouts' objects, and this
-    # runs for every layout a search prices
-    of: dict[int, tuple[float, ...]] = {}
-    div = np.array([of[id(s)] if id(s) in of else of.setdefault(id(s), s.divisors(d // r, m))
-                    for s in strats], dtype=np.float64).reshape(P, -1)
+    div = divisor_rows(strats, d // r, m)
     if r == 1:
         # a layer whose activations XLA moves keeps its weight sharded: nothing whole
         div[sorted(moved_in(graph.layers, strats)), WHOLE] = np.inf
@@ -40,6 +36,15 @@ def memory_weights(graph: Graph, d: int, strats: Sequence[Strategy], m: int,
                           zip(graph.tp_live_param.tolist(), graph.tp_live_kind, strict=True)])
         w[base:] = np.where(split, 1.0 / (d * m), 1.0 / d)
     return w
+
+
+def divisor_rows(strats: Sequence[Strategy], d: int, m: int) -> np.ndarray:
+    """[layouts, classes]: each layout's `Strategy.divisors` on a (d, m) mesh, computed
+    once per layout object (the layers of a deep model share their layouts' objects, and
+    a search weighs thousands of layouts)."""
+    of: dict[int, tuple[float, ...]] = {}
+    return np.array([of[id(s)] if id(s) in of else of.setdefault(id(s), s.divisors(d, m))
+                     for s in strats], dtype=np.float64).reshape(len(strats), NUM_CLASSES)
 
 
 def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
@@ -52,4 +57,4 @@ def peak_memory(graph: Graph, d: int, m: int, strats: Sequence[Strategy],
     return float(per_point[k]), k, float(per_point[k] - per_point[0])
 
 
-__all__ = ["memory_weights", "peak_memory"]
+__all__ = ["divisor_rows", "memory_weights", "peak_memory"]

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxwap.analysis.graph import NUM_CLASSES, Graph
 from jaxwap.core.records import Strategy
-from jaxwap.cost.layout_memory import memory_weights, peak_memory
+from jaxwap.cost.layout_memory import divisor_rows, memory_weights, peak_memory
 from jaxwap.cost.mesh_cost import MeshCosts
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.search.constraints import LayoutRules
@@ -39,12 +39,10 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     cost = np.full((P, S), np.inf)               # time the strategy costs the step
     kind = np.full((P, S), -1, dtype=np.int64)   # tensor-parallel kind: 0 none, 1 col, 2 row
     codes = {"none": 0, "col": 1, "row": 2}
-    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
+    for j, rows in enumerate(_inverse_rows(mc.strategies, d // r, m)):
+        inv[j, :len(rows)] = rows
     for j, strats in enumerate(mc.strategies):
         for s, st in enumerate(strats):
-            if id(st) not in inv_of:
-                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d // r, m))
-            inv[j, s] = inv_of[id(st)]
             host = 2 * mc.host[j][s]
             cost[j, s] = mc.param_time[j][s] + mc.grad_comm[j][s][0] + host
             kind[j, s] = codes[st.tp]
@@ -117,6 +115,17 @@ def repair(graph: Graph, cluster: Cluster, mc: MeshCosts, choice: list[int],
     return choice
 
 
+def _inverse_rows(strategies: Sequence[Sequence[Strategy]], d: int, m: int
+                  ) -> list[np.ndarray]:
+    """Per parameter, [its layouts, classes] of 1 / `Strategy.divisors` (0: not on the
+    device), each layout object's computed once (`layout_memory.divisor_rows`)."""
+    if not strategies:
+        return []
+    inv = 1.0 / divisor_rows([st for strats in strategies for st in strats], d, m)
+    ends = np.cumsum([len(strats) for strats in strategies])
+    return np.split(inv, ends[:-1])
+
+
 def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
                   m: int, activation_share: float = 1.0, r: int = 1
                   ) -> tuple[float, list[int]]:
@@ -126,12 +135,7 @@ def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
     `activation_share` scales the batched values (1/k: k micro-batches, estimated from
     the step as written). With r replicas (HSDP) parameters shard d/r ways."""
     P = len(graph.params)
-    inv_of: dict[int, np.ndarray] = {}      # by identity: the strategies are shared objects
-    for strats in strategies:
-        for st in strats:
-            if id(st) not in inv_of:
-                inv_of[id(st)] = 1.0 / np.asarray(st.divisors(d // r, m))
-    invs = [np.array([inv_of[id(st)] for st in strats]) for strats in strategies]
+    invs = _inverse_rows(strategies, d // r, m)
     floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
     weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
     # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
