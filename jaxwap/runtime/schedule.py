@@ -59,9 +59,10 @@ _VIEWS = frozenset({"all_gather", "broadcast_in_dim", "convert_element_type", "c
 
 
 def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
-    """The stage step's remat policy: save every value except views (`_VIEWS`), so the
-    weights sliced for a step are sliced again in the backward pass instead of being
-    stacked once per loop step. (`jax.checkpoint_policies.save_anything_except_these_names`
+    """The stage step's remat policy, and a gathering layer's: save every value except
+    views (`_VIEWS`), so the weights sliced for a step (gathered for a layer) are sliced
+    (gathered) again in the backward pass instead of being stacked once per loop step
+    (per layer). (`jax.checkpoint_policies.save_anything_except_these_names`
     cannot do it: in jax 0.10.2 it saves everything, names included.)"""
     return prim.name not in _VIEWS
 
