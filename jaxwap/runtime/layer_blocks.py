@@ -22,12 +22,14 @@ written there, and the planner does not offer them on CPUs (`train_step.ladder`)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from jaxwap.analysis.flatten import group_io
 from jaxwap.analysis.primitives import prim_info
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
@@ -205,6 +207,81 @@ def find_repeated_blocks(jaxpr: Jaxpr, n_params: int) -> RepeatedBlocks:
     return search.best()
 
 
+class _Wiring:
+    """Each repeat as a key equal for repeats that compute the same function of their
+    inputs: the same equations (primitive, output shapes, parameters) wired the same way
+    (each input read as the repeat's k-th input, in first-use order, or as the j-th value
+    the repeat made), with equal literals and the same outputs read later. Stricter than
+    `_Signatures`, which finds the repeats: there, parameters compare as text and callables
+    by type, enough to find where layers are; here two repeats with equal keys may run as
+    one traced function, so a callable (a custom derivative rule, a checkpoint policy) or
+    a nested jaxpr's constant must be the very same object, and anything unhashable is
+    compared by identity. Repeats whose keys differ are simply not shared."""
+
+    def __init__(self) -> None:
+        self.jaxprs: dict[int, tuple[Any, Jaxpr]] = {}
+
+    def of_run(self, eqns: Sequence[Any], ins: Sequence[Any], outs: Sequence[Any]
+               ) -> tuple[Any, ...]:
+        ids: dict[Any, Any] = {v: ("in", i) for i, v in enumerate(ins)}
+        made = 0
+        key: list[Any] = []
+        for e in eqns:
+            args = tuple(ids[v] if is_var(v) else self._literal(v) for v in e.invars)
+            for v in e.outvars:
+                if is_var(v):
+                    ids[v], made = made, made + 1
+            key.append((e.primitive.name, args,
+                        tuple((tuple(v.aval.shape), str(v.aval.dtype))
+                              if hasattr(v.aval, "shape") else str(v.aval)
+                              for v in e.outvars),
+                        tuple(sorted((k, self._param(p)) for k, p in e.params.items()))))
+        key.append(tuple(ids[v] if is_var(v) else self._literal(v) for v in outs))
+        return tuple(key)
+
+    def _jaxpr(self, jaxpr: Jaxpr) -> Any:
+        # kept with its jaxpr, so the id stays that jaxpr's while this lives
+        got = self.jaxprs.get(id(jaxpr))
+        if got is None:
+            got = self.jaxprs[id(jaxpr)] = (
+                self.of_run(jaxpr.eqns, [*jaxpr.constvars, *jaxpr.invars], jaxpr.outvars),
+                jaxpr)
+        return got[0]
+
+    def _param(self, v: Any) -> Any:
+        if isinstance(v, ClosedJaxpr):
+            return ("closed", self._jaxpr(v.jaxpr), tuple(("id", id(c)) for c in v.consts))
+        if isinstance(v, Jaxpr):
+            return ("jaxpr", self._jaxpr(v))
+        if isinstance(v, tuple | list):
+            return (type(v).__name__, tuple(self._param(x) for x in v))
+        if callable(v):
+            return ("id", id(v))
+        try:
+            hash(v)
+        except TypeError:
+            return ("id", id(v))
+        return (type(v).__name__, v)
+
+    @staticmethod
+    def _literal(v: Any) -> Any:
+        val = np.asarray(v.val)
+        return ("literal", str(val.dtype), val.shape, val.tobytes())
+
+
+def alike_repeats(jaxpr: Jaxpr, blocks: RepeatedBlocks) -> list[int]:
+    """For each repeat of `blocks` in `jaxpr`, the index of the first repeat that computes
+    the same function of its inputs (`_Wiring`; itself when none before it does), so a
+    rewrite may trace that function once and run it for each of them: JAX's caches of a
+    traced function's derivative and transposition then serve every layer, where tracing
+    each layer afresh costs seconds at 80 layers."""
+    wiring, first_of, out = _Wiring(), {}, []
+    for i, (a, b) in enumerate(blocks.bounds()):
+        ins, outs = group_io(jaxpr, a, b)
+        out.append(first_of.setdefault(wiring.of_run(jaxpr.eqns[a:b], ins, outs), i))
+    return out
+
+
 def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
     """The layers of a loss jaxpr taking (param leaves, batch leaves): its layer scan
     (`find_in_jaxpr`), else an unrolled model's repeated blocks; `NoLayerScan` gives both
@@ -218,4 +295,4 @@ def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | Rep
             raise NoLayerScan(f"{no_scan}; {no_blocks}") from None
 
 
-__all__ = ["RepeatedBlocks", "find_layers", "find_repeated_blocks"]
+__all__ = ["RepeatedBlocks", "alike_repeats", "find_layers", "find_repeated_blocks"]

@@ -31,7 +31,7 @@ from jax.sharding import AxisType
 
 from jaxwap.analysis.flatten import bind, evaluate, group_io, scan_counts
 from jaxwap.core.records import MODEL, STAGE
-from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
+from jaxwap.runtime.layer_blocks import RepeatedBlocks, alike_repeats, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
     LayerScan,
@@ -210,19 +210,27 @@ def _blocks_checkpointed(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[An
     block's recomputation with its forward pass: `prevent_cse` stays on."""
 
     def where(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        groups = {}
-        for first, past in blocks.bounds():
-            ins, outs = group_io(jaxpr, first, past)
-            # the block as a jaxpr of its own, named as the repeat it is
-            info = jaxpr.debug_info._replace(
-                func_src_info=f"repeated block at equations {first}:{past}",
-                arg_names=tuple(f"in{i}" for i in range(len(ins))),
-                result_paths=tuple(f"out{i}" for i in range(len(outs))))
-            part = Jaxpr([], ins, outs, jaxpr.eqns[first:past], effects=frozenset().union(
-                *(e.effects for e in jaxpr.eqns[first:past])), debug_info=info)
-            block = jax.checkpoint(lambda *xs, part=part: evaluate(part, [], xs),
-                                   policy=policy)
-            groups[first] = (past, lambda xs, block=block: block(*xs))
+        groups, checkpointed = {}, []
+        for i, ((first, past), alike) in enumerate(zip(
+                blocks.bounds(), alike_repeats(jaxpr, blocks), strict=True)):
+            if alike != i:
+                # an alike repeat runs its first's function: one trace, whose derivative
+                # and transposition JAX's caches then hold for every layer
+                checkpointed.append(checkpointed[alike])
+            else:
+                ins, outs = group_io(jaxpr, first, past)
+                # the block as a jaxpr of its own, named as the repeat it is
+                info = jaxpr.debug_info._replace(
+                    func_src_info=f"repeated block at equations {first}:{past}",
+                    arg_names=tuple(f"in{j}" for j in range(len(ins))),
+                    result_paths=tuple(f"out{j}" for j in range(len(outs))))
+                part = Jaxpr([], ins, outs, jaxpr.eqns[first:past],
+                             effects=frozenset().union(
+                                 *(e.effects for e in jaxpr.eqns[first:past])),
+                             debug_info=info)
+                checkpointed.append(jax.checkpoint(
+                    lambda *xs, part=part: evaluate(part, [], xs), policy=policy))
+            groups[first] = (past, lambda xs, block=checkpointed[i]: block(*xs))
         return evaluate(jaxpr, consts, args, groups=groups)
 
     args = [*leaves, *jax.tree_util.tree_leaves(batch)]
