@@ -465,3 +465,22 @@ def test_adams_update_is_in_place_and_the_combined_reduction_holds_a_copy(d):
     if d == 2:                       # weights, Adam's moments, gradients and their sums
         assert compiled > 5 * weights
     assert predicted == pytest.approx(compiled, rel=0.05)
+
+
+def test_every_variant_of_a_train_step_traces_the_optimizer_update_once():
+    """The update is one jitted function the step's variants share, so tracing the step
+    restructured (remat, micro-batches) does not trace optax again: jax keeps the trace."""
+    calls = []
+    sgd = optax.sgd(0.1)
+
+    def update(g, state, params=None):
+        calls.append(1)
+        return sgd.update(g, state, params)
+
+    step = jaxwap.make_train_step(lambda p, b: ((b @ p["w"]) ** 2).mean(),
+                                  optax.GradientTransformation(sgd.init, update))
+    params = {"w": np.ones((4, 4), np.float32)}
+    args = (params, step.init(params), np.ones((8, 4), np.float32))
+    for variant in (StepVariant(), StepVariant(micro_batches=2), StepVariant(remat="dots")):
+        jax.make_jaxpr(step.with_variant(variant))(*args)
+    assert len(calls) == 1

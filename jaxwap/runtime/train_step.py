@@ -24,6 +24,7 @@ The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +66,8 @@ class TrainStep:
     restructured; `with_variant` gives the same step restructured another way."""
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, *, has_aux: bool = False,
-                 variant: StepVariant | None = None) -> None:
+                 variant: StepVariant | None = None, _update: Callable[..., Any] | None = None
+                 ) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -75,10 +77,16 @@ class TrainStep:
         self.optimizer = optimizer
         self.has_aux = bool(has_aux)
         self.variant = variant or StepVariant()
+        # the optimizer's update as one jitted function, shared by every variant of the
+        # step: jax keeps its trace by (function, shapes), so the planner's traces of the
+        # step restructured (remat, micro-batches) trace the update once, where tracing
+        # optax over a large model's leaves costs seconds each time; XLA inlines the call
+        self._update = _update or jax.jit(functools.partial(_apply_update, optimizer))
         self.__name__ = getattr(loss_fn, "__name__", "loss_fn") + "_train_step"
 
     def with_variant(self, variant: StepVariant) -> TrainStep:
-        return TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux, variant=variant)
+        return TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux, variant=variant,
+                         _update=self._update)
 
     def init(self, params: Any) -> Any:
         """The optimizer state for `params` (`optimizer.init`)."""
@@ -134,15 +142,20 @@ class TrainStep:
         return loss / k, aux, g
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
-        import optax
-
         loss, aux, g = self.grads(params, batch)
-        updates, opt_state = self.optimizer.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = self._update(g, opt_state, params)
         return params, opt_state, ((loss, aux) if self.has_aux else loss)
 
     def __repr__(self) -> str:
         return f"TrainStep({self.__name__}, {self.variant.describe()})"
+
+
+def _apply_update(optimizer: Any, g: Any, opt_state: Any, params: Any) -> tuple[Any, Any]:
+    """(new params, new optimizer state): the optimizer's update applied."""
+    import optax
+
+    updates, opt_state = optimizer.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _pipelined(fn: Callable[..., Any], variant: StepVariant) -> Callable[..., Any]:
