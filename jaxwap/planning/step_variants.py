@@ -336,11 +336,13 @@ def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
 
 def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None = None
                  ) -> int:
-    """The index of the first count in `micro` worth tracing: counts whose activations
-    alone, estimated from `base` (None: the step as written) at 1/k of its rows, leave no
-    layout within the budget are skipped, each said in `trials.tried` (5% margin for the
-    estimate; the last count is always tried)."""
-    lo, hi = 0, len(micro) - 1
+    """The index of the first count in `micro` worth tracing (`len(micro)`: none is):
+    counts whose activations alone, estimated from `base` (None: the step as written) at
+    1/k of its rows, leave no layout within the budget are skipped, each said in
+    `trials.tried` (5% margin for the estimate, a lower bound: `micro_batch_floor`). The
+    last count is skipped too where its floor is over: tracing a large model again costs
+    seconds and could only confirm the miss."""
+    lo = 0
     base = base if base is not None else trials.plain_graph
     if not micro or base is None:
         return lo
@@ -348,7 +350,7 @@ def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None =
     floor = functools.partial(micro_batch_floor, base, ctx.cluster, trials.usable,
                               offload=options.offload, allowed=trials.rules,
                               num_devices_exact=options.num_devices, mesh=options.mesh)
-    while lo < hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
+    while lo < len(micro) and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
         trials.tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
                             f"device (estimated)")
         lo += 1
