@@ -305,3 +305,88 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
     every = plan()
     assert StepVariant(remat="layer_offload") in traced and len(traced) > len(skipped)
     assert (every.step, every.mesh_shape) == (bounded.step, bounded.mesh_shape)
+
+
+def test_an_unrolled_models_alike_blocks_run_one_traced_checkpoint(unrolled):
+    """The eight layers compute the same function of their own inputs, so the rewrite
+    traces one checkpointed block and runs it for each: every recomputation in the step
+    reads the same jaxpr (JAX's caches of its derivative and transposition then serve all
+    layers, where each traced afresh cost seconds at 80 layers)."""
+    from jaxwap.runtime.layer_blocks import alike_repeats, find_layers
+    from jaxwap.runtime.layer_scan import trace_loss
+
+    step, params, opt, batch = unrolled
+    closed, _ = trace_loss(step.loss_fn, params, batch)
+    found = find_layers(closed.jaxpr, len(jax.tree.leaves(params)), 8)
+    assert alike_repeats(closed.jaxpr, found) == [0] * 8
+    jaxpr = jax.make_jaxpr(step.with_variant(StepVariant(remat="layer_full")))(
+        params, opt, batch).jaxpr
+    remats = [e.params["jaxpr"] for e in jaxpr.eqns
+              if e.primitive.name in ("checkpoint", "remat2")]
+    assert len(remats) == 8 and len({id(j) for j in remats}) == 1
+
+
+def _scaled_mlp(scales):
+    """An unrolled MLP whose layer i also multiplies by the constant scales[i]: repeats
+    equal in shapes and primitives, which differ in a literal where the scales do."""
+    def loss(params, batch):
+        h = batch["x"]
+        for p, s in zip(params, scales, strict=True):
+            h = jax.numpy.tanh(h @ p["w"]) * s + h
+        return ((h - batch["y"]) ** 2).mean()
+
+    rng = np.random.default_rng(0)
+    params = [{"w": rng.normal(0, 0.3, (16, 16)).astype(np.float32)} for _ in scales]
+    batch = {"x": rng.normal(size=(8, 16)).astype(np.float32),
+             "y": rng.normal(size=(8, 16)).astype(np.float32)}
+    return loss, params, batch
+
+
+def test_blocks_that_differ_in_a_constant_are_each_traced_and_keep_their_gradient():
+    """Sharing one trace is only for repeats that compute the same function: layers
+    scaled by different constants are found as repeats (equal shapes) but not alike, and
+    the checkpointed loss's gradient is the plain one's; with equal scales they share."""
+    from jaxwap.runtime.layer_blocks import alike_repeats, find_layers
+    from jaxwap.runtime.layer_scan import trace_loss
+    from jaxwap.runtime.layer_scan_rewrite import layer_remat_loss
+
+    def alike(scales):
+        loss, params, batch = _scaled_mlp(scales)
+        closed, _ = trace_loss(loss, params, batch)
+        found = find_layers(closed.jaxpr, len(params), 8)
+        assert found.count == len(scales)
+        return alike_repeats(closed.jaxpr, found)
+
+    assert alike([0.5, 0.5, 0.5, 0.5]) == [0, 0, 0, 0]
+    assert alike([0.5, 1.5, 0.5, 2.5]) == [0, 1, 0, 3]
+    loss, params, batch = _scaled_mlp([0.5, 1.5, 0.5, 2.5])
+    remat = layer_remat_loss(loss, jax.checkpoint_policies.nothing_saveable)
+    want = jax.grad(loss)(params, batch)
+    got = jax.grad(lambda p, b: remat(p, b))(params, batch)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_no_micro_batch_count_is_traced_where_each_ones_floor_is_over_the_budget(
+        unrolled, monkeypatch):
+    """With a budget below the weights alone on one device, every micro-batch count's
+    floor (a lower bound) is over it: none is traced, the largest included, and the
+    error says each was estimated."""
+    from jaxwap.planning import step_variants
+
+    step, params, opt, batch = unrolled
+    traced = []
+    real_trace = step_variants.trace_layout
+
+    def counted(fn, layout):
+        traced.append(fn.variant)
+        return real_trace(fn, layout)
+
+    monkeypatch.setattr(step_variants, "trace_layout", counted)
+    weights = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    with pytest.raises(MemoryError) as e:
+        jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("h100-sxm", 16),
+                    mesh_shape={"data": 1}, verify=0, cache=False,
+                    memory_budget=0.5 * weights, offload=False)
+    assert traced and all(v.micro_batches == 1 for v in traced), traced
+    assert "8 micro-batches: needs at least" in str(e.value)
