@@ -16,7 +16,7 @@ import pytest
 from benchmarks.models import zoo
 from jaxwap.analysis.flatten import flatten
 from jaxwap.analysis.graph import Graph, analyze
-from jaxwap.analysis.liveness import _live_rows, dense_live_rows
+from jaxwap.analysis.liveness import dense_live_rows, live_rows
 from jaxwap.analysis.primitives import FREE, MATMUL, prim_info
 from jaxwap.analysis.roofline_adapter import roofline_rules
 from jaxwap.analysis.trace import layout_of
@@ -100,7 +100,7 @@ def test_cached_costs_equal_each_equation_priced():
 
 def test_live_rows_equal_the_whole_matrix():
     """The live rows summed only where the first pruning pass keeps them are bit for bit
-    those of pruning the whole matrix."""
+    those of pruning the whole matrix, and so are their changes from row to row."""
     rng = np.random.default_rng(0)
     for _ in range(2000):
         points, n, width = int(rng.integers(1, 60)), int(rng.integers(0, 40)), int(
@@ -109,9 +109,14 @@ def test_live_rows_equal_the_whole_matrix():
         end = np.minimum(begin + rng.integers(1, points + 1, n), points)
         cols = rng.integers(0, width, n)
         nbytes = rng.choice([0.0, 1.0, 4.0, 12.0, 4096.0, 2.0**40], n)
-        fast = _live_rows(points, begin, end, cols, nbytes, width)
+        fast, changes = live_rows(points, begin, end, cols, nbytes, width)
         whole = dense_live_rows(points, begin, end, cols, nbytes, width)
         assert fast.shape == whole.shape and fast.tobytes() == whole.tobytes()
+        if changes is not None:    # the rows' changes, made sparse, are theirs exactly
+            diff = np.diff(whole, axis=0, prepend=np.zeros((1, width)))
+            assert changes.shape == diff.shape
+            assert changes.toarray().tobytes() == diff.tobytes()
+            assert changes.nnz == np.count_nonzero(diff)
 
 
 def test_live_columns_per_block():

@@ -185,6 +185,11 @@ class Graph:
     # (`op_work.OpCosts.attention`, priced at `DeviceSpec.attention_*_efficiency`); left
     # out, none
     attention: np.ndarray | None = field(default=None)
+    # (the `live` array, its changes from row to row) as the memory pass made them
+    # (`liveness.live_rows`), which `live_changes` takes for that array only: a graph
+    # replaced with another `live` computes its own; left out, computed
+    live_delta: tuple[np.ndarray, scipy.sparse.csc_array] | None = field(
+        default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -228,6 +233,8 @@ class Graph:
         model's 4739 x 4016 matrix changes in 16,622 cells: every per-point product is
         then a sparse product and a running sum (`live_at`), not a dense one."""
         live = self.live
+        if self.live_delta is not None and self.live_delta[0] is live:
+            return self.live_delta[1]
         changes = np.empty_like(live)      # (np.diff with prepend= copies it thrice)
         if len(live):
             changes[0] = live[0]
@@ -306,6 +313,7 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
         batched=splits.batched, owner=splits.owner, tp_param=splits.tp_param,
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
+        live_delta=None if mem.changes is None else (mem.live, mem.changes),
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import scipy.sparse
 
 from jaxwap.analysis.dataflow import Dataflow
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
@@ -108,21 +109,26 @@ def gathered_whole(ops: Sequence[FlatOp], nbytes: np.ndarray, layers: Sequence[L
 def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              out_ids: Sequence[int], nbytes: np.ndarray, batched: np.ndarray,
              owner: np.ndarray, vclass: np.ndarray, num_params: int,
-             extra: np.ndarray | None = None, num_extra: int = 0,
+             extra: np.ndarray | None = None, extra_keys: Sequence[Any] = (),
              whole: Sequence[tuple[int, int, int, float]] = (),
-             reduced: Sequence[tuple[int, int, int, float]] = ()) -> np.ndarray:
+             reduced: Sequence[tuple[int, int, int, float]] = ()
+             ) -> tuple[np.ndarray, scipy.sparse.csc_array | None, list[int]]:
     """Live bytes per program point, in buckets [batched, other, then (class, param), then
-    `num_extra` more].
+    one per extra bucket that holds some bytes]; its changes from row to row where
+    `live_rows` gives them (else None); and those extra buckets (indices into
+    `extra_keys`, in the order of their keys).
 
     Row 0 is before the first op; inputs are live from it, outputs to the end. `nbytes`
     is what a value takes in device memory (0 for one in host memory). A batched value
-    whose `extra` is e >= 0 goes to the bucket 2 + NUM_CLASSES * num_params + e instead
-    of the batched one (a bucket a memory plan weighs apart: bytes a tensor-parallel
-    layout also splits). `whole` adds (first op, last op, parameter, bytes) to that
-    parameter's WHOLE bucket from before the first op to after the last: bytes no value of
-    the program holds; `reduced` likewise to the REDUCED bucket
-    (`grad_reductions.reduced_copies`). Every bucket's weight is non-negative, so pruning the points
-    another dominates in every bucket stays exact.
+    whose `extra` is e >= 0 goes to extra bucket e instead of the batched one (a bucket a
+    memory plan weighs apart: bytes a tensor-parallel layout also splits); of the
+    `len(extra_keys)` extra buckets only those some value occupies get a column, so the
+    matrix is built at its final width rather than cut down from all of them. `whole`
+    adds (first op, last op, parameter, bytes) to that parameter's WHOLE bucket from
+    before the first op to after the last: bytes no value of the program holds;
+    `reduced` likewise to the REDUCED bucket (`grad_reductions.reduced_copies`). Every
+    bucket's weight is non-negative, so pruning the points another dominates in every
+    bucket stays exact.
     """
     nv, n, P = len(nbytes), len(ops), num_params
     # (python lists: fast to index one by one)
@@ -170,18 +176,28 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     last = np.array(last, dtype=np.int64)
     materialized = np.array(materialized, dtype=bool)
     base = 2 + NUM_CLASSES * P
-    first = 0 if extra is None else np.where(extra >= 0, base + extra, 0)
-    cols = np.where(batched, first, np.where(owner >= 0, 2 + vclass * P + owner, 1))
     mat = np.flatnonzero(materialized)
+    used: list[int] = []
+    first: Any = 0
+    if extra is not None:
+        held = np.unique(extra[mat][batched[mat] & (extra[mat] >= 0) & (nbytes[mat] > 0)])
+        used = sorted(held.tolist(), key=lambda e: extra_keys[e])
+        column = np.full(max(len(extra_keys), 1), -1, dtype=np.int64)
+        column[used] = base + np.arange(len(used))
+        # an extra bucket no value occupies (nothing there) keeps its bytes batched
+        first = np.where(extra >= 0, column[np.maximum(extra, 0)], 0)
+        first = np.where(first >= 0, first, 0)
+    cols = np.where(batched, first, np.where(owner >= 0, 2 + vclass * P + owner, 1))
     s = np.maximum(start[mat], -1) + 1          # shift: point 0 is "before the first op"
     e = np.maximum(last[mat], start[mat]) + 1
     w = np.array([(*x, WHOLE) for x in whole] + [(*x, REDUCED) for x in reduced],
                  dtype=np.float64).reshape(-1, 5)
-    return _live_rows(n + 2, np.concatenate([s, w[:, 0].astype(np.int64) + 1]),
-                      np.concatenate([e + 1, w[:, 1].astype(np.int64) + 2]),
-                      np.concatenate([cols[mat], 2 + w[:, 4].astype(np.int64) * P
-                                      + w[:, 2].astype(np.int64)]),
-                      np.concatenate([nbytes[mat], w[:, 3]]), base + num_extra)
+    live, changes = live_rows(n + 2, np.concatenate([s, w[:, 0].astype(np.int64) + 1]),
+                              np.concatenate([e + 1, w[:, 1].astype(np.int64) + 2]),
+                              np.concatenate([cols[mat], 2 + w[:, 4].astype(np.int64) * P
+                                              + w[:, 2].astype(np.int64)]),
+                              np.concatenate([nbytes[mat], w[:, 3]]), base + len(used))
+    return live, changes, used
 
 
 @dataclass(frozen=True)
@@ -193,6 +209,7 @@ class StepMemory:
     resident_bytes: np.ndarray
     tp_live_param: np.ndarray
     tp_live_kind: tuple[str, ...]
+    changes: scipy.sparse.csc_array | None = None    # `live`'s, where `live_rows` gave them
 
 
 def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
@@ -212,14 +229,9 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
                            flow.owner, flow.dep)
     device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
     label = np.where(flow.batched, split.label, -1)
-    live = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes, flow.batched,
-                    flow.owner, vclass, num_params, label, len(split.pairs), whole, reduced)
-    base = 2 + NUM_CLASSES * num_params
-    extra = live[:, base:]
-    held = extra.any(axis=0)
-    used = [e for e in sorted(range(len(split.pairs)), key=lambda e: split.pairs[e])
-            if held[e]]
-    live = np.concatenate([live[:, :base], extra[:, used]], axis=1)
+    live, changes, used = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes,
+                                   flow.batched, flow.owner, vclass, num_params, label,
+                                   split.pairs, whole, reduced)
     pairs = [split.pairs[e] for e in used]
     resident = np.zeros(num_params)
     for i, r in zip(prog.in_ids, in_roles, strict=True):
@@ -228,7 +240,8 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
                         dtype=np.int64)
     return StepMemory(live, op_class, resident,
-                      np.array([j for j, _ in pairs], dtype=np.int64), tuple(k for _, k in pairs))
+                      np.array([j for j, _ in pairs], dtype=np.int64), tuple(k for _, k in pairs),
+                      changes)
 
 
 def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
@@ -260,10 +273,14 @@ def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
                 last[r] = k - 1
 
 
-def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
-               nbytes: np.ndarray, width: int, passes: int = 8) -> np.ndarray:
+def live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
+              nbytes: np.ndarray, width: int, passes: int = 8
+              ) -> tuple[np.ndarray, scipy.sparse.csc_array | None]:
     """`prune` of the [points, width] matrix whose column `cols[j]` holds `nbytes[j]` from
-    row `begin[j]` to row `end[j] - 1` (`dense_live_rows`), without building it.
+    row `begin[j]` to row `end[j] - 1` (`dense_live_rows`), without building it; and its
+    changes from each kept row to the next (row 0: itself), sparse, as `Graph.live_changes`
+    wants them (None where the dense path ran), made from the few changes rather than by
+    scanning the matrix (a 1T model's is 370 MB with 25,000 changes).
 
     A deep model has about as many rows as ops and a column per parameter, so the whole
     matrix grows with the square of its depth. But a pruning pass only asks, of each
@@ -280,7 +297,7 @@ def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray
     depth for nothing.)
     """
     if len(nbytes) == 0 or not np.all(nbytes == np.floor(nbytes)):
-        return dense_live_rows(points, begin, end, cols, nbytes, width, passes)
+        return dense_live_rows(points, begin, end, cols, nbytes, width, passes), None
     ev = np.concatenate([begin, end])
     inside = ev < points
     cell = (ev * width + np.concatenate([cols, cols]))[inside]
@@ -293,17 +310,25 @@ def _live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray
     # runs of equal rows start at row 0 and at every row where something changes
     starts = np.unique(np.concatenate([[0], row]))
 
-    def rows_at(at: np.ndarray) -> np.ndarray:
-        """The rows `at` (ascending): each the sum of the changes at or before it."""
+    def rows_at(at: np.ndarray) -> tuple[np.ndarray, scipy.sparse.csc_array]:
+        """The rows `at` (ascending), each the sum of the changes at or before it, and
+        their changes from one to the next (exact: integer sums)."""
         k = np.searchsorted(at, row)
         ok = k < len(at)
-        dense = np.bincount(k[ok] * width + col[ok], weights=net[ok],
-                            minlength=len(at) * width).reshape(len(at), width)
-        return np.cumsum(dense, axis=0, out=dense)
+        cells, where = np.unique(k[ok] * width + col[ok], return_inverse=True)
+        sums = np.bincount(where, weights=net[ok], minlength=len(cells))
+        nz = sums != 0
+        cells, sums = cells[nz], sums[nz]
+        changes = scipy.sparse.csc_array((sums, (cells // width, cells % width)),
+                                         shape=(len(at), width))
+        dense = np.zeros(len(at) * width)
+        dense[cells] = sums
+        dense = dense.reshape(len(at), width)
+        return np.cumsum(dense, axis=0, out=dense), changes
 
     if points < 3:
         counts = np.diff(np.append(starts, points))
-        return np.repeat(rows_at(starts), counts, axis=0)
+        return np.repeat(rows_at(starts)[0], counts, axis=0), None
     # the first pass of `prune` on the runs: a run's rows but its last are <= the next
     # (equal) row; its last is dropped where the next row only grows from it or, when the
     # run is one row, where it only shrinks from the row before
@@ -349,7 +374,7 @@ def _sparse_prune(at: np.ndarray, row: np.ndarray, col: np.ndarray, net: np.ndar
 
 def dense_live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
                     nbytes: np.ndarray, width: int, passes: int = 8) -> np.ndarray:
-    """`prune` of the whole [points, width] matrix `_live_rows` describes, built."""
+    """`prune` of the whole [points, width] matrix `live_rows` describes, built."""
     diff = np.zeros((points + 1, width))
     np.add.at(diff, (begin, cols), nbytes)
     np.add.at(diff, (end, cols), -nbytes)
