@@ -224,18 +224,33 @@ def group_io(jaxpr: Any, first: int, past: int) -> tuple[list[Any], list[Any]]:
     """The values equations `first:past` of `jaxpr` read from before them, and those they
     make that a later equation or the jaxpr's outputs read, each in first-use order: the
     inputs and outputs of that run of equations as one function."""
-    made: set[Any] = set()
-    ins: list[Any] = []
-    for eqn in jaxpr.eqns[first:past]:
+    return group_ios(jaxpr, [(first, past)])[0]
+
+
+def group_ios(jaxpr: Any, bounds: Sequence[tuple[int, int]]
+              ) -> list[tuple[list[Any], list[Any]]]:
+    """`group_io` of each run `(first, past)` in `bounds`, from one pass over the jaxpr
+    for what is read last where: an unrolled model's 100 layers, each asking what every
+    equation after it reads, would read the jaxpr 100 times."""
+    end = len(jaxpr.eqns)
+    last: dict[Any, int] = {v: end for v in jaxpr.outvars if _is_value(v)}
+    for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if _is_value(v) and v not in made and v not in ins:
-                ins.append(v)
-        made.update(eqn.outvars)
-    later = {v for e in jaxpr.eqns[past:] for v in e.invars if _is_value(v)}
-    later.update(v for v in jaxpr.outvars if _is_value(v))
-    outs = [v for e in jaxpr.eqns[first:past] for v in e.outvars
-            if _is_value(v) and v in later]
-    return ins, outs
+            if _is_value(v) and last.get(v, -1) < k:
+                last[v] = k
+    out = []
+    for first, past in bounds:
+        made: set[Any] = set()
+        ins: dict[Any, None] = {}
+        for eqn in jaxpr.eqns[first:past]:
+            for v in eqn.invars:
+                if _is_value(v) and v not in made:
+                    ins.setdefault(v)
+            made.update(eqn.outvars)
+        outs = [v for e in jaxpr.eqns[first:past] for v in e.outvars
+                if _is_value(v) and last.get(v, -1) >= past]
+        out.append((list(ins), outs))
+    return out
 
 
 def _is_value(v: Any) -> bool:
@@ -262,11 +277,14 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     for v, x in (*zip(jaxpr.constvars, consts, strict=True),
                  *zip(jaxpr.invars, args, strict=True)):
         env[v] = x
+    firsts = sorted(groups)
+    ios = dict(zip(firsts, group_ios(jaxpr, [(k, groups[k][0]) for k in firsts]),
+                   strict=True))
     k = 0
     while k < len(jaxpr.eqns):
         if k in groups:
             past, fn = groups[k]
-            ins, outs = group_io(jaxpr, k, past)
+            ins, outs = ios[k]
             env.update(zip(outs, fn([env[v] for v in ins]), strict=True))
             k = past
             continue

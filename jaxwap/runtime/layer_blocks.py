@@ -22,6 +22,7 @@ written there, and the planner does not offer them on CPUs (`train_step.ladder`)
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jaxwap.analysis.flatten import group_io
+from jaxwap.analysis.flatten import group_ios
 from jaxwap.analysis.primitives import prim_info
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
@@ -269,23 +270,46 @@ class _Wiring:
         return ("literal", str(val.dtype), val.shape, val.tobytes())
 
 
-def alike_repeats(jaxpr: Jaxpr, blocks: RepeatedBlocks) -> list[int]:
+def alike_repeats(jaxpr: Jaxpr, blocks: RepeatedBlocks,
+                  ios: Sequence[tuple[list[Any], list[Any]]] | None = None) -> list[int]:
     """For each repeat of `blocks` in `jaxpr`, the index of the first repeat that computes
     the same function of its inputs (`_Wiring`; itself when none before it does), so a
     rewrite may trace that function once and run it for each of them: JAX's caches of a
     traced function's derivative and transposition then serve every layer, where tracing
-    each layer afresh costs seconds at 80 layers."""
+    each layer afresh costs seconds at 80 layers. `ios`: each repeat's `group_io`, where
+    the caller has them."""
+    bounds = blocks.bounds()
+    ios = ios if ios is not None else group_ios(jaxpr, bounds)
     wiring, first_of, out = _Wiring(), {}, []
-    for i, (a, b) in enumerate(blocks.bounds()):
-        ins, outs = group_io(jaxpr, a, b)
+    for i, ((a, b), (ins, outs)) in enumerate(zip(bounds, ios, strict=True)):
         out.append(first_of.setdefault(wiring.of_run(jaxpr.eqns[a:b], ins, outs), i))
     return out
+
+
+# each loss jaxpr's layers, kept while the jaxpr lives: the planner asks again for every
+# per-layer remat variant of a loss `layer_scan.trace_loss` traced once, and the search
+# for repeated blocks walks every equation (a second at 100 layers)
+_LAYERS: weakref.WeakKeyDictionary[Jaxpr, dict[tuple[int, int], Any]] = \
+    weakref.WeakKeyDictionary()
 
 
 def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
     """The layers of a loss jaxpr taking (param leaves, batch leaves): its layer scan
     (`find_in_jaxpr`), else an unrolled model's repeated blocks; `NoLayerScan` gives both
     reasons where there are neither."""
+    known = _LAYERS.setdefault(jaxpr, {})
+    key = (n_params, batch_size)
+    if key not in known:
+        try:
+            known[key] = _find_layers(jaxpr, n_params, batch_size)
+        except NoLayerScan as e:
+            known[key] = e
+    if isinstance(known[key], NoLayerScan):
+        raise NoLayerScan(str(known[key]))
+    return known[key]
+
+
+def _find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
     try:
         return find_in_jaxpr(jaxpr, n_params, batch_size)
     except NoLayerScan as no_scan:

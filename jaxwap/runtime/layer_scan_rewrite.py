@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
-from jaxwap.analysis.flatten import bind, evaluate, group_io, scan_counts
+from jaxwap.analysis.flatten import bind, evaluate, group_ios, scan_counts
 from jaxwap.core.records import MODEL, STAGE
 from jaxwap.runtime.layer_blocks import RepeatedBlocks, alike_repeats, find_layers
 from jaxwap.runtime.layer_scan import (
@@ -211,14 +211,16 @@ def _blocks_checkpointed(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[An
 
     def where(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         groups, checkpointed = {}, []
+        bounds = blocks.bounds()
+        ios = group_ios(jaxpr, bounds)
         for i, ((first, past), alike) in enumerate(zip(
-                blocks.bounds(), alike_repeats(jaxpr, blocks), strict=True)):
+                bounds, alike_repeats(jaxpr, blocks, ios), strict=True)):
             if alike != i:
                 # an alike repeat runs its first's function: one trace, whose derivative
                 # and transposition JAX's caches then hold for every layer
                 checkpointed.append(checkpointed[alike])
             else:
-                ins, outs = group_io(jaxpr, first, past)
+                ins, outs = ios[i]
                 # the block as a jaxpr of its own, named as the repeat it is
                 info = jaxpr.debug_info._replace(
                     func_src_info=f"repeated block at equations {first}:{past}",
