@@ -279,7 +279,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
         env[v] = x
     firsts = sorted(groups)
     ios = dict(zip(firsts, group_ios(jaxpr, [(k, groups[k][0]) for k in firsts]),
-                   strict=True))
+                   strict=True)) if groups else {}
     k = 0
     while k < len(jaxpr.eqns):
         if k in groups:
