@@ -220,18 +220,14 @@ def bind(eqn: Any, ins: Sequence[Any]) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def group_io(jaxpr: Any, first: int, past: int) -> tuple[list[Any], list[Any]]:
-    """The values equations `first:past` of `jaxpr` read from before them, and those they
-    make that a later equation or the jaxpr's outputs read, each in first-use order: the
-    inputs and outputs of that run of equations as one function."""
-    return group_ios(jaxpr, [(first, past)])[0]
-
-
 def group_ios(jaxpr: Any, bounds: Sequence[tuple[int, int]]
               ) -> list[tuple[list[Any], list[Any]]]:
-    """`group_io` of each run `(first, past)` in `bounds`, from one pass over the jaxpr
-    for what is read last where: an unrolled model's 100 layers, each asking what every
-    equation after it reads, would read the jaxpr 100 times."""
+    """For each run of equations `(first, past)` in `bounds`: the values equations
+    `first:past` of `jaxpr` read from before them, and those they make that a later
+    equation or the jaxpr's outputs read, each in first-use order (the inputs and
+    outputs of that run as one function). One pass over the jaxpr says what is read last
+    where: an unrolled model's 100 layers, each asking what every equation after it
+    reads, would read the jaxpr 100 times."""
     end = len(jaxpr.eqns)
     last: dict[Any, int] = {v: end for v in jaxpr.outvars if _is_value(v)}
     for k, eqn in enumerate(jaxpr.eqns):
@@ -265,7 +261,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     gives each equation's results (`bind` by default). How every jaxwap evaluator of a
     traced step runs it again (`stack` restructuring it, `pins` constraining values inside
     it). `groups` maps a first equation index to `(past, fn)`: equations `first:past` are
-    computed at once by `fn` on `group_io`'s inputs, giving its outputs (a checkpointed
+    computed at once by `fn` on `group_ios`' inputs, giving its outputs (a checkpointed
     layer of an unrolled model). Equations bind outside their recorded context
     (`eqn.ctx`): it holds the mesh of the trace that made them, not the one they run in."""
     env: dict[Any, Any] = {}

@@ -276,7 +276,7 @@ def alike_repeats(jaxpr: Jaxpr, blocks: RepeatedBlocks,
     the same function of its inputs (`_Wiring`; itself when none before it does), so a
     rewrite may trace that function once and run it for each of them: JAX's caches of a
     traced function's derivative and transposition then serve every layer, where tracing
-    each layer afresh costs seconds at 80 layers. `ios`: each repeat's `group_io`, where
+    each layer afresh costs seconds at 80 layers. `ios`: each repeat's `group_ios`, where
     the caller has them."""
     bounds = blocks.bounds()
     ios = ios if ios is not None else group_ios(jaxpr, bounds)
