@@ -301,7 +301,8 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
     assert StepVariant(remat="layer_full") in skipped
     assert bounded.step.remat == "layer_full" and bounded.step.micro_batches > 1
     monkeypatch.setattr(step_variants, "_holds_at_least", lambda a, b: False)
-    monkeypatch.setattr(step_variants, "_above_floor", lambda *a, **k: 0)
+    monkeypatch.setattr(step_variants, "_above_floor",
+                        lambda trials, micro, base=None, lo=0, hi=None: lo)
     every = plan()
     assert StepVariant(remat="layer_offload") in traced and len(traced) > len(skipped)
     assert (every.step, every.mesh_shape) == (bounded.step, bounded.mesh_shape)

@@ -177,6 +177,48 @@ def test_ladder_is_micro_batches_that_divide_the_batch():
     assert ladder(8, "gpu") == [StepVariant(micro_batches=k) for k in (2, 4, 8)]
 
 
+def _outer_product_problem(batch):
+    """(step, params, opt_state, batch), abstract: a step whose activations (a per-row
+    outer product, no weight of its own) and weights (FSDP-sharded) weigh alike on 8
+    devices, so that splitting the batch helps until a micro-batch has fewer rows than the
+    data axis has devices, and then hurts (the weights lose that sharding)."""
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"])
+        z = jnp.tanh(h[:, :, None] * h[:, None, :])
+        return jnp.mean((jnp.tanh(z.mean(-1) @ p["w2"]) @ p["w3"] - b["y"]) ** 2)
+
+    f32 = jnp.float32
+    params = {"w1": jax.ShapeDtypeStruct((64, 256), f32),
+              "w2": jax.ShapeDtypeStruct((256, 4096), f32),
+              "w3": jax.ShapeDtypeStruct((4096, 8), f32)}
+    step = jaxwap.make_train_step(loss_fn, optax.adam(1e-3))
+    return step, params, jax.eval_shape(step.init, params), {
+        "x": jax.ShapeDtypeStruct((batch, 64), f32), "y": jax.ShapeDtypeStruct((batch, 8), f32)}
+
+
+def test_the_fewest_micro_batches_are_found_where_more_of_them_need_more_memory(monkeypatch):
+    """Batch 64 on 8 devices, weights only FSDP-sharded: 2, 4 and 8 micro-batches keep the
+    8-device data axis (2.72 MB at 8), 16 and more have too few rows for it and need more
+    again (4.9 MB at 16). With the floor's estimate out of the way, bisection over all
+    counts, as if memory fell with every count, tried 2, then 16, and gave up; taken in
+    runs that keep their meshes, 8 micro-batches are found."""
+    from jaxwap.planning import step_variants
+
+    step, params, opt, batch = _outer_product_problem(64)
+    monkeypatch.setattr(step_variants, "_above_floor",
+                        lambda trials, micro, base=None, lo=0, hi=None: lo)
+    traced = []
+    real = step_variants.trace_layout
+    monkeypatch.setattr(step_variants, "trace_layout",
+                        lambda fn, layout: traced.append(fn.variant.micro_batches)
+                        or real(fn, layout))
+    plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8, verify=0, cache=False,
+                       memory_budget=3e6, strategies=("replicate", "fsdp"), offload=False)
+    assert plan.step.micro_batches == 8 and plan.mesh_shape == {"data": 8, "model": 1}
+    assert plan.predicted.peak_memory_bytes <= 3e6
+    assert traced == [2, 4, 8]    # 2 and 4 need more; no count past 8 is traced
+
+
 def test_whole_step_remat_is_not_credited_so_it_is_not_on_the_ladder():
     """The reason remat left the ladder: the model sees the same peak with or without it
     (the recomputation replays the forward pass at once), so a remat rung never fits where

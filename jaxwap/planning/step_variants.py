@@ -38,6 +38,7 @@ from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder, restructured
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.memory_repair import micro_batch_floor
+from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, plan_pipelines, with_pipelines
 from jaxwap.search.solve import SearchResult
 
@@ -308,13 +309,33 @@ def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | 
 def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
                           base: Graph | None = None, floor: bool = True
                           ) -> FoundVariant | None:
-    """The fewest micro-batches that fit, found by bisection (more micro-batches hold
-    fewer activations at once, so whether k fits is monotone in k): a few traces instead
-    of one per count. Counts below the floor are not traced (`_above_floor`, estimated
-    from `base`: the step as written (None), or for remat rungs, whose activations the
-    step as written does not bound, the step with that remat and no micro-batches;
-    `floor=False` where that step was not traced)."""
-    lo, hi = (_above_floor(trials, micro, base) if floor else 0), len(micro) - 1
+    """The fewest micro-batches that fit: a few traces instead of one per count.
+
+    More micro-batches hold fewer activations at once on a given mesh, but each
+    micro-batch's rows must split evenly over the data axis, so a count whose micro-batch
+    has fewer rows than a wide data axis loses that mesh, and with it the sharding of the
+    weights and optimizer state over those devices: past that count a step can need more
+    per device, not less (a 1T model on 3,072 GPUs fits at 4 micro-batches, not at 16).
+    So the counts are taken in runs that keep the same meshes (`_same_meshes`), where
+    whether a count fits is monotone, and each run is bisected, the next run tried only
+    when none of the last fits. Counts under their floor are not traced (`_above_floor`,
+    estimated from `base`: the step as written (None), or for remat rungs, whose
+    activations the step as written does not bound, the step with that remat and no
+    micro-batches; `floor=False` where that step was not traced)."""
+    for lo, hi in _same_meshes(trials, micro, base):
+        if floor:
+            lo = _above_floor(trials, micro, base, lo, hi)
+        found = _bisected(trials, micro, lo, hi)
+        if found is not None:
+            return found
+    return None
+
+
+def _bisected(trials: _Trials, micro: list[StepVariant], lo: int, hi: int
+              ) -> FoundVariant | None:
+    """The fewest micro-batches among `micro[lo:hi + 1]` that fit, where whether a count
+    fits is monotone: the smallest count first (the likeliest plan where the floor
+    let it through), then bisection."""
     found = None
     mid = lo
     while found is None and lo <= hi:
@@ -334,15 +355,37 @@ def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
     return found
 
 
-def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None = None
-                 ) -> int:
-    """The index of the first count in `micro` worth tracing (`len(micro)`: none is):
-    counts whose activations alone, estimated from `base` (None: the step as written) at
-    1/k of its rows, leave no layout within the budget are skipped, each said in
-    `trials.tried` (5% margin for the estimate, a lower bound: `micro_batch_floor`). The
-    last count is skipped too where its floor is over: tracing a large model again costs
-    seconds and could only confirm the miss."""
-    lo = 0
+def _same_meshes(trials: _Trials, micro: list[StepVariant], base: Graph | None = None
+                 ) -> list[tuple[int, int]]:
+    """`micro`'s counts as runs (first and last index) over which the meshes a plan may
+    use stay the same (`meshes.mesh_shapes`: each micro-batch split evenly over the data
+    axis); one run where no graph is at hand to say."""
+    graph = base if base is not None else trials.plain_graph
+    if not micro:
+        return []
+    if graph is None:
+        return [(0, len(micro) - 1)]
+    cluster, options = trials.ctx.cluster, trials.options
+    node = cluster.node_size if cluster.num_nodes > 1 else None
+    sets = [frozenset(mesh_shapes(trials.usable, graph.batch_size, graph, options.num_devices,
+                                  r.micro_batches, options.mesh, node)[0]) for r in micro]
+    runs, first = [], 0
+    for i in range(1, len(micro) + 1):
+        if i == len(micro) or sets[i] != sets[first]:
+            runs.append((first, i - 1))
+            first = i
+    return runs
+
+
+def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None = None,
+                 lo: int = 0, hi: int | None = None) -> int:
+    """The index of the first count in `micro[lo:hi + 1]` worth tracing (`hi + 1`: none
+    is): counts whose activations alone, estimated from `base` (None: the step as
+    written) at 1/k of its rows, leave no layout within the budget are skipped, each said
+    in `trials.tried` (5% margin for the estimate, a lower bound: `micro_batch_floor`).
+    The last count is skipped too where its floor is over: tracing a large model again
+    costs seconds and could only confirm the miss."""
+    hi = len(micro) - 1 if hi is None else hi
     base = base if base is not None else trials.plain_graph
     if not micro or base is None:
         return lo
@@ -350,7 +393,7 @@ def _above_floor(trials: _Trials, micro: list[StepVariant], base: Graph | None =
     floor = functools.partial(micro_batch_floor, base, ctx.cluster, trials.usable,
                               offload=options.offload, allowed=trials.rules,
                               num_devices_exact=options.num_devices, mesh=options.mesh)
-    while lo < len(micro) and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
+    while lo <= hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
         trials.tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
                             f"device (estimated)")
         lo += 1
