@@ -200,6 +200,35 @@ def test_on_a_gpu_the_planner_checkpoints_an_unrolled_models_blocks(unrolled):
     assert "each layer checkpointed" in plan.explain()
 
 
+def test_selective_remat_is_not_traced_where_the_matmul_outputs_it_keeps_cannot_fit(
+        decoder, monkeypatch):
+    """What selective remat keeps (every layer's weight-matmul outputs) is a lower bound
+    of its predicted peak on one device; with a budget under that bound and over full
+    remat's need, the planner checkpoints with full remat and never traces the selective
+    variant."""
+    from jaxwap.planning import step_variants
+    from jaxwap.runtime.layer_blocks import find_layers, saved_dot_bytes
+    from jaxwap.runtime.layer_scan import trace_loss
+
+    step, params, opt, batch = decoder
+    one = {"hardware": jaxwap.Cluster("cpu", 1), "verify": 0, "cache": False}
+    need = {p: jaxwap.plan(step.with_variant(StepVariant(remat=p)), params, opt, batch,
+                           **one).predicted.peak_memory_bytes
+            for p in ("layer_dots", "layer_full")}
+    closed, _ = trace_loss(step.loss_fn, params, batch)
+    kept = saved_dot_bytes(closed.jaxpr, find_layers(closed.jaxpr, len(jax.tree.leaves(
+        params)), 8))
+    assert need["layer_full"] < kept / 1.1 and kept <= need["layer_dots"]
+    traced = []
+    real = step_variants.trace_layout
+    monkeypatch.setattr(step_variants, "trace_layout",
+                        lambda fn, layout: traced.append(fn.variant.remat) or real(fn, layout))
+    plan = jaxwap.plan(step, params, opt, batch, **one, offload=False,
+                       memory_budget=(need["layer_full"] + kept / 1.1) / 2)
+    assert (plan.step.remat, plan.step.micro_batches) == ("layer_full", 1)
+    assert traced == ["layer_full"]
+
+
 def test_xla_cpu_compiles_checkpointed_unrolled_blocks_to_the_plain_peak(unrolled):
     """Why a CPU's ladder leaves an unrolled model's blocks alone: XLA:CPU computes the
     recomputations ahead of the backward pass, so its compiled peak does not drop (a

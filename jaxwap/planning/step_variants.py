@@ -33,7 +33,7 @@ from jaxwap.decide.verify import Verification
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
-from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
+from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers, saved_dot_bytes
 from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder, restructured
 from jaxwap.search.constraints import LayoutRules
@@ -109,6 +109,7 @@ class _Trials:
         self.plain_graph: Graph | None = None
         self.graphs: dict[StepVariant, Graph] = {}     # every variant traced, by rung
         self.misses: set[StepVariant] = set()          # those that did not fit
+        self.floors: dict[StepVariant, float] = {}     # lower bounds, per device, untraced
 
     def attempt(self, rung: StepVariant) -> FoundVariant | None:
         """Plan one variant; None (and what was tried, and why not) when nothing fits."""
@@ -148,8 +149,14 @@ class _Trials:
         return None
 
     def attempt_unless_bounded(self, rung: StepVariant) -> FoundVariant | None:
-        """`attempt`, except for a rung that holds at least what a rung that did not fit
-        holds on the device (`_holds_at_least`): that is said in `tried`, not traced."""
+        """`attempt`, except for a rung whose floor (`floors`, 5% margin for the estimate)
+        is over the budget, or that holds at least what a rung that did not fit holds on
+        the device (`_holds_at_least`): that is said in `tried`, not traced."""
+        floor = self.floors.get(rung)
+        if floor is not None and floor > 1.05 * self.ctx.budget:
+            self.tried.append(f"{rung.describe()}: needs at least {si(floor, 'B')} per "
+                              f"device (estimated)")
+            return None
         below = next((r for r in self.misses if _holds_at_least(rung, r)), None)
         if below is not None:
             self.tried.append(f"{rung.describe()}: not traced, it keeps on the device at "
@@ -242,6 +249,8 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
                          "their recomputations all ahead of the backward pass, so "
                          "checkpointing them saves nothing there")
         layered = no_layers is None
+        if layered and (kept := _selective_floor(fn, layout, usable)) is not None:
+            trials.floors[StepVariant(remat="layer_dots")] = kept
         fixed = [r for r in rungs if r.micro_batches == 1]
         micro = [r for r in rungs if r.micro_batches > 1]
         found = next((f for f in map(trials.attempt_unless_bounded, fixed) if f is not None),
@@ -270,21 +279,39 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     return found
 
 
-def _layers(fn: TrainStep, layout: ArgLayout) -> tuple[str | None, str | None]:
-    """What the step's loss has to checkpoint layer by layer ("scan": a layer scan,
-    "blocks": an unrolled model's repeated blocks, None) and, for None, why
-    (`layer_blocks.find_layers` on its abstract arguments)."""
+def _loss_layers(fn: TrainStep, layout: ArgLayout) -> tuple[Any, Any] | str:
+    """(the loss's traced jaxpr, its layers: `layer_blocks.find_layers` on the step's
+    abstract arguments), or why there are none."""
     args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
     if kw or len(args) != 3:
-        return None, "the step is not called as step(params, opt_state, batch)"
+        return "the step is not called as step(params, opt_state, batch)"
     params, _, batch = args
     try:
         closed, _ = trace_loss(fn.loss_and_aux(), params, batch)
-        found = find_layers(closed.jaxpr, len(jax.tree_util.tree_leaves(params)),
-                            batch_size_of(batch))
+        return closed, find_layers(closed.jaxpr, len(jax.tree_util.tree_leaves(params)),
+                                   batch_size_of(batch))
     except NoLayerScan as e:
-        return None, f"no layers found ({e})"
-    return ("blocks" if isinstance(found, RepeatedBlocks) else "scan"), None
+        return f"no layers found ({e})"
+
+
+def _layers(fn: TrainStep, layout: ArgLayout) -> tuple[str | None, str | None]:
+    """What the step's loss has to checkpoint layer by layer ("scan": a layer scan,
+    "blocks": an unrolled model's repeated blocks, None) and, for None, why."""
+    got = _loss_layers(fn, layout)
+    if isinstance(got, str):
+        return None, got
+    return ("blocks" if isinstance(got[1], RepeatedBlocks) else "scan"), None
+
+
+def _selective_floor(fn: TrainStep, layout: ArgLayout, usable: int) -> float | None:
+    """A lower bound on what selective per-layer remat (`layer_dots`) holds per device:
+    the weight matmuls' outputs it keeps, every layer's (`layer_blocks.saved_dot_bytes`),
+    split over all `usable` devices (no layout splits them further): a Llama-3-70B
+    written as a loop keeps 28 TB of them at 256 x 8192 tokens, 220 GB on each of 128
+    GPUs, where tracing the variant costs seconds and could only confirm the miss. None
+    where the loss has no layers to say it of."""
+    got = _loss_layers(fn, layout)
+    return None if isinstance(got, str) else saved_dot_bytes(got[0].jaxpr, got[1]) / usable
 
 
 def _holds_at_least(a: StepVariant, b: StepVariant) -> bool:

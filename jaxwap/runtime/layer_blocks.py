@@ -37,6 +37,7 @@ from jaxwap.runtime.layer_scan import (
     LayerScan,
     NoLayerScan,
     called_jaxpr,
+    equation_at,
     find_in_jaxpr,
     is_var,
 )
@@ -319,4 +320,29 @@ def _find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | Re
             raise NoLayerScan(f"{no_scan}; {no_blocks}") from None
 
 
-__all__ = ["RepeatedBlocks", "alike_repeats", "find_layers", "find_repeated_blocks"]
+def saved_dot_bytes(jaxpr: Jaxpr, layers: LayerScan | RepeatedBlocks) -> int:
+    """The bytes, at the batch the loss was traced with, of the outputs of the layers'
+    matmuls without batch dims (`dot_general` with none: the weight matmuls, not
+    attention's), every layer's together: what selective per-layer remat
+    (`dots_with_no_batch_dims_saveable`) keeps from the forward pass to the backward one,
+    all of it live when the forward pass ends. Top-level equations of a layer only, so a
+    lower bound where a layer nests calls."""
+    if isinstance(layers, RepeatedBlocks):
+        inner = jaxpr
+        for k in layers.path:
+            inner = called_jaxpr(inner.eqns[k]).jaxpr
+        eqns = [e for a, b in layers.bounds() for e in inner.eqns[a:b]]
+        times = 1
+    else:
+        eqns = list(equation_at(jaxpr, layers.path).params["jaxpr"].jaxpr.eqns)
+        times = layers.length
+    total = 0
+    for e in eqns:
+        if e.primitive.name == "dot_general" and not e.params["dimension_numbers"][1][0]:
+            aval = e.outvars[0].aval
+            total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    return total * times
+
+
+__all__ = ["RepeatedBlocks", "alike_repeats", "find_layers", "find_repeated_blocks",
+           "saved_dot_bytes"]
