@@ -6,12 +6,14 @@ written twice, beside the published step.
     python -m benchmarks.planning.published --only 18.4B
 
 The yardstick is what experts reached by hand on the same job: Megatron-LM's GPT runs on
-A100-80GB (Narayanan et al., SC'21, Table 1: 1.7 B on 32 GPUs to 1 T on 3,072) and
-MaxText's Llama-3-70B on 128-2,048 H100s (NVIDIA's DGX Cloud benchmarking recipe). Each
-model is written twice:
+A100-80GB (Narayanan et al., SC'21, Table 1: 1.7 B on 32 GPUs to 1 T on 3,072),
+MaxText's Llama-3-70B on 128-2,048 H100s (NVIDIA's DGX Cloud benchmarking recipe) and
+Llama 3's 405B on 8,192 H100s (the Llama 3 paper's Table 4: 126 layers, which no power
+of two of stages divides, on 16 stages). Each model is written twice:
 
 - **expert**: as its experts write it: the blocks stacked and run by `lax.scan`, each
-  block checkpointed (`nn.remat`, full recomputation, as both runs do), and on H100s
+  block checkpointed (`nn.remat`, full recomputation, as Megatron's and MaxText's runs
+  do), and on H100s
   cuDNN's fused attention (MaxText's `cudnn_flash_te`);
 - **newcomer**: a Python loop over the blocks, no remat, attention written out (XLA's).
 
@@ -21,7 +23,8 @@ InfiniBand a GPU between nodes for the A100 runs, as the paper's; the profile's 
 for the H100s) chooses the mesh, the schedule, the remat policy and the micro-batches.
 The plan's step is **predicted** (nothing runs), the published step is **published**
 (Megatron's from its Tflop/s per GPU and the paper's flop count, which counts the
-recomputation: 96 B s l h^2 (1 + s/6h + V/16lh)), the planning time **measured** on the
+recomputation: 96 B s l h^2 (1 + s/6h + V/16lh); Llama 3's from its TFLOP/s per GPU and
+PaLM's model-flop count, `palm_flops`), the planning time **measured** on the
 machine running this. The "balanced" and "energy" columns are what those objectives pick
 among the same plan's candidates (its meshes and power limits), ranked by the planner's
 own rankers. "Published layout predicted" is the expert's model planned on the experts'
@@ -66,6 +69,11 @@ MAXTEXT = ("NVIDIA dgxc-benchmarking, MaxText Llama3 70B recipe 25.02 (catalog.n
            "/orgs/nvidia/teams/dgxc-benchmarking/resources/maxtext-llama3-70b-dgxc-"
            "benchmarking-d): BF16, seq 8192, 2 sequences per GPU, FSDP over 128 GPUs and "
            "data parallel beyond")
+LLAMA3 = ("Llama Team, Meta, The Llama 3 Herd of Models (2024), Table 4: Llama 3 405B on "
+          "8,192 H100s (RoCE, 400 Gb/s per GPU), TP8 x CP1 x PP16 x DP64, seq 8192, 16M "
+          "tokens a batch, 430 TFLOP/s per GPU (BF16 MFU 43%); step from the PaLM model-"
+          "flop count, 6N + 12 L H Q T per token (a causal count, half the attention term, "
+          "makes it 4% shorter)")
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ class Job:
     and the layout its experts chose (for the table; the planner is not told it)."""
 
     name: str
-    family: str                  # "megatron" or "maxtext"
+    family: str                  # "megatron", "maxtext" or "llama3"
     layers: int
     hidden: int
     heads: int
@@ -145,8 +153,29 @@ def maxtext_jobs() -> list[Job]:
             for n, s in published.items()]
 
 
+def palm_flops(params: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
+    """One sequence's model flops as PaLM's MFU counts them (Chowdhery et al., 2022, App.
+    B): 6N per token for the weights and 12 L H Q T for attention, no recomputation."""
+    return seq * (6 * params + 12 * layers * heads * head_dim * seq)
+
+
+def llama3_jobs() -> list[Job]:
+    """Llama 3's 405B pretraining at 8,192 H100s (its Table 4): 126 layers of 16,384, a
+    stack no power of two of stages divides, on Meta's layout of 16 stages."""
+    layers, hidden, heads, kv, ffn, vocab, seq = 126, 16384, 128, 8, 53248, 128256, 8192
+    hd = hidden // heads
+    params = layers * (2 * hidden * hidden + 2 * hidden * kv * hd + 3 * hidden * ffn
+                       + 2 * hidden) + 2 * vocab * hidden + hidden
+    gpus, batch = 8192, 2048
+    step = batch * palm_flops(params, layers, heads, hd, seq) / (430e12 * gpus)
+    return [Job("Llama-3.1-405B, 8192 H100", "llama3", layers, hidden, heads, kv, ffn, vocab,
+                seq, gpus, batch, "h100-sxm", step, "TP8 x PP16 x DP64", LLAMA3,
+                layout=(("mesh_shape", {"data": 64, "model": 8}),
+                        ("pipeline", {"stages": 16})))]
+
+
 def all_jobs() -> list[Job]:
-    return megatron_jobs() + maxtext_jobs()
+    return megatron_jobs() + maxtext_jobs() + llama3_jobs()
 
 
 def quick_jobs() -> list[tuple[Job, int | None]]:
@@ -289,7 +318,8 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         "# Expert plans at scale: jaxwap's plans against published runs", "",
         f"Command: `{command}`. **Predicted**: the plan's step (`jaxwap.plan(..., "
         "objective=\"throughput\", verify=0)`, nothing ran). **Published**: the run's step "
-        "(Megatron's from its Tflop/s per GPU). Planning time **measured** on this machine "
+        "(Megatron's and Llama 3's from their Tflop/s per GPU). Planning time **measured** on "
+        "this machine "
         "(see the record's `cpu`). Expert: scanned blocks, per-block remat, cuDNN attention "
         "on H100s; newcomer: unrolled blocks, no remat, XLA attention. Goals: expert "
         f"{EXPERT_RANGE[0]}-{EXPERT_RANGE[1]}x, newcomer {NEWCOMER_RANGE[0]}-"
