@@ -43,3 +43,20 @@ def test_the_other_objectives_pick_among_the_plans_candidates(rows):
         # energy never picks a point costing more energy than balanced's
         assert r["objectives"]["energy"]["energy_j"] <= \
             r["objectives"]["balanced"]["energy_j"] * (1 + 1e-9)
+
+
+def test_the_llama3_405b_jobs_flop_count_is_of_the_model_it_plans():
+    """The published step of Llama 3's 405B row comes from PaLM's flop count, 6N per
+    token for the weights: N must be the parameter count of the model the planner is
+    given (the zoo's Llama at that shape, untied embedding and head: 405.8 B), and the
+    step what 430 TFLOP/s on each of 8,192 GPUs takes for 2,048 sequences of 8,192."""
+    import jax
+    import numpy as np
+
+    job = published.llama3_jobs()[0]
+    w = job.workload("expert", 8)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(w.params))
+    assert n == pytest.approx(405.8e9, rel=1e-3)
+    hd = job.hidden // job.heads
+    flops = job.global_batch * published.palm_flops(n, job.layers, job.heads, hd, job.seq)
+    assert job.published_step_s == pytest.approx(flops / (430e12 * job.gpus), rel=1e-6)
