@@ -219,6 +219,31 @@ def test_the_fewest_micro_batches_are_found_where_more_of_them_need_more_memory(
     assert traced == [2, 4, 8]    # 2 and 4 need more; no count past 8 is traced
 
 
+def test_no_count_is_traced_past_a_run_of_counts_that_needs_more_than_the_one_before(
+        monkeypatch):
+    """The same step under a budget nothing meets: 2, 4 and 8 micro-batches (8 data
+    devices) need 4.3, 3.24 and 2.72 MB, 16 (4 at most) 4.91 MB, more than 8 did. Past
+    that, each count has fewer devices to shard the weights (32: 9.28 MB, 64: 18 MB), so
+    they are not traced, and the error says why."""
+    from jaxwap.planning import step_variants
+
+    step, params, opt, batch = _outer_product_problem(64)
+    monkeypatch.setattr(step_variants, "_above_floor",
+                        lambda trials, micro, base=None, lo=0, hi=None: lo)
+    traced = []
+    real = step_variants.trace_layout
+    monkeypatch.setattr(step_variants, "trace_layout",
+                        lambda fn, layout: traced.append(fn.variant.micro_batches)
+                        or real(fn, layout))
+    with pytest.raises(MemoryError) as e:
+        jaxwap.plan(step, params, opt, batch, hardware=H100X8, verify=0, cache=False,
+                    memory_budget=2.5e6, strategies=("replicate", "fsdp"), offload=False)
+    assert traced == [2, 4, 8, 16]
+    for k in (32, 64):
+        assert (f"{k} micro-batches: not traced, 16 micro-batches already needed more than 8"
+                in str(e.value))
+
+
 def test_whole_step_remat_is_not_credited_so_it_is_not_on_the_ladder():
     """The reason remat left the ladder: the model sees the same peak with or without it
     (the recomputation replays the forward pass at once), so a remat rung never fits where

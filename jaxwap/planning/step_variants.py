@@ -110,6 +110,7 @@ class _Trials:
         self.graphs: dict[StepVariant, Graph] = {}     # every variant traced, by rung
         self.misses: set[StepVariant] = set()          # those that did not fit
         self.floors: dict[StepVariant, float] = {}     # lower bounds, per device, untraced
+        self.needs: dict[StepVariant, float] = {}      # the least predicted, those traced
 
     def attempt(self, rung: StepVariant) -> FoundVariant | None:
         """Plan one variant; None (and what was tried, and why not) when nothing fits."""
@@ -146,6 +147,7 @@ class _Trials:
             f"needs {si(best.predicted.peak_memory_bytes, 'B')} per device (predicted)"
             if not best.fits else "no candidate fits by XLA's analysis"))
         self.misses.add(rung)
+        self.needs[rung] = float(best.predicted.peak_memory_bytes)
         return None
 
     def attempt_unless_bounded(self, rung: StepVariant) -> FoundVariant | None:
@@ -342,19 +344,36 @@ def _fewest_micro_batches(trials: _Trials, micro: list[StepVariant],
     micro-batch's rows must split evenly over the data axis, so a count whose micro-batch
     has fewer rows than a wide data axis loses that mesh, and with it the sharding of the
     weights and optimizer state over those devices: past that count a step can need more
-    per device, not less (a 1T model on 3,072 GPUs fits at 4 micro-batches, not at 16).
-    So the counts are taken in runs that keep the same meshes (`_same_meshes`), where
-    whether a count fits is monotone, and each run is bisected, the next run tried only
-    when none of the last fits. Counts under their floor are not traced (`_above_floor`,
-    estimated from `base`: the step as written (None), or for remat rungs, whose
-    activations the step as written does not bound, the step with that remat and no
-    micro-batches; `floor=False` where that step was not traced)."""
+    per device, not less (a 1T model with full remat on 3,072 GPUs: 86.8 GB at 4
+    micro-batches, 88.8 at 8, 92.7 at 16). So the counts are taken in runs that keep the
+    same meshes (`_same_meshes`), where whether a count fits is monotone, and each run is
+    bisected; the next run is tried only when none of the last fits, and none once a run
+    needs more than the run before it (from there each count has fewer devices to shard
+    the weights over, and a device holds the same activations, a row of each
+    micro-batch). Counts under their floor are not traced (`_above_floor`, estimated
+    from `base`: the step as written (None), or for remat rungs, whose activations the
+    step as written does not bound, the step with that remat and no micro-batches;
+    `floor=False` where that step was not traced)."""
+    before = None      # the least need of the last run traced
     for lo, hi in _same_meshes(trials, micro, base):
         if floor:
             lo = _above_floor(trials, micro, base, lo, hi)
         found = _bisected(trials, micro, lo, hi)
         if found is not None:
             return found
+        need = min((trials.needs[r] for r in micro[lo:hi + 1] if r in trials.needs),
+                   default=None)
+        if need is not None and before is not None and need >= before[1]:
+            # past the counts that keep the widest data axis, each count halves the
+            # devices sharding the weights while a device's activations stay the same:
+            # a run needing more than the one before is the need turning up for good
+            for r in micro[hi + 1:]:
+                trials.tried.append(
+                    f"{r.describe()}: not traced, {micro[hi].micro_batches} micro-batches "
+                    f"already needed more than {before[0]} (fewer devices to shard the "
+                    f"weights over, the same activations on each)")
+            return None
+        before = before if need is None else (micro[hi].micro_batches, need)
     return None
 
 
