@@ -196,22 +196,29 @@ def _outer_product_problem(batch):
         "x": jax.ShapeDtypeStruct((batch, 64), f32), "y": jax.ShapeDtypeStruct((batch, 8), f32)}
 
 
+def _micro_batches_traced_unfloored(monkeypatch) -> list[int]:
+    """The micro-batch counts the planner traces, in order (filled as it plans), with the
+    floor's estimate out of the way (every count is left to what tracing finds)."""
+    from jaxwap.planning import step_variants
+
+    monkeypatch.setattr(step_variants, "_above_floor",
+                        lambda trials, micro, base=None, lo=0, hi=None: lo)
+    traced: list[int] = []
+    real = step_variants.trace_layout
+    monkeypatch.setattr(step_variants, "trace_layout",
+                        lambda fn, layout: traced.append(fn.variant.micro_batches)
+                        or real(fn, layout))
+    return traced
+
+
 def test_the_fewest_micro_batches_are_found_where_more_of_them_need_more_memory(monkeypatch):
     """Batch 64 on 8 devices, weights only FSDP-sharded: 2, 4 and 8 micro-batches keep the
     8-device data axis (2.72 MB at 8), 16 and more have too few rows for it and need more
     again (4.9 MB at 16). With the floor's estimate out of the way, bisection over all
     counts, as if memory fell with every count, tried 2, then 16, and gave up; taken in
     runs that keep their meshes, 8 micro-batches are found."""
-    from jaxwap.planning import step_variants
-
     step, params, opt, batch = _outer_product_problem(64)
-    monkeypatch.setattr(step_variants, "_above_floor",
-                        lambda trials, micro, base=None, lo=0, hi=None: lo)
-    traced = []
-    real = step_variants.trace_layout
-    monkeypatch.setattr(step_variants, "trace_layout",
-                        lambda fn, layout: traced.append(fn.variant.micro_batches)
-                        or real(fn, layout))
+    traced = _micro_batches_traced_unfloored(monkeypatch)
     plan = jaxwap.plan(step, params, opt, batch, hardware=H100X8, verify=0, cache=False,
                        memory_budget=3e6, strategies=("replicate", "fsdp"), offload=False)
     assert plan.step.micro_batches == 8 and plan.mesh_shape == {"data": 8, "model": 1}
@@ -225,16 +232,8 @@ def test_no_count_is_traced_past_a_run_of_counts_that_needs_more_than_the_one_be
     devices) need 4.3, 3.24 and 2.72 MB, 16 (4 at most) 4.91 MB, more than 8 did. Past
     that, each count has fewer devices to shard the weights (32: 9.28 MB, 64: 18 MB), so
     they are not traced, and the error says why."""
-    from jaxwap.planning import step_variants
-
     step, params, opt, batch = _outer_product_problem(64)
-    monkeypatch.setattr(step_variants, "_above_floor",
-                        lambda trials, micro, base=None, lo=0, hi=None: lo)
-    traced = []
-    real = step_variants.trace_layout
-    monkeypatch.setattr(step_variants, "trace_layout",
-                        lambda fn, layout: traced.append(fn.variant.micro_batches)
-                        or real(fn, layout))
+    traced = _micro_batches_traced_unfloored(monkeypatch)
     with pytest.raises(MemoryError) as e:
         jaxwap.plan(step, params, opt, batch, hardware=H100X8, verify=0, cache=False,
                     memory_budget=2.5e6, strategies=("replicate", "fsdp"), offload=False)
