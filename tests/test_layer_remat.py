@@ -206,7 +206,7 @@ def test_selective_remat_is_not_traced_where_the_matmul_outputs_it_keeps_cannot_
     of its predicted peak on one device; with a budget under that bound and over full
     remat's need, the planner checkpoints with full remat and never traces the selective
     variant."""
-    from jaxwap.planning import step_variants
+    from jaxwap.planning import variant_trials
     from jaxwap.runtime.layer_blocks import find_layers, saved_dot_bytes
     from jaxwap.runtime.layer_scan import trace_loss
 
@@ -220,8 +220,8 @@ def test_selective_remat_is_not_traced_where_the_matmul_outputs_it_keeps_cannot_
         params)), 8))
     assert need["layer_full"] < kept / 1.1 and kept <= need["layer_dots"]
     traced = []
-    real = step_variants.trace_layout
-    monkeypatch.setattr(step_variants, "trace_layout",
+    real = variant_trials.trace_layout
+    monkeypatch.setattr(variant_trials, "trace_layout",
                         lambda fn, layout: traced.append(fn.variant.remat) or real(fn, layout))
     plan = jaxwap.plan(step, params, opt, batch, **one, offload=False,
                        memory_budget=(need["layer_full"] + kept / 1.1) / 2)
@@ -305,7 +305,7 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
     full remat keeps, is not traced; micro-batched full remat is bisected from the counts
     the full-remat step's activations, at 1/k of the rows, leave room for. The plan is
     the one tracing every rung gives."""
-    from jaxwap.planning import step_variants
+    from jaxwap.planning import micro_batch_search, variant_trials
 
     step, params, opt, batch = unrolled
     gpu = jaxwap.Cluster("h100-sxm", 16)
@@ -313,7 +313,7 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
     full = jaxwap.plan(step.with_variant(StepVariant(remat="layer_full")), params, opt,
                        batch, **one).predicted.peak_memory_bytes
     traced = []
-    real_trace = step_variants.trace_layout
+    real_trace = variant_trials.trace_layout
 
     def counted(fn, layout):
         traced.append(fn.variant)
@@ -323,14 +323,14 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
         traced.clear()
         return jaxwap.plan(step, params, opt, batch, **one, memory_budget=0.7 * full)
 
-    monkeypatch.setattr(step_variants, "trace_layout", counted)
+    monkeypatch.setattr(variant_trials, "trace_layout", counted)
     bounded = plan()
     skipped = list(traced)
     assert StepVariant(remat="layer_offload") not in skipped
     assert StepVariant(remat="layer_full") in skipped
     assert bounded.step.remat == "layer_full" and bounded.step.micro_batches > 1
-    monkeypatch.setattr(step_variants, "_holds_at_least", lambda a, b: False)
-    monkeypatch.setattr(step_variants, "_above_floor",
+    monkeypatch.setattr(variant_trials, "holds_at_least", lambda a, b: False)
+    monkeypatch.setattr(micro_batch_search, "_above_floor",
                         lambda trials, micro, base=None, lo=0, hi=None: lo)
     every = plan()
     assert StepVariant(remat="layer_offload") in traced and len(traced) > len(skipped)
@@ -402,17 +402,17 @@ def test_no_micro_batch_count_is_traced_where_each_ones_floor_is_over_the_budget
     """With a budget below the weights alone on one device, every micro-batch count's
     floor (a lower bound) is over it: none is traced, the largest included, and the
     error says each was estimated."""
-    from jaxwap.planning import step_variants
+    from jaxwap.planning import variant_trials
 
     step, params, opt, batch = unrolled
     traced = []
-    real_trace = step_variants.trace_layout
+    real_trace = variant_trials.trace_layout
 
     def counted(fn, layout):
         traced.append(fn.variant)
         return real_trace(fn, layout)
 
-    monkeypatch.setattr(step_variants, "trace_layout", counted)
+    monkeypatch.setattr(variant_trials, "trace_layout", counted)
     weights = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
     with pytest.raises(MemoryError) as e:
         jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("h100-sxm", 16),

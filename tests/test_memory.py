@@ -199,13 +199,13 @@ def _outer_product_problem(batch):
 def _micro_batches_traced_unfloored(monkeypatch) -> list[int]:
     """The micro-batch counts the planner traces, in order (filled as it plans), with the
     floor's estimate out of the way (every count is left to what tracing finds)."""
-    from jaxwap.planning import step_variants
+    from jaxwap.planning import micro_batch_search, variant_trials
 
-    monkeypatch.setattr(step_variants, "_above_floor",
+    monkeypatch.setattr(micro_batch_search, "_above_floor",
                         lambda trials, micro, base=None, lo=0, hi=None: lo)
     traced: list[int] = []
-    real = step_variants.trace_layout
-    monkeypatch.setattr(step_variants, "trace_layout",
+    real = variant_trials.trace_layout
+    monkeypatch.setattr(variant_trials, "trace_layout",
                         lambda fn, layout: traced.append(fn.variant.micro_batches)
                         or real(fn, layout))
     return traced
