@@ -15,8 +15,8 @@ from jaxwap.search.meshes import mesh_shapes
 
 
 def fewest_micro_batches(trials: Trials, micro: list[StepVariant],
-                          base: Graph | None = None, floor: bool = True
-                          ) -> FoundVariant | None:
+                         base: Graph | None = None, floor: bool = True
+                         ) -> FoundVariant | None:
     """The fewest micro-batches that fit: a few traces instead of one per count.
 
     More micro-batches hold fewer activations at once on a given mesh, but each
@@ -102,15 +102,14 @@ def _same_meshes(trials: Trials, micro: list[StepVariant], base: Graph | None = 
     return runs
 
 
-def _above_floor(trials: Trials, micro: list[StepVariant], base: Graph | None = None,
-                 lo: int = 0, hi: int | None = None) -> int:
+def _above_floor(trials: Trials, micro: list[StepVariant], base: Graph | None, lo: int,
+                 hi: int) -> int:
     """The index of the first count in `micro[lo:hi + 1]` worth tracing (`hi + 1`: none
     is): counts whose activations alone, estimated from `base` (None: the step as
     written) at 1/k of its rows, leave no layout within the budget are skipped, each said
     in `trials.tried` (5% margin for the estimate, a lower bound: `micro_batch_floor`).
     The last count is skipped too where its floor is over: tracing a large model again
     costs seconds and could only confirm the miss."""
-    hi = len(micro) - 1 if hi is None else hi
     base = base if base is not None else trials.plain_graph
     if not micro or base is None:
         return lo
