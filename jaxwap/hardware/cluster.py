@@ -161,6 +161,12 @@ class Cluster:
         """Devices that share one node's links (all of them in a flat cluster)."""
         return self.num_devices if self.devices_per_node is None else self.devices_per_node
 
+    @property
+    def mesh_node_size(self) -> int | None:
+        """The node size a mesh's model axis must stay inside (`meshes.mesh_shapes`), or
+        None for a cluster of one node, whose every axis stays inside it."""
+        return self.node_size if self.num_nodes > 1 else None
+
     def devices_in_node(self, size: int, stride: int = 1) -> int:
         """Of a group of `size` devices `stride` apart in the device numbering (a mesh
         axis: the last axis has stride 1, the one before it the last axis's size), how

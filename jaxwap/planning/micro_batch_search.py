@@ -90,8 +90,7 @@ def _same_meshes(trials: Trials, micro: list[StepVariant], base: Graph | None = 
         return []
     if graph is None:
         return [(0, len(micro) - 1)]
-    cluster, options = trials.ctx.cluster, trials.options
-    node = cluster.node_size if cluster.num_nodes > 1 else None
+    options, node = trials.options, trials.ctx.cluster.mesh_node_size
     sets = [frozenset(mesh_shapes(trials.usable, graph.batch_size, graph, options.num_devices,
                                   r.micro_batches, options.mesh, node)[0]) for r in micro]
     runs, first = [], 0

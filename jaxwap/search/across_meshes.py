@@ -72,7 +72,7 @@ def _usable_shapes(graph: Graph, cluster: Cluster, num_devices: int,
     """The (d, m) meshes to solve, and why the others were skipped: the meshes the devices
     and the batch allow (only `mesh`, when given) where every pin can hold. None usable
     is an error that says why, each mesh's own reason."""
-    node = cluster.node_size if cluster.num_nodes > 1 else None
+    node = cluster.mesh_node_size
     shapes, skipped = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                                   micro_batches, mesh, node)
     unpinned = [(dm, pins_hold(graph, allowed, *dm, offload)) for dm in shapes]

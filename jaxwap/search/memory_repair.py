@@ -157,7 +157,7 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     step split into `micro_batches` could reach on any mesh: the activations held at once
     shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
     fit."""
-    node = cluster.node_size if cluster.num_nodes > 1 else None
+    node = cluster.mesh_node_size
     shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                             micro_batches, mesh, node)
     best = float("inf")

@@ -272,7 +272,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     stacked = set(scan.stacked)
     meshes = [dm for size in sizes for dm in mesh_shapes(
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
-        node_size=cluster.node_size if cluster.num_nodes > 1 else None)[0]
+        node_size=cluster.mesh_node_size)[0]
         if pins_hold(graph, rules, *dm, options.offload) is None]
     remat = "stage" if stage_remat else "none"
     best: MeshResult | None = None
