@@ -328,9 +328,7 @@ def saved_dot_bytes(jaxpr: Jaxpr, layers: LayerScan | RepeatedBlocks) -> int:
     all of it live when the forward pass ends. Top-level equations of a layer only, so a
     lower bound where a layer nests calls."""
     if isinstance(layers, RepeatedBlocks):
-        inner = jaxpr
-        for k in layers.path:
-            inner = called_jaxpr(inner.eqns[k]).jaxpr
+        inner = called_jaxpr(equation_at(jaxpr, layers.path)).jaxpr if layers.path else jaxpr
         eqns = [e for a, b in layers.bounds() for e in inner.eqns[a:b]]
         times = 1
     else:
