@@ -255,7 +255,10 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     """`_best_for_stages`' search for one kind of loop step: keeping what its layers
     keep, or (`stage_remat`) its input alone; what the stack keeps for the backward
     pass (`_stack_live`, with no layout splitting it); the stage graph; and whether the
-    budget binds (a candidate that does not fit ranks above the best one that does)."""
+    budget binds: a candidate that does not fit ranks above the best one that does, or
+    the best one's layouts hold something in host memory, which no layout does but to fit
+    (its PCIe transfers never save time): the stage step had less room than its fastest
+    layouts need, which a loop keeping only its inputs may give it."""
     # the stage step at the rows the layers outside the stack see (the batch is split
     # over stage x data), and again with twice the layers: what the stack's k layers
     # keep for the backward pass is the difference (the pipeline keeps it for all its
@@ -296,7 +299,9 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
                 best = cand
             if free is None or _ranks_above(cand, free, objective, cluster):
                 free = cand
-    return best, stack_live, graph, free is not None and not free.fits
+    binds = free is not None and not free.fits or (
+        best is not None and best.fits and any(s.offload for s in best.strategies))
+    return best, stack_live, graph, binds
 
 
 def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacked: set[int],
@@ -306,9 +311,15 @@ def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacke
     """The stage step solved on (d, m) under `rules` and each schedule in `variants`
     priced on its layouts (`_candidates`; none where no layout uses the model axis). The
     stage's layouts must leave room for the least the loop holds beside them; what the
-    loop holds depends on those layouts (the weights a loop step slices), so where none
-    of the schedules fits, the stage is solved again with that much less room
-    (`RESOLVES` times at most)."""
+    loop holds depends on those layouts (the weights a loop step slices, the reordered
+    copy of an uneven or circular stack), so where none of the schedules fits, the stage
+    is solved again with `over` less room than its layouts needed (`RESOLVES` times at
+    most). Less room than the stage step was given would change nothing where the step
+    was well within it, its need small beside what the loop holds of its share: Llama 3
+    405B on Meta's 16 stages x TP8 (126 layers, 8 a stage) needed 45.7 GB of 68.3 GB of
+    room and the loop 28.2 GB more, 1.9 GB over 72 GB, and three solves within 68.3, 66.4
+    and 64.5 GB returned the same layouts; asked for 43.8 GB, the step shards more (its
+    embedding, first) and the pipeline fits."""
     row = scan.carry_row_bytes / carry_split(scan, m)
     room = budget - min(loop_memory(stack_live, row, B, d, v) for v in variants)
     out: list[MeshResult] = []
@@ -324,7 +335,7 @@ def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacke
         over = min(c.predicted.peak_memory_bytes for c in cands) - budget
         if any(c.fits for c in cands) or over <= 0 or not stage.fits:
             break
-        room -= over
+        room = min(room, stage.predicted.peak_memory_bytes) - over
     return out
 
 
