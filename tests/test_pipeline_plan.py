@@ -515,6 +515,6 @@ def test_a_pipelined_plan_never_gets_slower_as_the_memory_budget_grows(layers, p
         assert plan.step.stages == 4 and plan.predicted.peak_memory_bytes <= budget
         steps.append((float(budget), plan.predicted.step_time_s))
     assert len(steps) > 10       # the sweep reaches plans that fit
-    for (b0, t0), (b1, t1) in zip(steps, steps[1:]):
+    for (b0, t0), (b1, t1) in zip(steps, steps[1:], strict=False):
         assert t1 <= t0 * (1 + 1e-9), f"{t1 * 1e3:.3f} ms at {b1 / 1e9:.2f} GB > " \
                                       f"{t0 * 1e3:.3f} ms at {b0 / 1e9:.2f} GB"
