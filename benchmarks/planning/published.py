@@ -340,6 +340,8 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
     lines.append("")
     for written in WRITINGS:
         w = s[written]
+        if not w["rows"]:                   # --written: the other writing was not run
+            continue
         med = "-" if w["median_ratio"] is None else f"{w['median_ratio']:.2f}x"
         lines.append(f"- {written}: {w['planned']} of {w['rows']} rows planned, "
                      f"{w['in_goal']} within the goal, median ratio {med}, slowest planning "

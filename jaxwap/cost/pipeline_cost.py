@@ -36,7 +36,10 @@ module adds what pipelining changes:
   four collectives of the local batch's activation over the stage axis, which block;
 - **memory**: the loop keeps the stack's residuals for every micro-batch (p times what
   the stage step on batch / p rows kept: the difference between that step with 2 L / p
-  layers and with L / p), and for its bubble steps too ((p - 1) / (m r) more), its
+  layers and with L / p; each layer's input, all a checkpointed layer keeps, 1/s of it
+  where the loop keeps its activations split s ways over the model axis, as XLA
+  propagates that split into the stage's layers: `pipeline_shapes.inputs_split`), and
+  for its bubble steps too ((p - 1) / (m r) more), its
   micro-batch buffers (input, round buffer, output, the summed output: four activations
   of the local batch; two for GPipe, which has no round buffer to hold forward and
   backward), one chunk's weight gradient, which the backward `lax.cond` hands

@@ -34,6 +34,7 @@ from jaxwap.core.records import MODEL, STAGE
 from jaxwap.runtime.layer_blocks import RepeatedBlocks, alike_repeats, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
+    REMAT_PRIMITIVES,
     LayerScan,
     NoLayerScan,
     abstract_values,
@@ -69,6 +70,17 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
                          replace=(replace[0][1:], replace[1]) if here else None)
         if in_stage and name in _STAGE_IDENTITY:
             return ins
+        if in_stage and name in REMAT_PRIMITIVES:
+            # the user's checkpoint made again around its body evaluated in the stage: its
+            # jaxpr was traced on the whole program's mesh, which a stage's manual axes do
+            # not match (a layer gathered inside a stage failed to lower: a reduce-scatter
+            # under it saw both meshes)
+            inner = eqn.params["jaxpr"]
+            body, consts = ((inner.jaxpr, inner.consts) if isinstance(inner, ClosedJaxpr)
+                            else (inner, ()))
+            return jax.checkpoint(lambda *a: _eval(body, consts, a, in_stage=True),
+                                  policy=eqn.params.get("policy"),
+                                  prevent_cse=eqn.params.get("prevent_cse", True))(*ins)
         return bind(eqn, ins)
 
     return evaluate(jaxpr, consts, args, run)

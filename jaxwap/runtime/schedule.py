@@ -37,34 +37,25 @@ The planner's side is `runtime.layer_scan` (finding the scan), `runtime.layer_sc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxwap.core.records import STAGE, bubble_idles
 from jaxwap.runtime.stage_layout import carry_split_dim, chunking, micro_join, micro_split
-
-# Primitives whose outputs the stage step's checkpoint recomputes rather than keeps: views
-# of other values, so their sources are kept (or, for the weights, held by the loop anyway).
-# A layer's weights gathered over the data axes (FSDP inside a stage) are gathered again
-# for the backward pass too, as FSDP does: kept, they would be the whole chunk per loop step.
-_VIEWS = frozenset({"all_gather", "broadcast_in_dim", "convert_element_type", "copy",
-                    "dynamic_slice", "gather", "name", "reshape", "slice", "squeeze",
-                    "transpose"})
-
-
-def _keep_all_but_views(prim: Any, *_: Any, **__: Any) -> bool:
-    """The stage step's remat policy, and a gathering layer's: save every value except
-    views (`_VIEWS`), so the weights sliced for a step (gathered for a layer) are sliced
-    (gathered) again in the backward pass instead of being stacked once per loop step
-    (per layer). (`jax.checkpoint_policies.save_anything_except_these_names`
-    cannot do it: in jax 0.10.2 it saves everything, names included.)"""
-    return prim.name not in _VIEWS
+from jaxwap.runtime.stage_policy import (
+    LAYER_INPUT,
+    keep_all_but_views,
+    layer_policy,
+    stage_policy,
+)
 
 
 def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
@@ -109,10 +100,13 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     activations it holds and sends (the micro-batches, the round buffer, the outputs,
     each loop step's input and output) split, along the first dim of a row that divides
     (`carry_split_dim`: a transformer's sequence, as Megatron's sequence parallelism
-    splits it); a stage's layers get them whole (XLA gathers them at the chunk's entry,
-    and can reduce-scatter the chunk's last tensor-parallel sum where it all-reduced it).
-    The loop's buffers and the stage-to-stage sends are then 1/size of the local batch's
-    activation. Ignored where the mesh lacks the axis or no dim divides."""
+    splits it), and so does a stage's chunk between its layers: each layer's output is
+    kept split, so the input a layer keeps for its backward pass (all a checkpointed
+    layer keeps) is 1/size of it on each device, and XLA gathers it inside the layer
+    where its matmuls need it whole and reduce-scatters the layer's tensor-parallel sum
+    where it would all-reduce it (the same bytes). The loop's buffers, the stage-to-stage
+    sends and the layers' kept inputs are then 1/size of the local batch's activation.
+    Ignored where the mesh lacks the axis or no dim divides."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -131,12 +125,13 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
         p = _check_schedule(here, m, r)
         c, a = _slots(params, layers, p, r)
         skip = bubble_idles(stage_remat, r)
-        stage_step = _stage_step(layer, r, manual, param_specs, stage_remat, a < p * r, skip)
-        params, specs = _stage_specs(params, param_specs, mesh, here, manual)
         split = None
         if carry_axis in here.axis_names and carry_axis not in manual:
             dim = carry_split_dim(x.shape[1:], here.shape[carry_axis])
             split = None if dim is None else (dim, carry_axis)
+        stage_step = _stage_step(layer, r, manual, param_specs, stage_remat, a < p * r, skip,
+                                 split)
+        params, specs = _stage_specs(params, param_specs, mesh, here, manual)
         staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a, split, skip), mesh=mesh,
                                in_specs=(specs, batch_spec, *(P() for _ in consts)),
                                out_specs=batch_spec, check_vma=False,
@@ -163,13 +158,24 @@ def _slots(params: Any, layers: int | None, p: int, r: int) -> tuple[int, int]:
     return c, a
 
 
+def _kept_split(v: jax.Array, lead: int, split: tuple[int, str] | None) -> jax.Array:
+    """`v`, with `lead` dims before its row, kept split as `split` (a row dim, a mesh
+    axis left to XLA) asks; as it is for None."""
+    if split is None:
+        return v
+    spec: list[str | None] = [None] * v.ndim
+    spec[lead + split[0]] = split[1]
+    return lax.with_sharding_constraint(v, P(*spec))
+
+
 def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
                 param_specs: Any, stage_remat: bool = False,
-                uneven: bool = False, skip: bool = True) -> Callable[..., jax.Array]:
+                uneven: bool = False, skip: bool = True,
+                split: tuple[int, str] | None = None) -> Callable[..., jax.Array]:
     """`stage_step(chunks, q, h, busy, consts, count)`: round q's chunk of a stage's
     layers on `h` where `busy` (with `uneven`, its first `count` slots; the rest are
     empty and skipped), `h` as it is in the bubble (under `lax.cond`, so an idle device
-    idles), checkpointed to keep everything but views (`_keep_all_but_views`: the weights
+    idles), checkpointed to keep everything but views (`keep_all_but_views`: the weights
     are sliced again in the backward pass rather than kept once per loop step), or with
     `stage_remat` nothing (its inputs alone: `h`, the round and whether it is busy; the
     stage's share is the loop's, not the step's). Each layer's weights are gathered whole
@@ -183,7 +189,16 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
     compiled temporaries fell from 2.28 stage shares to 1.29, with or without stage
     remat; the circular schedule's did not move (its round's chunk is a dynamic slice of
     the share, whose gradient is a share-sized buffer either way). The price: the device
-    computes in the bubble instead of idling."""
+    computes in the bubble instead of idling.
+
+    `split`: each layer's output kept split so (`pipelined`'s `carry_axis`: sequence
+    parallelism between the chunk's layers). XLA:CPU's sharding propagation already
+    carries the loop's split into the layers (2 stages x 2 data x 2 model: the same
+    compiled temporaries without the constraint); the constraint pins it for compilers
+    that would gather it earlier. `inner`: the policy of the checkpoint the
+    layer is written under (`stage_policy.layer_policy`); the step then keeps each
+    layer's input and what that policy keeps inside it, as the layer would outside a
+    stage, not everything (`stage_policy.stage_policy`)."""
 
     def gather_layer(w: Any) -> Any:
         """One layer's weights whole over the loop's own axes (`param_specs`' data
@@ -205,7 +220,7 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
     # scan would otherwise keep each layer's gathered weights for its backward pass,
     # stacked (the whole chunk, gathered, in each loop step's backward pass: FSDP's
     # saving gone); so each layer gathers its weights again there, as FSDP does
-    gathered_layer = jax.checkpoint(one_layer, policy=_keep_all_but_views, prevent_cse=False)
+    gathered_layer = jax.checkpoint(one_layer, policy=keep_all_but_views, prevent_cse=False)
 
     def gathers(chunk: Any) -> bool:
         if param_specs is None:
@@ -213,32 +228,50 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
         specs = jax.tree.structure(chunk).flatten_up_to(param_specs)
         return any(axis in manual for spec in specs for axis in spec)
 
-    def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...],
-                   count: jax.Array) -> jax.Array:
-        one_layer_ = gathered_layer if gathers(chunk) else one_layer
+    def run_layers(chunk: Any, h: jax.Array, consts: tuple[Any, ...], count: jax.Array,
+                   named: bool = False) -> jax.Array:
+        layer_ = gathered_layer if gathers(chunk) else one_layer
+
+        def one_layer_(w: Any, c: jax.Array, consts: tuple[Any, ...]) -> jax.Array:
+            return layer_(w, checkpoint_name(c, LAYER_INPUT) if named else c, consts)
         if not uneven:
-            return lax.scan(lambda c, w: (one_layer_(w, c, consts), None), h, chunk)[0]
+            return lax.scan(lambda c, w: (_kept_split(one_layer_(w, c, consts), 1, split),
+                                          None), h, chunk)[0]
         slots = jax.tree.leaves(chunk)[0].shape[0]
 
         def slot(c: jax.Array, wj: tuple[Any, jax.Array]) -> tuple[jax.Array, None]:
             w, j = wj
-            return lax.cond(j < count, one_layer_, idle, w, c, consts), None
+            return _kept_split(lax.cond(j < count, one_layer_, idle, w, c, consts), 1,
+                               split), None
         return lax.scan(slot, h, (chunk, jnp.arange(slots)))[0]
 
     def idle(chunk: Any, h: jax.Array, consts: tuple[Any, ...], *_: Any) -> jax.Array:
         return h
 
     def stage_step(chunks: Any, q: jax.Array, h: jax.Array, busy: jax.Array,
-                   consts: tuple[Any, ...], count: jax.Array) -> jax.Array:
+                   consts: tuple[Any, ...], count: jax.Array, named: bool) -> jax.Array:
         """Round q's chunk of this stage's layers on `h`, or nothing outside the work."""
         chunk = jax.tree.map(lambda c: c[0] if r == 1 else c[q], chunks)
+        run = functools.partial(run_layers, named=named)
         if not skip:
-            return jnp.where(busy, run_layers(chunk, h, consts, count), h)
-        return lax.cond(busy, run_layers, idle, chunk, h, consts, count)
+            return jnp.where(busy, run(chunk, h, consts, count), h)
+        return lax.cond(busy, run, idle, chunk, h, consts, count)
 
-    # inside the loop, CSE across steps cannot happen anyway: no barriers needed
-    policy = jax.checkpoint_policies.nothing_saveable if stage_remat else _keep_all_but_views
-    return jax.checkpoint(stage_step, policy=policy, prevent_cse=False)
+    def checkpointed(chunks: Any, q: jax.Array, h: jax.Array, busy: jax.Array,
+                     consts: tuple[Any, ...], count: jax.Array) -> jax.Array:
+        if stage_remat:
+            policy, named = jax.checkpoint_policies.nothing_saveable, False
+        else:
+            # the checkpoint the layer is written under, found on one layer as the loop
+            # runs it (inside the stage's shard_map: a layer cut from a traced program
+            # binds on the stage's manual mesh only)
+            inner = layer_policy(one_layer, [jax.tree.map(lambda c: c[0, 0], chunks), h,
+                                             consts])
+            policy, named = stage_policy(inner), inner is not None
+        # inside the loop, CSE across steps cannot happen anyway: no barriers needed
+        return jax.checkpoint(functools.partial(stage_step, named=named), policy=policy,
+                              prevent_cse=False)(chunks, q, h, busy, consts, count)
+    return checkpointed
 
 
 def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: int,
@@ -258,12 +291,7 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: 
     put 0 x NaN into the weights' gradient)."""
 
     def keep(v: jax.Array, lead: int) -> jax.Array:
-        """`v`, with `lead` dims before its row, split as `split` asks."""
-        if split is None:
-            return v
-        spec: list[str | None] = [None] * v.ndim
-        spec[lead + split[0]] = split[1]
-        return lax.with_sharding_constraint(v, P(*spec))
+        return _kept_split(v, lead, split)
 
     def per_stage(local: Any, xs: jax.Array, *consts: Any) -> jax.Array:
         s = lax.axis_index(STAGE)

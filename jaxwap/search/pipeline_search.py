@@ -40,11 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxwap.analysis.graph import NUM_CLASSES, Graph, analyze
+from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.core.objective import Objective
 from jaxwap.core.records import StepVariant, Strategy
-from jaxwap.cost.layout_memory import memory_weights
 from jaxwap.cost.pipeline_cost import (
     loop_held,
     loop_memory,
@@ -60,7 +59,9 @@ from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_shapes import (
     carry_split,
+    inputs_split,
     schedule_shapes,
+    stack_kept,
     stage_counts,
     stage_specs,
     staged_layouts,
@@ -254,7 +255,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
             ) -> tuple[MeshResult | None, float, Graph | None, bool]:
     """`_best_for_stages`' search for one kind of loop step: keeping what its layers
     keep, or (`stage_remat`) its input alone; what the stack keeps for the backward
-    pass (`_stack_live`, with no layout splitting it); the stage graph; and whether the
+    pass (`stack_kept`, with no layout splitting it); the stage graph; and whether the
     budget binds: a candidate that does not fit ranks above the best one that does, or
     the best one's layouts hold something in host memory, which no layout does but to fit
     (its PCIe transfers never save time): the stage step had less room than its fastest
@@ -271,7 +272,7 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
         return None, 0.0, None, False
     twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
-    stack_live = _stack_live(graph, twice, whole, 1)     # none split over a model axis
+    stack_live = stack_kept(graph, twice, whole, 1)     # none split over a model axis
     stacked = set(scan.stacked)
     meshes = [dm for size in sizes for dm in mesh_shapes(
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
@@ -320,8 +321,10 @@ def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacke
     room and the loop 28.2 GB more, 1.9 GB over 72 GB, and three solves within 68.3, 66.4
     and 64.5 GB returned the same layouts; asked for 43.8 GB, the step shards more (its
     embedding, first) and the pipeline fits."""
-    row = scan.carry_row_bytes / carry_split(scan, m)
-    room = budget - min(loop_memory(stack_live, row, B, d, v) for v in variants)
+    split = carry_split(scan, m)
+    row = scan.carry_row_bytes / split
+    least = inputs_split(stack_live, scan, k, B / variants[0].stages, split)
+    room = budget - min(loop_memory(least, row, B, d, v) for v in variants)
     out: list[MeshResult] = []
     for _ in range(RESOLVES + 1):
         stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), offload, rules)
@@ -348,8 +351,10 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
     if strategies is None:
         return []
     specs = stage_specs(stage.strategies, scan.stacked)
-    # what the tensor-parallel layers keep is split over the model axis too
-    kept = stack_live if m == 1 else _stack_live(graph, twice, stage.strategies, m)
+    # what the tensor-parallel layers keep is split over the model axis too, and so are
+    # the layers' inputs, kept split between them
+    kept = stack_live if m == 1 else inputs_split(
+        stack_kept(graph, twice, stage.strategies, m), scan, k, B / p, carry_split(scan, m))
     out = []
     for variant in variants:
         variant = dataclasses.replace(variant, stage_specs=specs)
@@ -359,20 +364,6 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
         out.append(MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant))
     return out
-
-
-def _stack_live(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
-                ) -> float:
-    """What the stack's layers keep for the backward pass (all devices' bytes, split
-    over the model axis where `strategies` make them so): the most batched bytes live at
-    once in the stage step with twice the layers, less in the stage step itself. Batched
-    values only, those a tensor-parallel layout splits included (`Graph.tp_live_param`);
-    the parameters' own bytes are the layouts' business."""
-    def peak(g: Graph) -> float:
-        w = memory_weights(g, 1, strategies, m)
-        w[1:2 + NUM_CLASSES * len(g.params)] = 0.0
-        return float(g.live_at(w).max()) if len(g.live) else 0.0
-    return max(0.0, peak(twice) - peak(graph))
 
 
 def _better(a: MeshResult, b: MeshResult, objective: Objective, cluster: Cluster) -> bool:
