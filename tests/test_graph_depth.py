@@ -152,3 +152,38 @@ def test_stacked_dim_defaults_to_none_stacked():
     fields = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
     fields.pop("stacked_dim")
     assert (Graph(**fields).stacked_dim == -1).all()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_stack_run_again_for_its_backward_pass_is_priced_with_that_forward_pass(
+        checkpointed):
+    """A scanned stack under a checkpoint that keeps only its input (a pipeline stage's
+    `remat="stage"`) runs its layers forward once more for the backward pass: its matmuls
+    are one forward pass (L layers x 2 B D^2) more than the stack's without it. With each
+    layer checkpointed too, the run again keeps only what each layer carries, so the
+    layers computing the next carry were dropped as dead code (the inlined loop's last
+    carry is unused), and the extra forward pass was not priced at all."""
+    import jax
+
+    L, B, D = 4, 8, 16
+
+    def body(h, w):
+        return jnp.tanh(h @ w), None
+
+    def loss(w, x, stage):
+        layer = jax.checkpoint(body) if checkpointed else body
+
+        def stack(w, x):
+            return jax.lax.scan(layer, x, w)[0]
+        if stage:
+            stack = jax.checkpoint(stack, policy=jax.checkpoint_policies.nothing_saveable)
+        return stack(w, x).sum()
+
+    def matmul_flops(stage):
+        closed = jax.make_jaxpr(jax.grad(lambda w, x: loss(w, x, stage)))(
+            jnp.ones((L, D, D)), jnp.ones((B, D)))
+        prog = flatten(closed)
+        return sum(2 * B * D * D * op.repeat for op in prog.ops
+                   if op.eqn.primitive.name == "dot_general")
+    forward = L * 2 * B * D * D
+    assert matmul_flops(True) - matmul_flops(False) == forward

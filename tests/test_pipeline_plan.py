@@ -383,7 +383,8 @@ def _wide_loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
 
 
-def _wide_setup():
+def _wide_setup(loss=_wide_loss):
+    """(step, params, opt_state, batch) of `loss` (`_wide_loss`'s parameters), SGD."""
     rng = np.random.default_rng(0)
     f = lambda *s, scale=0.3: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
     d, b, t = 128, 128, 16
@@ -392,7 +393,7 @@ def _wide_setup():
                          "w2": f(L, 8 * d, d, scale=(8 * d) ** -0.5)}}
     batch = {"x": jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32),
              "y": jnp.asarray(rng.integers(0, V, (b,)), jnp.int32)}
-    step = jaxwap.make_train_step(_wide_loss, optax.sgd(1e-2))
+    step = jaxwap.make_train_step(loss, optax.sgd(1e-2))
     return step, params, step.init(params), batch
 
 

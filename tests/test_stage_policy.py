@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxwap
@@ -26,9 +25,9 @@ from jaxwap.runtime.stage_policy import (
     layer_policy,
     stage_policy,
 )
+from tests.test_pipeline_plan import _wide_setup
 
 AUTO = jax.sharding.AxisType.Auto
-V = 16
 
 
 def _block(w, h):
@@ -105,8 +104,8 @@ def test_a_checkpointed_layer_keeps_only_its_input_inside_a_stage_by_xla(repeats
 
 
 def _checkpointed_loss(params, batch):
-    """`test_pipeline_plan`'s wide layers (8x wider inside than what they carry), each
-    checkpointed as Megatron and MaxText write them."""
+    """`test_pipeline_plan._wide_loss` (layers 8x wider inside than what they carry), each
+    layer checkpointed as Megatron and MaxText write them."""
     h = jnp.take(params["embed"], batch["x"], axis=0)                  # [B, T, D]
 
     @jax.checkpoint
@@ -130,16 +129,7 @@ def test_a_pipelined_plan_of_checkpointed_layers_compiles_within_its_prediction(
     the plan's (it was 2.2-3.0x: the stage kept every layer's activations; FSDP's did not
     compile, the user's checkpoint bound in the stage with the whole program's mesh), and
     the step equals the unsharded one."""
-    rng = np.random.default_rng(0)
-    f = lambda *s, scale=0.3: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)  # noqa: E731
-    d, b, t, layers = 128, 128, 16, 8
-    params = {"embed": f(V, d), "head": f(d, V),
-              "blocks": {"w1": f(layers, d, 8 * d, scale=d ** -0.5),
-                         "w2": f(layers, 8 * d, d, scale=(8 * d) ** -0.5)}}
-    batch = {"x": jnp.asarray(rng.integers(0, V, (b, t)), jnp.int32),
-             "y": jnp.asarray(rng.integers(0, V, (b,)), jnp.int32)}
-    step = jaxwap.make_train_step(_checkpointed_loss, optax.sgd(1e-2))
-    opt = step.init(params)
+    step, params, opt, batch = _wide_setup(_checkpointed_loss)
     want = jax.jit(step)(params, opt, batch)
     sharded = jaxwap.auto_shard(step, cache=False, verify=1, mesh_shape=mesh_shape,
                                 strategies=strategies,

@@ -4,7 +4,8 @@
 
 A stack of 8 MLP blocks (d 256 -> 1024 -> 256) under `lax.scan`, an embedding and a head,
 Adam, batch 64, on the 8 simulated CPU devices. For each forced pipeline shape (stages,
-micro-batches, repeats) `jaxwap.plan(..., verify=1, num_devices=8)` plans it and compiles
+micro-batches, repeats), with the blocks as written and each under `jax.checkpoint`,
+`jaxwap.plan(..., verify=1, num_devices=8)` plans it and compiles
 the chosen candidate through `verify.compile_candidate`, the function `auto_shard`
 compiles through; the table sets the **predicted** peak memory per device beside XLA:CPU's
 **compiled** one (argument + output + temporaries - aliased). Writes
@@ -13,6 +14,7 @@ compiles through; the table sets the **predicted** peak memory per device beside
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -44,15 +46,21 @@ def held(step: jaxwap.StepVariant) -> str:
     return " + ".join(ways) or "whole"
 
 
-def loss(params, batch):
-    h = jnp.take(params["embed"], batch["x"], axis=0).mean(1)
+def make_loss(checkpointed: bool):
+    """The loss, its blocks as written or each under `jax.checkpoint` (per-layer full
+    recompute, as Megatron and MaxText write them)."""
+    def loss(params, batch):
+        h = jnp.take(params["embed"], batch["x"], axis=0).mean(1)
 
-    def layer(h, w):
-        return h + jnp.tanh(h @ w["w1"] + w["b1"]) @ w["w2"], None
+        def layer(h, w):
+            return h + jnp.tanh(h @ w["w1"] + w["b1"]) @ w["w2"], None
 
-    h, _ = jax.lax.scan(layer, h, params["blocks"])
-    logits = h @ params["head"]
-    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1))
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if checkpointed else layer, h,
+                            params["blocks"])
+        logits = h @ params["head"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                             batch["y"][:, None], 1))
+    return loss
 
 
 def setup():
@@ -66,11 +74,11 @@ def setup():
 
 
 def main() -> None:
-    step = jaxwap.make_train_step(loss, optax.adam(1e-3))
     params, batch = setup()
-    opt = jax.eval_shape(step.init, params)
     rows = []
-    for p, m, r, families, mesh in SHAPES:
+    for (p, m, r, families, mesh), checkpointed in itertools.product(SHAPES, (False, True)):
+        step = jaxwap.make_train_step(make_loss(checkpointed), optax.adam(1e-3))
+        opt = jax.eval_shape(step.init, params)
         # all 8 devices: a stage mesh of 8 / p, or the one given
         where = ({"num_devices": 8} if mesh is None else
                  {"mesh_shape": {"data": mesh[0], "model": mesh[1]}})
@@ -80,6 +88,7 @@ def main() -> None:
         predicted = plan.predicted.peak_memory_bytes
         compiled = plan.compiled.memory_bytes
         rows.append({"stages": p, "micro_batches": m, "repeats": r,
+                     "layers_checkpointed": checkpointed,
                      "strategies": families, "held": held(plan.step),
                      "mesh": dict(plan.mesh_shape), "predicted_bytes": predicted,
                      "compiled_bytes": compiled,
@@ -87,16 +96,19 @@ def main() -> None:
         print(rows[-1], flush=True)
     head = ("Peak memory per device of a forced pipeline, **predicted** by jaxwap beside "
             "XLA:CPU's **compiled** figure (8 simulated CPU devices; "
-            f"{L} blocks of {D} -> {4 * D} -> {D} under lax.scan, batch {B}, f32, Adam). "
+            f"{L} blocks of {D} -> {4 * D} -> {D} under lax.scan, each as written or under "
+            "`jax.checkpoint`, batch {B}, f32, Adam). "
             "Command: `.venv/bin/python -m benchmarks.pipelines.pipeline_memory`.\n\n"
             "Layouts: the planner's, or asked for (`strategies=`; the tensor-parallel rows "
             "on a fixed stage mesh, `mesh_shape=`); a stage holds its layers sharded over "
             "data (FSDP inside the stage, gathered in the loop), split over the model axis "
             "(tensor-parallel, XLA partitions them inside the loop), both, or whole.\n\n"
-            "| stages | micro-batches | repeats | layouts asked | stage's layers | mesh | "
-            "predicted MB | compiled MB | error |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| stages | micro-batches | repeats | blocks | layouts asked | stage's layers | "
+            "mesh | predicted MB | compiled MB | error |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     table = "".join(
         f"| {x['stages']} | {x['micro_batches']} | {x['repeats']} | "
+        f"{'checkpointed' if x['layers_checkpointed'] else 'as written'} | "
         f"{'/'.join(x['strategies']) if x['strategies'] else 'planner'} | "
         f"{x['held']} | {x['mesh']} | "
         f"{x['predicted_bytes'] / 1e6:.1f} | {x['compiled_bytes'] / 1e6:.1f} | "

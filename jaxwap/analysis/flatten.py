@@ -132,6 +132,8 @@ class _Flattener:
         self.ops: list[FlatOp] = []
         self.repeat = 1
         self.region, self.regions = -1, 0     # the checkpoint being inlined; how many
+        # each inlined loop's carried values: (its body's carry-in ids, carry-out ids)
+        self.carries: list[tuple[list[int], list[int]]] = []
         # a Var is a function of (aval, repeat) alone: the blocks of a deep model share
         # their values' avals, so each distinct one is described once
         self._described: dict[tuple[Any, int], Var] = {}
@@ -162,6 +164,8 @@ class _Flattener:
             slices.append(self.new(v.aval))
             self.op(_SLICE, [x], [slices[-1]])
         outs = self.run(body, list(ins[: nc + nk]) + slices)
+        if int(p["length"]) > 1:
+            self.carries.append((list(ins[nc: nc + nk]), list(outs[:nk])))
         ys = []
         for y, v in zip(outs[nk:], eqn.outvars[nk:], strict=True):
             ys.append(self.new(v.aval, repeat=outer))  # the stacked ys: outside the loop
@@ -294,16 +298,28 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
     return [read(v) for v in jaxpr.outvars]
 
 
-def _dce(ops: list[FlatOp], out_ids: Sequence[int]) -> list[FlatOp]:
-    """Drop ops whose results reach no output and that have no effects."""
-    needed = set(out_ids)
-    keep = []
-    for op in reversed(ops):
-        if getattr(op.eqn, "effects", None) or any(o in needed for o in op.outs):
-            keep.append(op)
-            needed.update(op.ins)
-    keep.reverse()
-    return keep
+def _dce(ops: list[FlatOp], out_ids: Sequence[int],
+         carries: Sequence[tuple[list[int], list[int]]] = ()) -> list[FlatOp]:
+    """Drop ops whose results reach no output and that have no effects. A loop's body is
+    inlined once, so what it carries to its next iteration reads as unused where the
+    loop's last carry is: a carried value is needed wherever the body reads its carry-in
+    (`carries`), to a fixed point. (Without it, the forward pass a checkpointed stack runs
+    again for its backward one was dropped whole: only its carry-ins are stacked for the
+    backward scan, so the layers computing the next carry read as dead.)"""
+    roots = set(out_ids)
+    while True:
+        needed = set(roots)
+        keep = []
+        for op in reversed(ops):
+            if getattr(op.eqn, "effects", None) or any(o in needed for o in op.outs):
+                keep.append(op)
+                needed.update(op.ins)
+        more = {o for ins, outs in carries for i, o in zip(ins, outs, strict=True)
+                if i in needed and o not in needed}
+        if not more:
+            keep.reverse()
+            return keep
+        roots |= more
 
 
 #: flat programs by the jaxpr they were made from: the analysis and the attention advice
@@ -322,7 +338,7 @@ def flatten(closed_jaxpr: Any) -> FlatProgram:
     fl = _Flattener()
     in_ids = [fl.new(v.aval) for v in closed_jaxpr.jaxpr.invars]
     out_ids = fl.run(closed_jaxpr, in_ids)
-    ops = _dce(fl.ops, out_ids)
+    ops = _dce(fl.ops, out_ids, fl.carries)
     V = fl.vars
     prog = FlatProgram(
         vars=tuple(V), ops=tuple(ops), in_ids=tuple(in_ids), out_ids=tuple(out_ids),
