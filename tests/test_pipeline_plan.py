@@ -519,3 +519,19 @@ def test_a_pipelined_plan_never_gets_slower_as_the_memory_budget_grows(layers, p
     for (b0, t0), (b1, t1) in zip(steps, steps[1:], strict=False):
         assert t1 <= t0 * (1 + 1e-9), f"{t1 * 1e3:.3f} ms at {b1 / 1e9:.2f} GB > " \
                                       f"{t0 * 1e3:.3f} ms at {b0 / 1e9:.2f} GB"
+
+
+def test_stage_counts_tried_reach_from_the_fewest_stages_to_the_most():
+    """At most four stage counts are traced. Even splits first, then powers of two, and
+    within those, spread from the fewest stages to the most: Megatron's 529.6 B (105
+    layers on 2,520 GPUs) runs 35 stages, Llama 3 405B (126 on 8,192) 16, Megatron's 1 T
+    (128 on 3,072) 64; each is tried, where only the fewest were before (3, 5, 7, 15 and
+    2, 4, 8, 16)."""
+    from jaxwap.search.pipeline_shapes import stage_counts
+
+    assert stage_counts(105, 2520, None) == [3, 7, 15, 35]
+    assert stage_counts(126, 8192, None) == [2, 4, 16, 32]   # 2 is the only even split
+    assert stage_counts(128, 3072, None) == [2, 8, 16, 64]
+    assert stage_counts(48, 512, None) == [2, 4, 8, 16]      # four to try: all of them
+    assert stage_counts(10, 8, None) == [2, 4]
+    assert stage_counts(105, 2520, {"stages": 35}) == [35]
