@@ -4,7 +4,8 @@ A step `make_train_step` built, whose loss runs a `lax.scan` over stacked layer
 parameters (`layer_scan.find_layer_scan`), can run its stack as a pipeline over a stage mesh
 axis (`schedule.pipelined`). For each stage count p (one the devices divide into,
 leaving each stage at least two layers: divisors of the layers first, then the splits
-with the fewest empty slots; `pipeline_shapes.stage_counts`) the step is traced once
+with the fewest empty slots, spread from the fewest stages to the most;
+`pipeline_shapes.stage_counts`) the step is traced once
 more with the stack cut to ceil(L / p) layers: that *stage step* is what each stage's
 devices run, the layers outside the stack split over the stages' rows. It is solved like
 any other step on each (data, model) mesh a stage may get (every parameter's layout
