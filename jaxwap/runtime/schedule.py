@@ -102,11 +102,10 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     (`carry_split_dim`: a transformer's sequence, as Megatron's sequence parallelism
     splits it), and so does a stage's chunk between its layers: each layer's output is
     kept split, so the input a layer keeps for its backward pass (all a checkpointed
-    layer keeps) is 1/size of it on each device, and XLA gathers it inside the layer
-    where its matmuls need it whole and reduce-scatters the layer's tensor-parallel sum
-    where it would all-reduce it (the same bytes). The loop's buffers, the stage-to-stage
-    sends and the layers' kept inputs are then 1/size of the local batch's activation.
-    Ignored where the mesh lacks the axis or no dim divides."""
+    layer keeps) is 1/size of it on each device; XLA partitions the layer around it. The
+    loop's buffers, the stage-to-stage sends and the layers' kept inputs are then 1/size
+    of the local batch's activation. Ignored where the mesh lacks the axis or no dim
+    divides."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -195,10 +194,11 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
     parallelism between the chunk's layers). XLA:CPU's sharding propagation already
     carries the loop's split into the layers (2 stages x 2 data x 2 model: the same
     compiled temporaries without the constraint); the constraint pins it for compilers
-    that would gather it earlier. `inner`: the policy of the checkpoint the
-    layer is written under (`stage_policy.layer_policy`); the step then keeps each
-    layer's input and what that policy keeps inside it, as the layer would outside a
-    stage, not everything (`stage_policy.stage_policy`)."""
+    that would gather it earlier. A layer written under a checkpoint
+    (`stage_policy.layer_policy`, found as the loop runs the step) keeps in the step what
+    it keeps outside a stage: its input and what its policy saves inside it, not
+    everything (`stage_policy.stage_policy`: jax evaluates a checkpoint nested in the
+    step's with the step's policy)."""
 
     def gather_layer(w: Any) -> Any:
         """One layer's weights whole over the loop's own axes (`param_specs`' data
