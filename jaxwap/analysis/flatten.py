@@ -203,11 +203,15 @@ class _Flattener:
         return [self.atom(a, env) for a in inner.outvars]
 
 
+# `jax.checkpoint`, as jax names its primitive (jax 0.10: "checkpoint"; older: "remat2")
+REMAT_PRIMITIVES = frozenset({"checkpoint", "remat2"})
+
+
 def _barriered(eqn: Any) -> bool:
     """Whether `eqn` is a differentiated `jax.checkpoint` whose inputs jax lowers through
     an optimization barrier (`prevent_cse`): its recomputation reads values of its own."""
     p = eqn.params
-    if eqn.primitive.name not in ("remat2", "checkpoint") or not p.get("differentiated"):
+    if eqn.primitive.name not in REMAT_PRIMITIVES or not p.get("differentiated"):
         return False
     cse = p.get("prevent_cse", False)
     return any(cse) if isinstance(cse, tuple) else bool(cse)

@@ -32,8 +32,6 @@ from jaxwap.analysis.flatten import scan_counts
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
-# `jax.checkpoint`, as jax names its primitive (jax 0.10: "checkpoint"; older: "remat2")
-REMAT_PRIMITIVES = frozenset({"checkpoint", "remat2"})
 # what a user wrote, for the primitives that can hide a scan from the search
 _WRITTEN = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "cond": "lax.cond",
             "while": "lax.while_loop", "custom_jvp_call": "a jax.custom_jvp function",

@@ -29,12 +29,11 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
-from jaxwap.analysis.flatten import bind, evaluate, group_ios, scan_counts
+from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, group_ios, scan_counts
 from jaxwap.core.records import MODEL, STAGE
 from jaxwap.runtime.layer_blocks import RepeatedBlocks, alike_repeats, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
-    REMAT_PRIMITIVES,
     LayerScan,
     NoLayerScan,
     abstract_values,

@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 
-from jaxwap.runtime.layer_scan import CALL_PRIMITIVES, REMAT_PRIMITIVES
+from jaxwap.analysis.flatten import REMAT_PRIMITIVES
+from jaxwap.runtime.layer_scan import CALL_PRIMITIVES, called_jaxpr
 
 # Primitives whose outputs the stage step's checkpoint recomputes rather than keeps: views
 # of other values, so their sources are kept (or, for the weights, held by the loop anyway).
@@ -62,7 +63,7 @@ def layer_policy(layer: Callable[..., Any], args: Sequence[Any]) -> Policy | Non
                 policies.append(eqn.params.get("policy")
                                 or jax.checkpoint_policies.nothing_saveable)
             elif name in CALL_PRIMITIVES:
-                walk(eqn.params["jaxpr"].jaxpr)
+                walk(called_jaxpr(eqn).jaxpr)
     walk(closed.jaxpr)
     if not policies:
         return None

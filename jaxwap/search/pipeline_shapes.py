@@ -137,10 +137,6 @@ def carry_split(scan: LayerScan, m: int) -> int:
     return m if carry_split_dim(scan.carry_shape[1:], m) is not None else 1
 
 
-__all__ = ["MAX_STAGE_COUNTS", "MICRO_COUNTS", "REPEATS", "carry_split", "schedule_shapes",
-           "stage_counts", "stage_specs", "staged_layouts"]
-
-
 def stack_kept(graph: Graph, twice: Graph, strategies: Sequence[Strategy], m: int
                 ) -> float:
     """What the stack's layers keep for the backward pass (all devices' bytes, split
@@ -169,3 +165,7 @@ def inputs_split(kept: float, scan: LayerScan, k: int, rows: float, split: int) 
         return kept
     inputs = min(kept, k * scan.carry_row_bytes * rows)
     return kept - inputs * (1 - 1 / split)
+
+
+__all__ = ["MAX_STAGE_COUNTS", "MICRO_COUNTS", "REPEATS", "carry_split", "inputs_split",
+           "schedule_shapes", "stack_kept", "stage_counts", "stage_specs", "staged_layouts"]
