@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import jaxwap
 from jaxwap.runtime.schedule import STAGE, pipelined
@@ -60,16 +61,17 @@ def test_layer_policy_finds_the_checkpoint_a_layer_is_written_under():
 
 
 def test_the_stage_policy_keeps_layer_inputs_and_the_users_names_never_views():
-    prims = {p.name: p for p in (jax.lax.exp_p, jax.lax.reshape_p)}
-    from jax._src.ad_checkpoint import name_p
+    # the primitive `checkpoint_name` binds, as jax traces it (its home is private)
+    name_p = jax.make_jaxpr(lambda x: checkpoint_name(x, "a"))(1.0).eqns[0].primitive
+    exp_p, reshape_p = jax.lax.exp_p, jax.lax.reshape_p
     nothing = stage_policy(jax.checkpoint_policies.nothing_saveable)
     assert nothing(name_p, name=LAYER_INPUT)
     assert not nothing(name_p, name="attention_out")
-    assert not nothing(prims["exp"])
+    assert not nothing(exp_p)
     named = stage_policy(jax.checkpoint_policies.save_only_these_names("attention_out"))
     assert named(name_p, name="attention_out") and named(name_p, name=LAYER_INPUT)
     everything = stage_policy(jax.checkpoint_policies.everything_saveable)
-    assert everything(prims["exp"]) and not everything(prims["reshape"])
+    assert everything(exp_p) and not everything(reshape_p)
 
 
 def test_a_checkpointed_layer_keeps_only_its_input_inside_a_stage_by_xla():
