@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxwap.analysis.graph import Graph, analyze
+from jaxwap.analysis.graph_cache import kept
 from jaxwap.analysis.trace import ArgLayout, trace_layout
 from jaxwap.core.records import StepVariant
 from jaxwap.core.units import si
@@ -23,7 +24,7 @@ from jaxwap.decide.no_fit import nothing_fits, nothing_fits_compiled
 from jaxwap.decide.verify import Verification
 from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
-from jaxwap.runtime.train_step import restructured
+from jaxwap.runtime.train_step import TrainStep, restructured
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.pipeline_search import Pipelines, with_pipelines
 from jaxwap.search.solve import SearchResult
@@ -132,11 +133,14 @@ class Trials:
         already made); None, with a note, where a restructuring cannot be built."""
         layout = self.layout
         try:
-            closed = self.closed if rung.is_plain else trace_layout(fn_v, layout)
-            graph = dataclasses.replace(
-                analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
-                        layout.inputs.batch_size),
-                tree_calls=self.ctx.tree_calls)
+            def build() -> tuple[Graph, Any]:
+                closed = self.closed if rung.is_plain else trace_layout(fn_v, layout)
+                return analyze(closed, layout.inputs.roles, layout.outputs.roles,
+                               layout.params, layout.inputs.batch_size), closed
+            # a restructured step is a new function each plan: its analysis is kept
+            got = build() if rung.is_plain else kept(_variant_key(self.fn, rung, layout),
+                                                     build)
+            graph, closed = dataclasses.replace(got[0], tree_calls=self.ctx.tree_calls), got[1]
         except Exception as e:  # noqa: BLE001 - a restructuring is optional: skip it, say why
             if rung.is_plain:
                 raise
@@ -180,6 +184,12 @@ class Trials:
             layout.params, self.ctx.cluster.device,
             step_searcher(self.ctx, self.options, self.usable, self.rules))
         return MemoryError(f"{self.first_error}{more}")
+
+
+def _variant_key(fn: TrainStep, rung: StepVariant, layout: ArgLayout) -> tuple[Any, ...]:
+    """What a restructured step's analysis follows from: its loss and optimizer (only a
+    `make_train_step` step is restructured), the variant, the arguments' layout."""
+    return ("variant", fn.loss_and_aux(), fn.optimizer, rung, layout)
 
 
 def holds_at_least(a: StepVariant, b: StepVariant) -> bool:

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxwap.analysis.graph import Graph, analyze
-from jaxwap.analysis.trace import ArgLayout, layout_of
+from jaxwap.analysis.graph import Graph
+from jaxwap.analysis.trace import ArgLayout
 from jaxwap.core.objective import Objective
 from jaxwap.core.records import StepVariant, Strategy
 from jaxwap.cost.pipeline_cost import (
@@ -53,7 +53,6 @@ from jaxwap.cost.pipeline_cost import (
 )
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
-from jaxwap.runtime.layer_scan_rewrite import stack_cut
 from jaxwap.runtime.stage_layout import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
@@ -68,6 +67,7 @@ from jaxwap.search.pipeline_shapes import (
     staged_layouts,
 )
 from jaxwap.search.solve import MeshResult, SearchResult, solve_mesh, uses_model_axis
+from jaxwap.search.stage_graphs import stage_graph
 from jaxwap.search.strategies import pins_hold
 
 if TYPE_CHECKING:  # the record only: the options sit above the search, which reads its fields
@@ -160,36 +160,6 @@ def with_pipelines(result: SearchResult, found: Pipelines, objective: Objective,
                         -1 if only else result.baseline)
 
 
-def _stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
-                rows: int, remat_stack: bool = False) -> tuple[TrainStep, tuple[Any, ...]]:
-    """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
-    over `layers` of the stack's layers (`layer_scan_rewrite.stack_cut`, from the traced jaxpr: the
-    user's loss is never called with fewer layers), the stacked leaves cut to `layers`
-    layers, the optimizer state made for them, the batch cut to `rows` rows."""
-    params, _, batch = args
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    stacked = set(scan.stacked)
-    cut = [jax.ShapeDtypeStruct((layers, *x.shape[1:]) if i in stacked else x.shape,
-                                x.dtype) for i, x in enumerate(leaves)]
-    stage_params = jax.tree_util.tree_unflatten(treedef, cut)
-    step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers, remat_stack), fn.optimizer,
-                     has_aux=True)
-    opt_state = jax.eval_shape(fn.init, stage_params)
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
-    return step, (stage_params, opt_state, abstract)
-
-
-def _stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
-                 rows: int, options: PlanOptions, remat_stack: bool = False) -> Graph:
-    """The analysed step of one stage: `layers` layers of the stack, `rows` rows; with
-    `remat_stack` the stack checkpointed whole (`stack_cut`)."""
-    step, stage_args = _stage_step(fn, args, scan, layers, rows, remat_stack)
-    layout, closed = layout_of(step, stage_args, {}, stage_args[0],
-                               rows if options.batch_size else None)
-    return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, rows)
-
-
 def _best_for_stages(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int,
                      cluster: Cluster, objective: Objective, options: PlanOptions,
                      usable: int, budget: float, batch: int | None,
@@ -267,11 +237,12 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     # micro-batches, p times these rows; with `stage_remat`, what its recomputation
     # holds, for one micro-batch at a time)
     k = chunking(scan.length, p)[0]                # layer slots per stage
-    graph = dataclasses.replace(_stage_graph(fn, args, scan, k, B // p, options, stage_remat),
+    fixed_rows = bool(options.batch_size)
+    graph = dataclasses.replace(stage_graph(fn, args, scan, k, B // p, fixed_rows, stage_remat),
                                 tree_calls=tree_calls)
     if not (graph.repeat == k).any():
         return None, 0.0, None, False
-    twice = _stage_graph(fn, args, scan, 2 * k, B // p, options, stage_remat)
+    twice = stage_graph(fn, args, scan, 2 * k, B // p, fixed_rows, stage_remat)
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = stack_kept(graph, twice, whole, 1)     # none split over a model axis
     stacked = set(scan.stacked)
