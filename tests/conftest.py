@@ -77,5 +77,10 @@ def fresh_plan_cache(tmp_path_factory: pytest.TempPathFactory,
                      monkeypatch: pytest.MonkeyPatch):
     """Each test plans afresh: its own empty plan cache (and calibration store), so no
     test reads back a plan another test made, whatever the order they run in. Tests of
-    the cache give their own directories explicitly."""
+    the cache give their own directories explicitly. The analyses kept in memory
+    (`graph_cache`) are forgotten too: a test that counts what a plan traces sees what a
+    first plan of its step traces, whichever test traced that step before."""
+    from jaxwap.analysis import graph_cache
+
+    graph_cache.clear()
     monkeypatch.setenv("JAXWAP_CACHE_DIR", str(tmp_path_factory.mktemp("jaxwap-cache")))

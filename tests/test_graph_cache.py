@@ -1,0 +1,99 @@
+"""The analyses of the steps jaxwap builds are kept (`analysis.graph_cache`): planning a
+step again (another memory budget, another objective) traces none of its restructured
+variants or pipeline stages again, and gives the plan a first planning gives."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxwap
+from jaxwap.analysis import graph_cache
+from jaxwap.planning import variant_trials
+from jaxwap.search import stage_graphs
+
+
+def _stack(layers: int = 8, d: int = 256, rows: int = 4096):
+    """A `make_train_step` step over a `lax.scan` of `layers` MLP layers, abstract."""
+    S = jax.ShapeDtypeStruct
+
+    def loss(p, b):
+        def layer(h, w):
+            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
+                         "down": S((layers, 4 * d, d), jnp.float32)}}
+    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    return step, params, jax.eval_shape(step.init, params), batch
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    """Calls of `module.name` from here on, one entry each."""
+    calls: list[int] = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def _decision(plan: jaxwap.Plan) -> tuple:
+    return (plan.step, dict(plan.mesh_shape), tuple(p.strategy for p in plan.params),
+            plan.predicted.step_time_s, plan.predicted.peak_memory_bytes)
+
+
+def test_a_restructured_step_planned_again_is_not_traced_again_and_plans_the_same(
+        monkeypatch):
+    """One H100's budget under the step as written: per-layer remat or micro-batches are
+    traced once; planning again under a slightly larger budget traces no variant, and
+    its plan is the one planning afresh gives."""
+    args = _stack()
+    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 1), verify=0, cache=False,
+              pipeline=False, offload=False)
+    plain = jaxwap.plan(*args, **kw).predicted.peak_memory_bytes
+    traced = _counting(monkeypatch, variant_trials, "trace_layout")
+    first = jaxwap.plan(*args, memory_budget=0.6 * plain, **kw)
+    assert not first.step.is_plain and traced
+    traced.clear()
+    again = jaxwap.plan(*args, memory_budget=0.62 * plain, **kw)
+    assert traced == []
+    graph_cache.clear()
+    fresh = jaxwap.plan(*args, memory_budget=0.62 * plain, **kw)
+    assert traced and _decision(again) == _decision(fresh)
+
+
+def test_a_pipelined_step_planned_again_traces_no_stage_again_and_plans_the_same(
+        monkeypatch):
+    """Four stages on 8 H100s: the stage steps are traced by the first plan only; a
+    second plan under another budget (one the first plan's stages fit, so no other kind
+    of stage step is asked for) gives what a first plan under it gives."""
+    args = _stack()
+    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 8, devices_per_node=8), verify=0,
+              cache=False, objective="throughput", pipeline={"stages": 4})
+    traced = _counting(monkeypatch, stage_graphs, "layout_of")
+    first = jaxwap.plan(*args, **kw)
+    assert first.step.stages == 4 and traced
+    traced.clear()
+    budget = 1.05 * first.predicted.peak_memory_bytes
+    again = jaxwap.plan(*args, memory_budget=budget, **kw)
+    assert traced == []
+    graph_cache.clear()
+    fresh = jaxwap.plan(*args, memory_budget=budget, **kw)
+    assert traced and _decision(again) == _decision(fresh)
+
+
+def test_another_loss_function_is_analysed_afresh(monkeypatch):
+    """The key is the loss function itself: a second step built from a new function of
+    the same code is traced, not served another's analysis."""
+    kw = dict(hardware=jaxwap.Cluster("h100-sxm", 1), verify=0, cache=False,
+              pipeline=False, offload=False)
+    step, params, opt, batch = _stack()
+    budget = 0.6 * jaxwap.plan(step, params, opt, batch, **kw).predicted.peak_memory_bytes
+    jaxwap.plan(step, params, opt, batch, memory_budget=budget, **kw)
+    traced = _counting(monkeypatch, variant_trials, "trace_layout")
+    other = _stack()[0]
+    jaxwap.plan(other, params, opt, batch, memory_budget=budget, **kw)
+    assert traced
