@@ -97,3 +97,32 @@ def test_another_loss_function_is_analysed_afresh(monkeypatch):
     other = _stack()[0]
     jaxwap.plan(other, params, opt, batch, memory_budget=budget, **kw)
     assert traced
+
+
+def test_the_oldest_analyses_are_forgotten_past_the_count_or_the_bytes(monkeypatch):
+    """Kept: the last `KEPT` keys within `KEPT_BYTES` of arrays, the oldest forgotten
+    first; a value over the byte bound alone, or an unhashable key, is built each time."""
+    import numpy as np
+
+    monkeypatch.setattr(graph_cache, "KEPT", 3)
+    monkeypatch.setattr(graph_cache, "KEPT_BYTES", 1000)
+    built: list[str] = []
+
+    def value(name: str, nbytes: int):
+        return lambda: built.append(name) or (name, np.zeros(nbytes // 8))
+
+    for name in "abc":
+        graph_cache.kept((name,), value(name, 200))
+    graph_cache.kept(("a",), value("a", 200))           # kept: not built again
+    graph_cache.kept(("d",), value("d", 200))           # a fourth key: b, the oldest, goes
+    graph_cache.kept(("b",), value("b", 200))
+    assert built == ["a", "b", "c", "d", "b"]
+    graph_cache.kept(("e",), value("e", 800))           # over 1000 bytes with the rest
+    held = [k[0] for k in graph_cache._KEPT]
+    assert held[-1] == "e" and sum(graph_cache.array_bytes(v) for v, _ in
+                                   graph_cache._KEPT.values()) <= 1000
+    graph_cache.kept(("f",), value("f", 2000))          # alone over the bound
+    graph_cache.kept(("f",), value("f", 2000))
+    graph_cache.kept(([],), value("g", 8))              # a key that does not hash
+    graph_cache.kept(([],), value("g", 8))
+    assert built[-4:] == ["f", "f", "g", "g"]

@@ -1,32 +1,60 @@
-"""The analyses of the steps jaxwap builds, kept for the last few.
+"""The traces and analyses of the steps a plan weighs, kept for the last few.
 
-A step jaxwap restructures (`make_train_step`'s variants, a pipeline stage's step) is a
-new function each time it is built, so jax's trace cache never serves it: every plan of
-the same step traced and analysed the same variants again, which is most of planning it
-anew (under another memory budget or objective, or the published layout priced beside
-the plan found). `kept` keys an analysis on what determines it, for the last
-`KEPT` keys. A loss whose Python reads state that changes between plans is not seen to
-change, as under `jax.jit`'s cache; `clear` forgets them all.
+Planning a step again (under another memory budget or objective; the published layout
+priced beside the plan found) would analyse it all again: the step as written, each
+variant jaxwap restructures it into (`make_train_step`'s, a pipeline stage's: a new
+function each time it is built, so jax's trace cache never serves them), the
+fused-attention counterfactual, and the loss traces the rewrites start from. `kept` keys
+each on what determines it: the trace jax hands back for the step as written (the same
+object for the same function and shapes), or the loss, optimizer, variant and layout a
+restructured step is built from; for the last `KEPT` keys, within `KEPT_BYTES` of arrays
+(a deep model's liveness rows are hundreds of MB). A loss whose Python reads state that
+changes between plans is not seen to change, as under `jax.jit`'s own cache; `clear`
+forgets them all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
+import scipy.sparse
 
 T = TypeVar("T")
 
 KEPT = 24
-_KEPT: OrderedDict[Hashable, Any] = OrderedDict()
+KEPT_BYTES = 1 << 30
+_KEPT: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
 
 
-def kept(key: tuple[Any, ...], build: Callable[[], T]) -> T:
+def array_bytes(x: Any) -> int:
+    """The bytes of the numpy and scipy arrays `x` holds: in its dataclass fields, tuples,
+    lists and dicts, through any depth (what keeping it keeps alive, near enough)."""
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    if scipy.sparse.issparse(x):
+        return sum(int(getattr(x, a).nbytes) for a in ("data", "indices", "indptr", "row",
+                                                       "col") if hasattr(x, a))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return sum(array_bytes(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, tuple | list):
+        return sum(array_bytes(v) for v in x)
+    if isinstance(x, dict):
+        return sum(array_bytes(v) for v in x.values())
+    return 0
+
+
+def kept(key: tuple[Any, ...], build: Callable[[], T],
+         keep: Callable[[T], bool] = lambda _: True) -> T:
     """`build()`, or what it gave for an equal `key` (the context mesh joins it: a
-    trace follows the mesh it is made in). Not kept where the key does not hash (a loss
-    function that cannot be a key)."""
+    trace follows the mesh it is made in). The oldest are forgotten past `KEPT` keys or
+    `KEPT_BYTES` of arrays; not kept at all where the key does not hash (a loss function
+    that cannot be a key), where `keep` refuses what was built (a trace that closes over
+    another trace's values), or the value alone holds more than `KEPT_BYTES`."""
     full = (*key, jax.sharding.get_abstract_mesh())
     try:
         hash(full)
@@ -34,11 +62,15 @@ def kept(key: tuple[Any, ...], build: Callable[[], T]) -> T:
         return build()
     if full in _KEPT:
         _KEPT.move_to_end(full)
-        return _KEPT[full]
+        return _KEPT[full][0]
     got = build()
-    _KEPT[full] = got
-    while len(_KEPT) > KEPT:
-        _KEPT.popitem(last=False)
+    size = array_bytes(got)
+    if size > KEPT_BYTES or not keep(got):
+        return got
+    _KEPT[full] = (got, size)
+    held = sum(n for _, n in _KEPT.values())
+    while len(_KEPT) > KEPT or held > KEPT_BYTES:
+        held -= _KEPT.popitem(last=False)[1][1]
     return got
 
 
@@ -47,4 +79,4 @@ def clear() -> None:
     _KEPT.clear()
 
 
-__all__ = ["KEPT", "clear", "kept"]
+__all__ = ["KEPT", "KEPT_BYTES", "array_bytes", "clear", "kept"]

@@ -28,6 +28,7 @@ from jaxwap.analysis.fused_attention import (
 )
 from jaxwap.analysis.grad_reductions import batch_split, partial_sums, reduced_copies
 from jaxwap.analysis.graph import Graph
+from jaxwap.analysis.graph_cache import kept
 from jaxwap.analysis.liveness import gathered_whole, step_memory
 from jaxwap.analysis.roles import LeafRole, ParamInfo
 from jaxwap.analysis.tp_activations import model_splits
@@ -95,6 +96,18 @@ def score_sites(graph: Graph, jaxpr: Callable[[], Any] | Any, in_roles: Sequence
     if not runs_fused_attention(device):
         return None
     closed = jaxpr() if callable(jaxpr) else jaxpr
+    # kept by the trace (jax hands back the same one for the same step): planning the
+    # same step again finds the same sites; the search is this plan's
+    sites = kept(("score sites", closed, tuple(in_roles), tuple(out_roles), tuple(params),
+                  device), lambda: _score_sites(graph, closed, in_roles, out_roles, params))
+    return None if sites is None else dataclasses.replace(sites, graph=graph,
+                                                          search_fused=search_fused)
+
+
+def _score_sites(graph: Graph, closed: Any, in_roles: Sequence[LeafRole],
+                 out_roles: Sequence[LeafRole], params: Sequence[ParamInfo]
+                 ) -> ScoreSites | None:
+    """`score_sites` on the traced step, without the search."""
     prog = flatten(closed)
     if len(prog.ops) != len(graph.flops):
         raise ValueError(f"score_sites: the jaxpr has {len(prog.ops)} ops where the graph "
@@ -118,7 +131,7 @@ def score_sites(graph: Graph, jaxpr: Callable[[], Any] | Any, in_roles: Sequence
     fused = dataclasses.replace(fused, live=live, tp_live_param=tp_param,
                                 tp_live_kind=tp_kind)
     return ScoreSites(graph, fused, region, carriers, instances, sites[0].shape,
-                      sites[0].dtype, any(s.masked for s in sites), search_fused)
+                      sites[0].dtype, any(s.masked for s in sites))
 
 
 def step_live(graph: Graph, prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,

@@ -137,10 +137,13 @@ class Trials:
                 closed = self.closed if rung.is_plain else trace_layout(fn_v, layout)
                 return analyze(closed, layout.inputs.roles, layout.outputs.roles,
                                layout.params, layout.inputs.batch_size), closed
-            # a restructured step is a new function each plan: its analysis is kept
-            got = build() if rung.is_plain else kept(_variant_key(self.fn, rung, layout),
-                                                     build)
-            graph, closed = dataclasses.replace(got[0], tree_calls=self.ctx.tree_calls), got[1]
+            # kept: by its trace for the step as written (jax hands back the same trace
+            # of the same function), by what it is built from for a restructured step,
+            # a new function each plan
+            key = ("plain", self.closed, layout) if rung.is_plain \
+                else _variant_key(self.fn, rung, layout)
+            graph, closed = kept(key, build)
+            graph = dataclasses.replace(graph, tree_calls=self.ctx.tree_calls)
         except Exception as e:  # noqa: BLE001 - a restructuring is optional: skip it, say why
             if rung.is_plain:
                 raise

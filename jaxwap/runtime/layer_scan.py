@@ -18,7 +18,6 @@ the same way (`trace_loss`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from jaxwap.analysis.flatten import scan_counts
+from jaxwap.analysis.graph_cache import kept
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -92,35 +92,22 @@ def batch_size_of(batch: Any) -> int:
     return size
 
 
-# The loss traces of the last few (loss, argument shapes, mesh): a plan's rewrites trace
-# the same loss again for each variant (the layers found, each remat policy, each
-# pipeline), and tracing a large unrolled model's Python is most of planning it.
-_TRACES: OrderedDict[Any, tuple[ClosedJaxpr, Any]] = OrderedDict()
-_TRACES_KEPT = 8
-
-
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> tuple[ClosedJaxpr, Any]:
-    """(closed jaxpr, output tree) of the loss on abstract arguments. Kept for the
-    last few losses, argument shapes and contexts (the abstract mesh it is traced in),
-    unless it closes over another trace's values."""
+    """(closed jaxpr, output tree) of the loss on abstract arguments. Kept
+    (`graph_cache.kept`) by loss, argument shapes and context (the abstract mesh it is
+    traced in), unless it closes over another trace's values: a plan's rewrites trace the
+    same loss again for each variant (the layers found, each remat policy, each
+    pipeline), and tracing a large unrolled model's Python is much of planning it."""
     args = (abstract_values(params), abstract_values(batch))
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    try:
-        key = (loss_fn, treedef, tuple((x.shape, str(x.dtype)) for x in leaves),
-               jax.sharding.get_abstract_mesh())
-        hash(key)
-    except TypeError:                  # a loss function that cannot be a key
-        key = None
-    if key is not None and key in _TRACES:
-        _TRACES.move_to_end(key)
-        return _TRACES[key]
-    closed, out = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-    got = closed, jax.tree_util.tree_structure(out)
-    if key is not None and not any(isinstance(c, jax.core.Tracer) for c in closed.consts):
-        _TRACES[key] = got
-        while len(_TRACES) > _TRACES_KEPT:
-            _TRACES.popitem(last=False)
-    return got
+
+    def build() -> tuple[ClosedJaxpr, Any]:
+        closed, out = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+        return closed, jax.tree_util.tree_structure(out)
+    return kept(("loss trace", loss_fn, treedef,
+                 tuple((x.shape, str(x.dtype)) for x in leaves)), build,
+                keep=lambda got: not any(isinstance(c, jax.core.Tracer)
+                                         for c in got[0].consts))
 
 
 def called_jaxpr(eqn: Any) -> ClosedJaxpr:
