@@ -5,7 +5,7 @@ to use and a PartitionSpec for every parameter (balancing speed against energy),
 compiles the step with `jax.jit` shardings.
 """
 
-from jaxwap.api import AutoShardedStep, auto_shard, plan
+from jaxwap.api import AutoShardedStep, auto_shard, clear_caches, plan
 from jaxwap.calibration.calibrate import calibrate
 from jaxwap.calibration.store import load_calibration
 from jaxwap.core.objective import Objective
@@ -48,6 +48,7 @@ __all__ = [
     "TrainStep",
     "auto_shard",
     "builtin_device_names",
+    "clear_caches",
     "device_spec",
     "make_train_step",
     "plan",

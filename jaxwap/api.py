@@ -17,6 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxwap.analysis import graph_cache
 from jaxwap.analysis.roles import classify_leaves
 from jaxwap.analysis.trace import flat_leaves, globalize, signature
 from jaxwap.core.progress import interrupted
@@ -362,3 +363,15 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
     step = AutoShardedStep(train_step, params, options=opts)
     step._for_hardware = True
     return step.plan_for(*args, **step_kwargs)
+
+
+def clear_caches() -> None:
+    """Forget the traces and analyses jaxwap keeps in memory (`analysis.graph_cache`).
+
+    It keeps the last few steps' (the step as written by its trace; the variants it
+    restructures a `make_train_step` step into, and their loss traces, by loss function
+    and shapes), so planning a step again under another budget or objective costs its
+    search alone. As with `jax.jit`'s own cache, a loss whose Python reads state that
+    has changed since (a global, a config object) is not seen to change: call this, as
+    you would `jax.clear_caches()`. The plan cache on disk is another matter (`cache=`)."""
+    graph_cache.clear()

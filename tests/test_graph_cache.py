@@ -49,7 +49,7 @@ def test_a_restructured_step_planned_again_is_not_traced_again_and_plans_the_sam
         monkeypatch):
     """One H100's budget under the step as written: per-layer remat or micro-batches are
     traced once; planning again under a slightly larger budget traces no variant, and
-    its plan is the one planning afresh gives."""
+    its plan is the one planning afresh (after `jaxwap.clear_caches()`) gives."""
     args = _stack()
     kw = dict(hardware=jaxwap.Cluster("h100-sxm", 1), verify=0, cache=False,
               pipeline=False, offload=False)
@@ -60,7 +60,7 @@ def test_a_restructured_step_planned_again_is_not_traced_again_and_plans_the_sam
     traced.clear()
     again = jaxwap.plan(*args, memory_budget=0.62 * plain, **kw)
     assert traced == []
-    graph_cache.clear()
+    jaxwap.clear_caches()              # the public way to forget them: traced afresh
     fresh = jaxwap.plan(*args, memory_budget=0.62 * plain, **kw)
     assert traced and _decision(again) == _decision(fresh)
 
