@@ -126,3 +126,21 @@ def test_the_oldest_analyses_are_forgotten_past_the_count_or_the_bytes(monkeypat
     graph_cache.kept(([],), value("g", 8))              # a key that does not hash
     graph_cache.kept(([],), value("g", 8))
     assert built[-4:] == ["f", "f", "g", "g"]
+
+
+def test_a_kept_trace_counts_its_equations_nested_calls_included():
+    """A jaxpr is counted at `EQN_BYTES` an equation, the equations of the jaxprs it calls
+    (a nested `jax.jit`) included, so the byte bound covers traces as well as arrays."""
+    def inner(x):
+        return jnp.sin(x) * 2.0
+
+    def outer(x):
+        return jax.jit(inner)(x) + jnp.cos(x)
+
+    closed = jax.make_jaxpr(outer)(jnp.ones(3))
+    top = len(closed.jaxpr.eqns)
+    nested = len(closed.jaxpr.eqns[0].params["jaxpr"].jaxpr.eqns)
+    assert nested >= 2
+    assert graph_cache.array_bytes(closed) == graph_cache.EQN_BYTES * (top + nested)
+    assert graph_cache.array_bytes((closed, [closed.jaxpr])) == \
+        2 * graph_cache.EQN_BYTES * (top + nested)

@@ -8,9 +8,9 @@ fused-attention counterfactual, and the loss traces the rewrites start from. `ke
 each on what determines it: the trace jax hands back for the step as written (the same
 object for the same function and shapes), or the loss, optimizer, variant and layout a
 restructured step is built from; for the last `KEPT` keys, within `KEPT_BYTES` of arrays
-(a deep model's liveness rows are hundreds of MB). A loss whose Python reads state that
-changes between plans is not seen to change, as under `jax.jit`'s own cache; `clear`
-forgets them all.
+and traces (a deep model's liveness rows and traces are hundreds of MB). A loss whose
+Python reads state that changes between plans is not seen to change, as under
+`jax.jit`'s own cache; `clear` forgets them all.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 import scipy.sparse
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 T = TypeVar("T")
 
@@ -31,11 +32,39 @@ KEPT_BYTES = 1 << 30
 _KEPT: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
 
 
+#: what one equation of a kept jaxpr is counted as (its vars, avals and params: Python
+#: objects, near enough)
+EQN_BYTES = 2048
+
+
+def _equations(jaxpr: Jaxpr) -> int:
+    """The equations of `jaxpr` and of every jaxpr its equations call, each once."""
+    seen: set[int] = set()
+    count, todo = 0, [jaxpr]
+    while todo:
+        j = todo.pop()
+        if id(j) in seen:
+            continue
+        seen.add(id(j))
+        count += len(j.eqns)
+        for e in j.eqns:
+            for v in e.params.values():
+                for x in (v if isinstance(v, tuple | list) else (v,)):
+                    if isinstance(x, ClosedJaxpr):
+                        todo.append(x.jaxpr)
+                    elif isinstance(x, Jaxpr):
+                        todo.append(x)
+    return count
+
+
 def array_bytes(x: Any) -> int:
-    """The bytes of the numpy and scipy arrays `x` holds: in its dataclass fields, tuples,
-    lists and dicts, through any depth (what keeping it keeps alive, near enough)."""
+    """The bytes `x` keeps alive, near enough: its numpy and scipy arrays, and its jaxprs
+    at `EQN_BYTES` an equation, in its dataclass fields, tuples, lists and dicts, through
+    any depth."""
     if isinstance(x, np.ndarray):
         return int(x.nbytes)
+    if isinstance(x, ClosedJaxpr | Jaxpr):
+        return EQN_BYTES * _equations(x.jaxpr if isinstance(x, ClosedJaxpr) else x)
     if scipy.sparse.issparse(x):
         return sum(int(getattr(x, a).nbytes) for a in ("data", "indices", "indptr", "row",
                                                        "col") if hasattr(x, a))
@@ -52,7 +81,7 @@ def kept(key: tuple[Any, ...], build: Callable[[], T],
          keep: Callable[[T], bool] = lambda _: True) -> T:
     """`build()`, or what it gave for an equal `key` (the context mesh joins it: a
     trace follows the mesh it is made in). The oldest are forgotten past `KEPT` keys or
-    `KEPT_BYTES` of arrays; not kept at all where the key does not hash (a loss function
+    `KEPT_BYTES` of arrays and traces; not kept at all where the key does not hash (a loss function
     that cannot be a key), where `keep` refuses what was built (a trace that closes over
     another trace's values), or the value alone holds more than `KEPT_BYTES`."""
     full = (*key, jax.sharding.get_abstract_mesh())
@@ -79,4 +108,4 @@ def clear() -> None:
     _KEPT.clear()
 
 
-__all__ = ["KEPT", "KEPT_BYTES", "array_bytes", "clear", "kept"]
+__all__ = ["EQN_BYTES", "KEPT", "KEPT_BYTES", "array_bytes", "clear", "kept"]
