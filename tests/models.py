@@ -221,3 +221,24 @@ def mixed_mlp_plan(pins: Any, mesh_shape: Any = None, **options: Any) -> Any:
                        {"x": sds(8, 256), "y": sds(8, 10)}, params=params,
                        mesh_shape=mesh_shape or {"data": 4, "model": 1}, constraints=pins,
                        verify=1, cache=False, **options)
+
+
+def scanned_mlp_step(layers: int, d: int, rows: int) -> tuple[Any, Any, Any, Any]:
+    """(step, params, opt_state, batch), abstract: a `make_train_step` step (Adam) over a
+    `lax.scan` of `layers` residual MLP blocks of width `d` (hidden 4d), `rows` rows."""
+    import jaxwap
+
+    S = jax.ShapeDtypeStruct
+
+    def loss(p, b):
+        def layer(h, w):
+            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
+
+        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
+                         "down": S((layers, 4 * d, d), jnp.float32)}}
+    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    return step, params, jax.eval_shape(step.init, params), batch

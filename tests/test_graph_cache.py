@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
+from models import scanned_mlp_step
 
 import jaxwap
 from jaxwap.analysis import graph_cache
@@ -16,20 +16,7 @@ from jaxwap.search import stage_graphs
 
 def _stack(layers: int = 8, d: int = 256, rows: int = 4096):
     """A `make_train_step` step over a `lax.scan` of `layers` MLP layers, abstract."""
-    S = jax.ShapeDtypeStruct
-
-    def loss(p, b):
-        def layer(h, w):
-            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
-        return jnp.mean((h - b["y"]) ** 2)
-
-    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
-                         "down": S((layers, 4 * d, d), jnp.float32)}}
-    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
-    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
-    return step, params, jax.eval_shape(step.init, params), batch
+    return scanned_mlp_step(layers, d, rows)
 
 
 def _counting(monkeypatch, module, name: str) -> list[int]:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from models import scanned_mlp_step
 
 import jaxwap
 from jaxwap.core.records import DATA, MODEL, STAGE
@@ -288,23 +289,8 @@ def test_tensor_parallel_layers_inside_a_stage_equal_the_unsharded_step():
 def _deep_mlp_on_slow_nodes():
     """(step, params, opt_state, batch), abstract, of a deep MLP stack (48 blocks of d
     2048 under `lax.scan`, batch 2048, Adam), and 64 H100s in 8 nodes at 100 Gb/s."""
-    S = jax.ShapeDtypeStruct
-    layers, d, rows = 48, 2048, 2048
-
-    def loss(p, b):
-        def layer(h, w):
-            return h + jax.nn.gelu(h @ w["up"]) @ w["down"], None
-
-        h, _ = jax.lax.scan(layer, b["x"], p["blocks"])
-        return jnp.mean((h - b["y"]) ** 2)
-
-    params = {"blocks": {"up": S((layers, d, 4 * d), jnp.float32),
-                         "down": S((layers, 4 * d, d), jnp.float32)}}
-    batch = {"x": S((rows, d), jnp.float32), "y": S((rows, d), jnp.float32)}
-    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
-    args = (step, params, jax.eval_shape(step.init, params), batch)
-    return args, jaxwap.Cluster("h100-sxm", 64, devices_per_node=8,
-                                inter_node_bandwidth=12.5e9)
+    return scanned_mlp_step(48, 2048, 2048), jaxwap.Cluster(
+        "h100-sxm", 64, devices_per_node=8, inter_node_bandwidth=12.5e9)
 
 
 def test_the_default_chooses_a_pipeline_where_one_wins_and_false_excludes_them():
