@@ -163,7 +163,7 @@ def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContex
         notes.append("constraints pin " + "; ".join(
             f"{path_string(layout.params[j].path)} to {c.describe()}" for j, c in rules.pins))
     pipes = optional_pipelines(fn, layout, cluster, options, usable, ctx.budget, rules,
-                               ctx.tree_calls, notes)
+                               ctx.tree_calls, notes, traced=closed)
     timing["pipeline"] = pipes.seconds
     found = search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
                             "cpu" if platform == "cpu" else "accelerator", pipes, rules)

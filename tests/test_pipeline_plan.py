@@ -521,3 +521,32 @@ def test_stage_counts_tried_reach_from_the_fewest_stages_to_the_most():
     assert stage_counts(48, 512, None) == [2, 4, 8, 16]      # four to try: all of them
     assert stage_counts(10, 8, None) == [2, 4]
     assert stage_counts(105, 2520, {"stages": 35}) == [35]
+
+
+def test_a_step_with_no_scan_is_planned_without_tracing_its_loss_for_a_layer_scan(
+        monkeypatch):
+    """An unrolled MLP built by make_train_step on 8 H100s: the step's own trace has no
+    scan, so the pipelined search says there is no layer scan without tracing the loss
+    again to look for one; the note is the one looking gives."""
+    from jaxwap.search import pipeline_search
+
+    looked = []
+    real = pipeline_search.find_layer_scan
+    monkeypatch.setattr(pipeline_search, "find_layer_scan",
+                        lambda *a: looked.append(1) or real(*a))
+    S = jax.ShapeDtypeStruct
+
+    def loss(p, b):
+        h = b["x"]
+        for w in p:
+            h = h + jax.nn.gelu(h @ w)
+        return jnp.mean((h - b["y"]) ** 2)
+
+    params = [S((64, 64), jnp.float32) for _ in range(4)]
+    batch = {"x": S((32, 64), jnp.float32), "y": S((32, 64), jnp.float32)}
+    step = jaxwap.make_train_step(loss, optax.adam(1e-3))
+    plan = jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
+                       hardware=jaxwap.Cluster("h100-sxm", 8), verify=0, cache=False)
+    assert looked == [] and plan.step.stages == 1
+    assert any("the loss function has no lax.scan over stacked parameters" in n
+               for n in plan.notes), plan.notes

@@ -37,16 +37,16 @@ from jaxwap.search.pipeline_search import Pipelines, plan_pipelines
 
 def optional_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster,
                        options: PlanOptions, usable: int, budget: float,
-                       rules: LayoutRules | None, calls: int, notes: list[str]
-                       ) -> Pipelines:
+                       rules: LayoutRules | None, calls: int, notes: list[str],
+                       traced: Any = None) -> Pipelines:
     """The pipelined candidates, an optional branch: a step that jaxwap cannot build into
     stages (a failure anywhere in tracing, cutting or solving its stages) is planned
     without them, the reason in `notes`. Only a pipeline the user forced makes the
-    failure the plan's."""
+    failure the plan's. `traced`: the step's trace (`plan_pipelines`)."""
     t0 = time.perf_counter()
     try:
         pipes = plan_pipelines(fn, layout, cluster, options.objective, options, usable,
-                               budget, rules, tree_calls=calls)
+                               budget, rules, tree_calls=calls, traced=traced)
     except Exception as e:  # noqa: BLE001 - the plan goes on without pipelines, saying why
         if options.forced_pipeline is not None:
             raise

@@ -124,8 +124,15 @@ def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
                 yield x
 
 
-def _has_scan(jaxpr: Jaxpr) -> bool:
-    return any(e.primitive.name == "scan" or any(_has_scan(j) for j in _sub_jaxprs(e.params))
+#: why a loss has no layer scan, where it has no scan at all
+NO_SCAN = "the loss function has no lax.scan over stacked parameters at its top level"
+
+
+def has_scan(jaxpr: Jaxpr) -> bool:
+    """Whether a `lax.scan` runs anywhere in `jaxpr`, nested calls included: a step
+    whose trace has none has no layer scan in its loss, which then need not be traced
+    again to say so."""
+    return any(e.primitive.name == "scan" or any(has_scan(j) for j in _sub_jaxprs(e.params))
                for e in jaxpr.eqns)
 
 
@@ -169,7 +176,7 @@ class _Search:
                           {i for o, i in pairs if is_var(o) and o in on_batch},
                           {i for o, i in zip(eqn.outvars, inner.outvars, strict=True)
                            if o in used}, (*path, k))
-            elif any(_has_scan(j) for j in _sub_jaxprs(eqn.params)):
+            elif any(has_scan(j) for j in _sub_jaxprs(eqn.params)):
                 self.hidden.append(name)
             if any(v in on_batch for v in ins):
                 on_batch.update(eqn.outvars)
@@ -218,8 +225,7 @@ class _Search:
             raise NoLayerScan(f"the loss function's lax.scan is inside {inside}, not at "
                               f"the top level of the loss function (only nested jax.jit "
                               f"calls are looked through)")
-        raise NoLayerScan("the loss function has no lax.scan over stacked parameters at "
-                          "its top level")
+        raise NoLayerScan(NO_SCAN)
 
 
 def find_in_jaxpr(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan:
@@ -244,6 +250,6 @@ def equation_at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:
     return eqn if len(path) == 1 else equation_at(called_jaxpr(eqn).jaxpr, path[1:])
 
 
-__all__ = ["CALL_PRIMITIVES", "LayerScan", "NoLayerScan", "abstract_values",
+__all__ = ["CALL_PRIMITIVES", "NO_SCAN", "LayerScan", "NoLayerScan", "abstract_values",
            "batch_size_of", "called_jaxpr", "equation_at", "find_in_jaxpr",
-           "find_layer_scan", "is_var", "trace_loss"]
+           "find_layer_scan", "has_scan", "is_var", "trace_loss"]

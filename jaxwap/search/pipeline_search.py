@@ -52,7 +52,13 @@ from jaxwap.cost.pipeline_cost import (
     stack_shares,
 )
 from jaxwap.hardware.cluster import Cluster
-from jaxwap.runtime.layer_scan import LayerScan, NoLayerScan, find_layer_scan
+from jaxwap.runtime.layer_scan import (
+    NO_SCAN,
+    LayerScan,
+    NoLayerScan,
+    find_layer_scan,
+    has_scan,
+)
 from jaxwap.runtime.stage_layout import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
@@ -91,11 +97,13 @@ class Pipelines:
 
 def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective: Objective,
                    options: PlanOptions, usable: int, budget: float,
-                   rules: LayoutRules | None = None, tree_calls: int = 0) -> Pipelines:
+                   rules: LayoutRules | None = None, tree_calls: int = 0,
+                   traced: Any = None) -> Pipelines:
     """The best pipelined candidate per stage count for this step (its arguments as
     `layout` holds them: global, abstract), or the reason there are none (not a
     `make_train_step` step, no layer scan, too few devices, ...). `tree_calls`: the Python
-    calls a call makes on the step's pytrees (`Graph.tree_calls`)."""
+    calls a call makes on the step's pytrees (`Graph.tree_calls`). `traced`: the step's
+    trace, where at hand: with no scan in it, the loss is not traced again to find none."""
     t0 = time.perf_counter()
     args, kw = jax.tree_util.tree_unflatten(layout.args_treedef, layout.inputs.avals)
     kwargs = dict(zip(layout.kw_names, kw, strict=True))
@@ -120,6 +128,8 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
         return none("the mesh is hybrid-sharded (mesh_shape names replicas): its stages "
                     "are not searched")
     params, _, batch_tree = args
+    if traced is not None and not has_scan(traced.jaxpr):
+        return none(NO_SCAN)
     try:
         scan = find_layer_scan(fn.loss_and_aux(), params, batch_tree)
     except NoLayerScan as e:
