@@ -17,7 +17,8 @@ PUBLIC = {
     "EnergyReading", "Measurement", "Objective", "ParamPlacement", "Plan", "PlanCache",
     "PlanOptions", "Prediction", "STRATEGY_FAMILIES", "StepVariant", "Strategy", "TrainStep",
     "__version__",
-    "auto_shard", "builtin_device_names", "calibrate", "device_spec", "load_calibration",
+    "auto_shard", "builtin_device_names", "calibrate", "clear_caches", "device_spec",
+    "load_calibration",
     "logical_constraints", "make_train_step", "measure_energy", "plan",
 }
 

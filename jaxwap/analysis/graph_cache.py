@@ -81,16 +81,16 @@ def kept(key: tuple[Any, ...], build: Callable[[], T],
          keep: Callable[[T], bool] = lambda _: True) -> T:
     """`build()`, or what it gave for an equal `key` (the context mesh joins it: a
     trace follows the mesh it is made in). The oldest are forgotten past `KEPT` keys or
-    `KEPT_BYTES` of arrays and traces; not kept at all where the key does not hash (a
-    loss function that cannot be a key), where `keep` refuses what was built (a trace
-    that closes over another trace's values), or the value alone holds more than
-    `KEPT_BYTES`."""
+    `KEPT_BYTES` of arrays and traces; not kept at all where the key does not hash or
+    compare (a loss function that cannot be a key), where `keep` refuses what was built
+    (a trace that closes over another trace's values), or the value alone holds more
+    than `KEPT_BYTES`."""
     full = (*key, jax.sharding.get_abstract_mesh())
     try:
-        hash(full)
-    except TypeError:
+        hit = full in _KEPT
+    except Exception:  # noqa: BLE001 - a key that cannot be hashed or compared: not kept
         return build()
-    if full in _KEPT:
+    if hit:
         _KEPT.move_to_end(full)
         return _KEPT[full][0]
     got = build()
