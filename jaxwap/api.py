@@ -368,10 +368,11 @@ def plan(train_step: Callable, *args: Any, params: Any = None,
 def clear_caches() -> None:
     """Forget the traces and analyses jaxwap keeps in memory (`analysis.graph_cache`).
 
-    It keeps the last few steps' (the step as written by its trace; the variants it
-    restructures a `make_train_step` step into, and their loss traces, by loss function
-    and shapes), so planning a step again under another budget or objective costs its
-    search alone. As with `jax.jit`'s own cache, a loss whose Python reads state that
-    has changed since (a global, a config object) is not seen to change: call this, as
-    you would `jax.clear_caches()`. The plan cache on disk is another matter (`cache=`)."""
+    For the last few steps planned it keeps their analyses (the step as written by the
+    trace jax hands back; the variants a `make_train_step` step is restructured into,
+    and the loss traces they start from, by loss function and shapes), so planning a
+    step again under another budget or objective costs its search alone. As with
+    `jax.jit`'s own cache, a loss whose Python reads state that has changed since (a
+    global, a config object) is not seen to change: call this, as you would
+    `jax.clear_caches()`. The plan cache on disk is another matter (`cache=`)."""
     graph_cache.clear()

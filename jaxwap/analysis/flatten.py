@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +112,19 @@ def _sub_jaxpr(eqn: Any) -> Any | None:
         if sub is not None and (hasattr(sub, "eqns") or hasattr(sub, "jaxpr")):
             return sub
     return None
+
+
+def sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
+    """Every jaxpr an equation's params hold (a call's body, a cond's branches, a custom
+    rule's function), open: what a walk through nested jaxprs descends into. (By their
+    attributes, as `_sub_jaxpr` tells them: this module reads jaxprs without importing
+    jax.)"""
+    for v in params.values():
+        for x in (v if isinstance(v, tuple | list) else (v,)):
+            if hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):   # closed: its jaxpr
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -25,6 +25,8 @@ import numpy as np
 import scipy.sparse
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
+from jaxwap.analysis.flatten import sub_jaxprs
+
 T = TypeVar("T")
 
 KEPT = 24
@@ -48,12 +50,7 @@ def _equations(jaxpr: Jaxpr) -> int:
         seen.add(id(j))
         count += len(j.eqns)
         for e in j.eqns:
-            for v in e.params.values():
-                for x in (v if isinstance(v, tuple | list) else (v,)):
-                    if isinstance(x, ClosedJaxpr):
-                        todo.append(x.jaxpr)
-                    elif isinstance(x, Jaxpr):
-                        todo.append(x)
+            todo.extend(sub_jaxprs(e.params))
     return count
 
 

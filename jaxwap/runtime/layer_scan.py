@@ -18,7 +18,7 @@ the same way (`trace_loss`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
-from jaxwap.analysis.flatten import scan_counts
+from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import kept
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
@@ -115,15 +115,6 @@ def called_jaxpr(eqn: Any) -> ClosedJaxpr:
     return eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
 
 
-def _sub_jaxprs(params: dict[str, Any]) -> Iterator[Jaxpr]:
-    for v in params.values():
-        for x in (v if isinstance(v, tuple | list) else (v,)):
-            if isinstance(x, ClosedJaxpr):
-                yield x.jaxpr
-            elif isinstance(x, Jaxpr):
-                yield x
-
-
 #: why a loss has no layer scan, where it has no scan at all
 NO_SCAN = "the loss function has no lax.scan over stacked parameters at its top level"
 
@@ -132,7 +123,7 @@ def has_scan(jaxpr: Jaxpr) -> bool:
     """Whether a `lax.scan` runs anywhere in `jaxpr`, nested calls included: a step
     whose trace has none has no layer scan in its loss, which then need not be traced
     again to say so."""
-    return any(e.primitive.name == "scan" or any(has_scan(j) for j in _sub_jaxprs(e.params))
+    return any(e.primitive.name == "scan" or any(has_scan(j) for j in sub_jaxprs(e.params))
                for e in jaxpr.eqns)
 
 
@@ -176,7 +167,7 @@ class _Search:
                           {i for o, i in pairs if is_var(o) and o in on_batch},
                           {i for o, i in zip(eqn.outvars, inner.outvars, strict=True)
                            if o in used}, (*path, k))
-            elif any(has_scan(j) for j in _sub_jaxprs(eqn.params)):
+            elif any(has_scan(j) for j in sub_jaxprs(eqn.params)):
                 self.hidden.append(name)
             if any(v in on_batch for v in ins):
                 on_batch.update(eqn.outvars)
