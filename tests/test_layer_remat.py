@@ -305,7 +305,6 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
     full remat keeps, is not traced; micro-batched full remat is bisected from the counts
     the full-remat step's activations, at 1/k of the rows, leave room for. The plan is
     the one tracing every rung gives."""
-    from jaxwap.analysis import graph_cache
     from jaxwap.planning import micro_batch_search, variant_trials
 
     step, params, opt, batch = unrolled
@@ -322,7 +321,7 @@ def test_variants_bounded_by_one_that_did_not_fit_are_not_traced(unrolled, monke
 
     def plan():     # what a first plan of the step traces: no analysis kept
         traced.clear()
-        graph_cache.clear()
+        jaxwap.clear_caches()
         return jaxwap.plan(step, params, opt, batch, **one, memory_budget=0.7 * full)
 
     monkeypatch.setattr(variant_trials, "trace_layout", counted)

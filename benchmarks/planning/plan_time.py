@@ -15,8 +15,8 @@ and measures the planner alone, i.e. the overhead auto_shard adds before the fir
 
 Each plan is made `--repeats + 1` times: the first time includes one-off costs (tracing
 caches, imports inside jax); the repeats show the steady cost of planning a new step.
-The analyses `jaxwap.plan` keeps in memory (`graph_cache`) are forgotten before each, so
-a repeat really plans again. The cached time
+The analyses `jaxwap.plan` keeps in memory are forgotten before each
+(`jaxwap.clear_caches()`), so a repeat really plans again. The cached time
 is set beside one trace of the step (`jax.make_jaxpr`, jax's trace cache warm): a plan
 read back from the cache costs that trace (the step must be traced to key it) plus the
 key and the read, and the goal is at most one trace + 20 ms.
@@ -50,7 +50,6 @@ import jax.numpy as jnp  # noqa: E402
 import jaxwap  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.models import zoo  # noqa: E402
-from jaxwap.analysis import graph_cache  # noqa: E402
 
 # the examples' own modules (examples/common.py, examples/models.py), as the zoo loads them
 common = zoo.load_example("common")
@@ -95,7 +94,7 @@ def time_plan(train_step: Any, params: Any, opt_state: Any, batch: Any,
     times = []
     plan = None
     for _ in range(repeats + 1):
-        graph_cache.clear()
+        jaxwap.clear_caches()
         t0 = time.perf_counter()
         plan = jaxwap.plan(train_step, params, opt_state, batch, hardware=cluster,
                            objective="balanced", verify=0, cache=False)

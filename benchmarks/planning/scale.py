@@ -9,7 +9,7 @@ abstract arguments on 8 simulated CPU devices. So:
 
 - planning time is **measured** on this machine (wall time of `jaxwap.plan`, `cache=False`):
   the first call, a repeat (jax's trace cache warm, the analyses jaxwap keeps in memory
-  forgotten: `graph_cache.clear()`, so it plans again) and a third call with those kept
+  forgotten: `jaxwap.clear_caches()`, so it plans again) and a third call with those kept
   (what planning the same step again in a process costs);
 - step time and MFU are **predicted** by jaxwap's model for the described hardware.
   MFU = model flops / (devices x datasheet bf16 peak x predicted step time), with model flops
@@ -52,7 +52,6 @@ import jax  # noqa: E402
 import jaxwap  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.models import zoo  # noqa: E402
-from jaxwap.analysis import graph_cache  # noqa: E402
 from jaxwap.hardware.datasheets import DATASHEETS  # noqa: E402
 
 RESULTS = harness.results_dir("scale")
@@ -142,7 +141,7 @@ def plan_row(row: Row, built: dict[str, Any], hw: dict[str, jaxwap.Cluster]) -> 
     plan = None
     for i in range(3):
         if i < 2:     # the first call and the repeat: jaxwap's kept analyses forgotten
-            graph_cache.clear()
+            jaxwap.clear_caches()
         t0 = time.perf_counter()
         try:
             plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster,

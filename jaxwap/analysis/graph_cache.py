@@ -74,6 +74,13 @@ def array_bytes(x: Any) -> int:
     return 0
 
 
+def abstract_key(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], str], ...]]:
+    """`tree`'s structure and its leaves' shapes and dtypes: what of a step's abstract
+    arguments a trace follows from, hashable."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
 def kept(key: tuple[Any, ...], build: Callable[[], T],
          keep: Callable[[T], bool] = lambda _: True) -> T:
     """`build()`, or what it gave for an equal `key` (the context mesh joins it: a
@@ -91,8 +98,10 @@ def kept(key: tuple[Any, ...], build: Callable[[], T],
         _KEPT.move_to_end(full)
         return _KEPT[full][0]
     got = build()
+    if not keep(got):
+        return got
     size = array_bytes(got)
-    if size > KEPT_BYTES or not keep(got):
+    if size > KEPT_BYTES:
         return got
     _KEPT[full] = (got, size)
     held = sum(n for _, n in _KEPT.values())
@@ -106,4 +115,4 @@ def clear() -> None:
     _KEPT.clear()
 
 
-__all__ = ["EQN_BYTES", "KEPT", "KEPT_BYTES", "array_bytes", "clear", "kept"]
+__all__ = ["EQN_BYTES", "KEPT", "KEPT_BYTES", "abstract_key", "array_bytes", "clear", "kept"]

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
-from jaxwap.analysis.graph_cache import kept
+from jaxwap.analysis.graph_cache import abstract_key, kept
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -99,13 +99,11 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> tuple[ClosedJaxpr,
     same loss again for each variant (the layers found, each remat policy, each
     pipeline), and tracing a large unrolled model's Python is much of planning it."""
     args = (abstract_values(params), abstract_values(batch))
-    leaves, treedef = jax.tree_util.tree_flatten(args)
 
     def build() -> tuple[ClosedJaxpr, Any]:
         closed, out = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
         return closed, jax.tree_util.tree_structure(out)
-    return kept(("loss trace", loss_fn, treedef,
-                 tuple((x.shape, str(x.dtype)) for x in leaves)), build,
+    return kept(("loss trace", loss_fn, *abstract_key(args)), build,
                 keep=lambda got: not any(isinstance(c, jax.core.Tracer)
                                          for c in got[0].consts))
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from jaxwap.analysis.graph import Graph, analyze
-from jaxwap.analysis.graph_cache import kept
+from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.trace import layout_of
 from jaxwap.runtime.layer_scan import LayerScan
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
@@ -52,10 +52,8 @@ def stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int
                                    rows if fixed_rows else None)
         return analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params,
                        rows)
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    return kept(("stage", fn.loss_and_aux(), fn.optimizer, treedef,
-                 tuple((tuple(x.shape), str(x.dtype)) for x in leaves),
-                 scan, layers, rows, remat_stack, fixed_rows), build)
+    return kept(("stage", fn.loss_and_aux(), fn.optimizer, *abstract_key(args), scan,
+                 layers, rows, remat_stack, fixed_rows), build)
 
 
 __all__ = ["stage_graph", "stage_step"]
