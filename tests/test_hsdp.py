@@ -138,3 +138,51 @@ def test_a_saved_hsdp_plan_runs_again_and_a_bad_one_names_its_mesh():
     with pytest.raises(ValueError, match="replica=3 x data=2 x model=1 cannot be used"):
         jaxwap.auto_shard(step, params, hardware=hw, mesh_shape={"replica": 3, "data": 2},
                           verify=0, cache=False).plan_for(params, opt, batch)
+
+
+def test_a_data_axis_no_weight_divides_is_tried_hybrid_sharded_over_the_part_that_does():
+    """6 devices, every weight dim a multiple of 16 and none of 6: FSDP or ZeRO-1 over
+    data=6 shards nothing, so that mesh holds every weight whole, while 2 of its 6
+    devices divide them all. The search also tries replica=3 x data=2 (`shard_replicas`),
+    which holds less; under a budget between the two it fits where data=6 does not."""
+    step, params, opt, data = abstract_setup((256, 256, 16), batch=12, in_dim=128)
+    kw = dict(hardware=jaxwap.Cluster("cpu", 6), num_devices=6, verify=0, cache=False,
+              objective="throughput", offload=False)
+    roomy = jaxwap.plan(step, params, opt, data, params=params, **kw)
+    by_mesh = {c.mesh_shape: c for c in roomy.candidates}
+    whole = by_mesh[((DATA, 6), (MODEL, 1))]
+    hybrid = by_mesh[((REPLICA, 3), (DATA, 2), (MODEL, 1))]
+    assert hybrid.predicted.peak_memory_bytes < 0.85 * whole.predicted.peak_memory_bytes
+    budget = (hybrid.predicted.peak_memory_bytes + whole.predicted.peak_memory_bytes) / 2
+    tight = jaxwap.plan(step, params, opt, data, params=params, memory_budget=budget, **kw)
+    fits = {c.mesh_shape: c.fits for c in tight.candidates}
+    assert not fits[((DATA, 6), (MODEL, 1))]
+    assert fits[((REPLICA, 3), (DATA, 2), (MODEL, 1))]
+    # where data=6 shards its weights, nothing else is tried on it
+    step8, params8, opt8, data8 = abstract_setup((240, 240, 12), batch=12, in_dim=120)
+    plan8 = jaxwap.plan(step8, params8, opt8, data8, params=params8, **kw)
+    assert not any(c.mesh_shape[0][0] == REPLICA for c in plan8.candidates)
+
+
+def test_fsdp_asked_on_six_devices_shards_over_two_and_matches_single_device():
+    """FSDP asked for on 6 devices whose weights 6 does not divide: the plan shards each
+    kernel over 2 data devices, replicated 3 times, and two steps equal the
+    single-device steps."""
+    step, params, opt, batch = host_setup(MLP((256, 256, 16)), (12, 128), num_classes=16,
+                                          tx=optax.sgd(0.1))
+    sharded = jaxwap.auto_shard(step, params, num_devices=6, strategies=("fsdp",),
+                                verify=0, cache=False)
+    state, ref = copy_tree((params, opt)), copy_tree((params, opt))
+    single = jax.jit(step)
+    for _ in range(2):
+        *state, metrics = sharded(*state, batch)
+        *ref, ref_metrics = single(*ref, batch)
+    plan = sharded.plan
+    assert dict(plan.mesh_shape) == {REPLICA: 3, DATA: 2, MODEL: 1}
+    kernels = [p for p in plan.params if p.path[-1] == "kernel"]
+    assert kernels and all(p.strategy == "fsdp" and DATA in p.spec for p in kernels)
+    big = next(x for x in jax.tree.leaves(state[0]) if x.shape == (128, 256))
+    assert big.addressable_shards[0].data.size == 128 * 256 // 2
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=2e-5, atol=2e-6),
+                 (state, metrics), (ref, ref_metrics))

@@ -175,6 +175,29 @@ def test_ladder_is_micro_batches_that_divide_the_batch():
     cpu = ladder(24, "cpu")
     assert [v.micro_batches for v in cpu] == [2, 4, 8]
     assert ladder(8, "gpu") == [StepVariant(micro_batches=k) for k in (2, 4, 8)]
+    # the counts that split a data shard's 9 rows first (2,160 sequences on 240 data
+    # devices), then the powers of two; where the rows are a power of two, the same order
+    assert [v.micro_batches for v in ladder(2160, "gpu", rows=9)] == [3, 9, 2, 4, 8, 16]
+    assert ladder(512, "gpu", rows=16) == ladder(512, "gpu")
+
+
+def test_a_micro_batch_count_that_keeps_the_widest_data_axis_is_planned_and_runs():
+    """18 rows on 6 devices: 3 rows a data shard, which no power of two of micro-batches
+    splits. Where the step as written does not fit, 3 micro-batches of 6 rows keep all 6
+    data devices (2 would leave 9 rows, which 6 does not divide); the plan runs them
+    and equals the full-batch step."""
+    step, params, opt, batch = cnn_problem(batch=18)
+    kw = dict(num_devices=6, verify=0, cache=False, mesh_shape={"data": 6})
+    roomy = jaxwap.plan(step, params, opt, batch, **kw)
+    sharded = jaxwap.auto_shard(step, params, **kw,
+                                memory_budget=0.55 * roomy.predicted.peak_memory_bytes)
+    p, o = copy_tree(params), copy_tree(opt)
+    for _ in range(2):
+        p, o, loss = sharded(p, o, batch)
+    plan = sharded.plan
+    assert roomy.step.micro_batches == 1
+    assert plan.step.micro_batches == 3 and dict(plan.mesh_shape)["data"] == 6
+    close(run(step, params, opt, batch), (p, o, loss), rtol=1e-4, atol=1e-5)
 
 
 def _outer_product_problem(batch):

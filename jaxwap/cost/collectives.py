@@ -301,15 +301,16 @@ def fsdp_comm(param_bytes: float, d: int, cluster: Cluster, reductions: float = 
 
 
 def hsdp_comm(param_bytes: float, d: int, r: int, cluster: Cluster,
-              reductions: float = 1.0, passes: float = 1.0, uses: float = 1.0
-              ) -> tuple[float, float]:
-    """(seconds, bytes) of a weight sharded over the data axis inside each node and
-    replicated across the r nodes' replicas (HSDP, PyTorch's HYBRID_SHARD): FSDP's gathers
-    and gradient reduce-scatters over the d/r devices of a node, then the gradient shard
-    all-reduced across the replicas (one device per node, over the network)."""
+              reductions: float = 1.0, passes: float = 1.0, uses: float = 1.0,
+              inner: int | None = None) -> tuple[float, float]:
+    """(seconds, bytes) of a weight sharded over d/r devices of the data axis and
+    replicated across r replicas of them (HSDP, PyTorch's HYBRID_SHARD): FSDP's gathers
+    and gradient reduce-scatters over the d/r devices, `inner` of them inside a node (all
+    of them when None: a replica a node), then the gradient shard all-reduced across the
+    replicas (over the network)."""
     di = d // r
-    t_in, b_in = fsdp_comm(param_bytes, di, cluster, reductions, passes, inner=di,
-                           uses=uses)
+    t_in, b_in = fsdp_comm(param_bytes, di, cluster, reductions, passes,
+                           inner=di if inner is None else inner, uses=uses)
     t_x, b_x = all_reduce(param_bytes / di, r, cluster, False, 1)
     return t_in + reductions * t_x + buffer_latency(reductions, r, cluster), \
         b_in + reductions * b_x

@@ -63,7 +63,8 @@ def param_comm_costs(graph: Graph, cluster: Cluster,
                float(passes[j]), moved, float(layers[j]), uses)
         if key not in comm_of:
             if st.data_sharded and r > 1:
-                comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j], uses)
+                comm_of[key] = hsdp_comm(local, d, r, cluster, reps[j], passes[j], uses,
+                                         cluster.devices_in_node(d // r, m))
             elif st.data_sharded:
                 # gathered where the batch meets it, each pass (a scan's backward loop
                 # gathers it again), each partial gradient reduced

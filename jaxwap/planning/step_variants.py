@@ -32,6 +32,7 @@ from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers, saved_dot_b
 from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder
 from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, plan_pipelines
 
 
@@ -83,7 +84,8 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     if found is None and restructurable:
         # the pipelined search found the layer scan when it considered pipelines at all
         layers, no_layers = ("scan", None) if pipes.reason is None else _layers(fn, layout)
-        rungs = ladder(layout.inputs.batch_size, platform, layers=layers)
+        rungs = ladder(layout.inputs.batch_size, platform, layers=layers,
+                       rows=_shard_rows(trials))
         if layers is not None and all(r.remat == "none" for r in rungs):
             # the ladder's CPU rule (`train_step.ladder`)
             no_layers = ("the loss's layers are unrolled blocks, and XLA:CPU computes "
@@ -153,6 +155,19 @@ def _selective_floor(fn: TrainStep, layout: ArgLayout, usable: int) -> float | N
     where the loss has no layers to say it of."""
     got = _loss_layers(fn, layout)
     return None if isinstance(got, str) else saved_dot_bytes(got[0].jaxpr, got[1]) / usable
+
+
+def _shard_rows(trials: Trials) -> int | None:
+    """A data shard's rows on the widest data axis the batch allows (`meshes.mesh_shapes`
+    of the step as written), for the ladder's micro-batch counts; None where the step
+    has no batch or no mesh."""
+    graph = trials.plain_graph
+    if graph is None or not graph.batch_size:
+        return None
+    options = trials.options
+    shapes, _ = mesh_shapes(trials.usable, graph.batch_size, graph, options.num_devices,
+                            1, options.mesh, trials.ctx.cluster.mesh_node_size)
+    return graph.batch_size // max(d for d, _ in shapes) if shapes else None
 
 
 def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | None:

@@ -227,7 +227,7 @@ def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callabl
 
 
 def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
-           layers: str | None = None) -> list[StepVariant]:
+           layers: str | None = None, rows: int | None = None) -> list[StepVariant]:
     """The variants to try when the step as written does not fit, cheapest first: where
     the loss has layers (`layers`: "scan", a layer scan; "blocks", an unrolled model's
     repeated blocks), per-layer rematerialization, selective (each layer's weight matmul
@@ -246,17 +246,24 @@ def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
     the model credits as it reads the program. On a CPU, per-layer remat is offered for a
     layer scan only: XLA:CPU computes an unrolled model's recomputations all ahead of the
     backward pass, so its checkpointed blocks save nothing there (`layer_blocks`); and
-    XLA:CPU places nothing in host memory: no offload rung there."""
+    XLA:CPU places nothing in host memory: no offload rung there.
+
+    The micro-batch counts are powers of two, after the counts that split `rows` (a data
+    shard's rows on the widest data axis the batch allows) evenly, which keep that axis
+    and with it the devices the weights shard over: 9 rows a shard (2,160 sequences on 240
+    data devices) take 3 or 9 micro-batches, where any power of two would lose the axis.
+    Where `rows` is a power of two the order is the powers' own."""
     out: list[StepVariant] = []
     if layers == "scan" or (layers == "blocks" and platform != "cpu"):
         out += [StepVariant(remat="layer_dots"), StepVariant(remat="layer_full")]
         if platform != "cpu":
             out.append(StepVariant(remat="layer_offload"))
-    k = 2
-    while batch_size and k <= min(batch_size, max_micro_batches):
-        if batch_size % k == 0:
-            out.append(StepVariant(micro_batches=k))
-        k *= 2
+    if not batch_size:
+        return out
+    top = min(batch_size, max_micro_batches)
+    keep = [k for k in range(2, min(rows or 1, top) + 1) if rows % k == 0]
+    powers = [1 << e for e in range(1, top.bit_length()) if 1 << e not in keep]
+    out += [StepVariant(micro_batches=k) for k in keep + powers if batch_size % k == 0]
     return out
 
 

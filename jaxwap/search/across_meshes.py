@@ -31,7 +31,7 @@ from jaxwap.search.solve import (
     solve_mesh,
     uses_model_axis,
 )
-from jaxwap.search.strategies import pins_hold, unsplit_reasons
+from jaxwap.search.strategies import pins_hold, shard_replicas, unsplit_reasons
 
 
 def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: int,
@@ -44,7 +44,13 @@ def search(graph: Graph, cluster: Cluster, objective: Objective, num_devices: in
     best (`_hybrids`, not when `mesh` fixes the mesh), ranked by the objective."""
     shapes, skipped = _usable_shapes(graph, cluster, num_devices, num_devices_exact,
                                      micro_batches, offload, mesh, allowed, replicas)
-    results = _solve_meshes(graph, cluster, objective, [(d, m, replicas) for d, m in shapes],
+    triples = [(d, m, replicas) for d, m in shapes]
+    if mesh is None and replicas == 1:
+        # a data axis that divides too few of the weights also tried hybrid-sharded over
+        # the part of it that does (`shard_replicas`)
+        triples += [(d, m, r) for d, m in shapes
+                    if (r := shard_replicas(graph, d, m, allowed)) > 1]
+    results = _solve_meshes(graph, cluster, objective, triples,
                             budget, offload, allowed, skipped,
                             prune=num_devices > EXHAUSTIVE_DEVICES)
     if mesh is None:
@@ -193,7 +199,8 @@ def _hybrids(graph: Graph, cluster: Cluster, objective: Objective,
     for res in results:
         inner = cluster.devices_in_node(res.d, res.m)
         pr = res.predicted
-        if (res.fits and res.variant == "planner" and 1 < inner < res.d
+        if (res.fits and res.variant == "planner" and res.r == 1 and 1 < inner < res.d
+                and not any(h.r > 1 and (h.d, h.m) == (res.d, res.m) for h in results)
                 and res.d % inner == 0 and any(s.data_sharded or s.state_spec is not None
                                                for s in res.strategies)
                 and pr.exposed_comm_time_s > HYBRID_EXPOSED * pr.step_time_s):

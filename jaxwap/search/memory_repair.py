@@ -16,7 +16,7 @@ from jaxwap.cost.mesh_cost import MeshCosts
 from jaxwap.hardware.cluster import Cluster
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
-from jaxwap.search.strategies import param_strategies, pins_hold
+from jaxwap.search.strategies import param_strategies, pins_hold, shard_replicas
 
 #: peak points whose move tables `repair` keeps (the 70B's repair visits up to 562, and
 #: each table is 3 x parameters x strategies values: 64 keep the cost of a revisit down)
@@ -164,9 +164,13 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     for d, m in shapes:
         if pins_hold(graph, allowed, d, m, offload) is not None:
             continue
-        strategies = [param_strategies(graph, j, d, m, offload, allowed)
-                      for j in range(len(graph.params))]
-        best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches)[0])
+        # as the search tries it: over the whole data axis, and hybrid-sharded where the
+        # axis divides too few of the weights (`shard_replicas`)
+        for r in {1, shard_replicas(graph, d, m, allowed)}:
+            strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
+                          for j in range(len(graph.params))]
+            best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches,
+                                          r)[0])
     return best
 
 

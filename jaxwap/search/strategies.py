@@ -134,6 +134,39 @@ def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], .
     return restrict(out, allowed)
 
 
+def shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None = None) -> int:
+    """The replicas r that let the data axis of d shard the parameters best: 1 where d
+    itself does, else the most that sharding over d/r data devices and replicating over r
+    (HSDP) holds least of the weights, gradients and optimizer state per device.
+
+    FSDP and ZeRO-1 split a dim the data axis divides, and a data axis takes the batch's
+    factors, not the model's: 240 (1,920 GPUs at TP 8) divides no dim of a 16,384-wide
+    model, whose weights then shard over the model axis alone, while 16 of the 240, each
+    replicated 15 times, divide them all. Only the layouts of a few distinct shapes are
+    worked out (`_strategies_for` is cached by shape), so trying every divisor is cheap."""
+    if d <= 1:
+        return 1
+    sizes = [float(p.nbytes) for p in graph.params]
+    whole = sum(b for j, b in enumerate(sizes)
+                if not any(s.data_sharded for s in param_strategies(graph, j, d, m, False, rules)))
+    if whole <= 0.05 * sum(sizes):   # d shards (nearly) every byte: nothing to gain
+        return 1
+
+    def held(g: int) -> float:   # least bytes a device holds with the parameters over g
+        total = 0.0
+        for j in range(len(graph.params)):
+            w, state = sizes[j], float(graph.resident_bytes[j])
+            total += min(2 * w / s.shard(g, m) + state / s.state_shard(g, m)
+                         for s in param_strategies(graph, j, g, m, False, rules))
+        return total
+
+    best, least = 1, held(d)
+    for g in sorted((g for g in range(2, d) if d % g == 0), reverse=True):
+        if (h := held(g)) < 0.95 * least:
+            best, least = d // g, h
+    return best
+
+
 def unsplit_reasons(graph: Graph, m: int, rules: LayoutRules | None = None,
                     limit: int = 6) -> str:
     """Why no layer weight can be split over a model axis of m, for an error to show:
@@ -180,4 +213,4 @@ def restrict(options: Sequence[Strategy], allowed: frozenset[str] | None
     return tuple(s for s in options if s.families <= allowed) or (options[0],)
 
 
-__all__ = ["param_strategies", "pins_hold", "restrict", "unsplit_reasons"]
+__all__ = ["param_strategies", "pins_hold", "restrict", "shard_replicas", "unsplit_reasons"]
