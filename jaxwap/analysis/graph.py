@@ -245,6 +245,13 @@ class Graph:
     def _param_changes(self) -> dict[int, scipy.sparse.csc_array]:
         return {}
 
+    @functools.cached_property
+    def memo(self) -> dict[Any, Any]:
+        """Results of pure functions of this graph, kept with it by their callers under
+        keys naming the function and its other arguments: a search asks the same of one
+        graph on every mesh and micro-batch count (`strategies.shard_replicas`)."""
+        return {}
+
     def param_changes(self, j: int) -> scipy.sparse.csc_array:
         """`live_changes`' columns of parameter j's classes ([points, NUM_CLASSES]),
         sliced once per graph: a memory repair moves one parameter at a time, on every

@@ -57,9 +57,13 @@ def _nodes_summary(plan: Plan) -> list[str]:
     elif inner >= d:
         where = f"the whole mesh inside {'one node' if nodes == 1 else f'{nodes} nodes'}"
     elif r > 1:
-        where = (f"the {REPLICA} axis spans {r} nodes (HSDP: parameters sharded over "
-                 f"the {d // r} {DATA} devices inside each node, gradient shards "
-                 f"all-reduced across the replicas)")
+        # a replica's data devices: one node's (HSDP as usual), or several nodes' where
+        # the data axis is hybrid-sharded because it divides too few weights
+        di, inner_d = d // r, hw.devices_in_node(d // r, m)
+        span = "inside each node" if inner_d >= di else f"across {di // inner_d} nodes"
+        where = (f"the {REPLICA} axis spans {r} {'nodes' if inner_d >= di else 'node groups'}"
+                 f" (HSDP: parameters sharded over the {di} {DATA} devices {span}, "
+                 f"gradient shards all-reduced across the replicas)")
     else:
         where = (f"the {DATA} axis spans {d // inner} nodes ({inner} of its devices per "
                  f"node; its reductions inside a node first when cheaper)")

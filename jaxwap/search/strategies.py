@@ -142,10 +142,21 @@ def shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None = Non
     FSDP and ZeRO-1 split a dim the data axis divides, and a data axis takes the batch's
     factors, not the model's: 240 (1,920 GPUs at TP 8) divides no dim of a 16,384-wide
     model, whose weights then shard over the model axis alone, while 16 of the 240, each
-    replicated 15 times, divide them all. Only the layouts of a few distinct shapes are
-    worked out (`_strategies_for` is cached by shape), so trying every divisor is cheap."""
+    replicated 15 times, divide them all. Kept with the graph (`Graph.memo`): a search
+    asks it on every mesh of every micro-batch count."""
     if d <= 1:
         return 1
+    try:
+        key = ("shard_replicas", d, m, rules)
+        hash(key)
+    except TypeError:
+        return _shard_replicas(graph, d, m, rules)
+    if key not in graph.memo:
+        graph.memo[key] = _shard_replicas(graph, d, m, rules)
+    return graph.memo[key]
+
+
+def _shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None) -> int:
     sizes = [float(p.nbytes) for p in graph.params]
     whole = sum(b for j, b in enumerate(sizes)
                 if not any(s.data_sharded for s in param_strategies(graph, j, d, m, False, rules)))
