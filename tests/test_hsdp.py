@@ -52,6 +52,24 @@ def test_hsdp_gathers_inside_the_node_and_reduces_shards_across():
     assert all_gather(P, 4, c, False, 4)[0] < all_gather(P, 8, c, False, 4)[0]
 
 
+def test_a_replica_spanning_nodes_pays_the_network_for_its_gathers():
+    """Hybrid sharding over a data axis the model axis leaves one device a node of (TP 8
+    on nodes of 8): the 16 data devices of a replica sit in 16 nodes, so its gathers
+    and reduce-scatters cross the network, priced as FSDP over 16 devices one a node,
+    not as inside a node; the planner passes that count (`devices_in_node(d/r, m)`)."""
+    c = jaxwap.Cluster("a100-sxm-80gb", 1920, devices_per_node=8,
+                       inter_node_bandwidth=25 * GB)
+    P = 1e9
+    across, _ = hsdp_comm(P, 240, 15, c, inner=c.devices_in_node(16, 8))
+    inside, _ = hsdp_comm(P, 240, 15, c)
+    assert c.devices_in_node(16, 8) == 1
+    assert across > 2 * inside
+    # FSDP over the replica's 16 devices on the network, then the shard's all-reduce
+    # across the 15 replicas (and a latency per buffer)
+    fsdp16 = fsdp_comm(P, 16, c, inner=1)[0]
+    assert fsdp16 + all_reduce(P / 16, 15, c, False, 1)[0] <= across < fsdp16 * 1.5
+
+
 @pytest.mark.parametrize("budget, replicas", [(3.2, 2), (2.8, 1)])
 def test_search_chooses_hsdp_when_it_fits_and_links_are_slow(budget, replicas):
     """A 4096-wide MLP on two nodes of 4 H100s with 5 GB/s per device between them (no
