@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxwap.analysis import graph_cache
 from jaxwap.analysis.roles import classify_leaves
 from jaxwap.analysis.trace import flat_leaves, globalize, signature
-from jaxwap.core.progress import interrupted
+from jaxwap.core.progress import from_interrupt, interrupted
 from jaxwap.core.records import mesh_dims, mesh_stages
 from jaxwap.decide.measure import measure_finalists
 from jaxwap.energy.power_limit import PowerLimitGuard
@@ -70,11 +70,13 @@ class AutoShardedStep:
                 planned = make_plan(self.train_step, args, kwargs, params=self.params,
                                     options=self._options_to_plan(),
                                     for_hardware=self._for_hardware)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, SystemError) as e:
                 # one line for the person who pressed Ctrl-C; the program decides the rest
                 # (a library does not exit its caller's process)
-                interrupted(f"jaxwap: planning {getattr(self.train_step, '__name__', 'the step')}",
-                            "no plan was cached")
+                if from_interrupt(e):
+                    interrupted(f"jaxwap: planning "
+                                f"{getattr(self.train_step, '__name__', 'the step')}",
+                                "no plan was cached")
                 raise
             self._check_every_process(planned)
             self._plans[key] = planned

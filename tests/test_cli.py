@@ -217,3 +217,43 @@ def test_ctrl_c_in_a_first_calls_planning_says_so_and_propagates(
         jaxwap.auto_shard(step).plan_for(params, opt, batch)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"jaxwap: planning {step.__name__}: interrupted; no plan was cached"
+
+
+def _interrupted_in_c() -> SystemError:
+    """What a Ctrl-C that lands in a Python callback of C code leaves: CPython reports a
+    SystemError ("returned a result with an exception set") caused by the
+    KeyboardInterrupt (`_PyErr_FormatFromCause`), as a clean clone's CI run saw inside
+    numpy asking for a jax dtype."""
+    e = SystemError("<function _ScalarMeta.__numpy_dtype__> returned a result with an "
+                    "exception set")
+    e.__cause__ = KeyboardInterrupt()
+    return e
+
+
+def test_an_interrupt_reported_by_c_code_is_still_ctrl_c(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`jaxwap calibrate` ended by such an error says its one line and exits 130; any
+    other SystemError, and one whose chain loops, is not taken for an interrupt."""
+    import argparse
+
+    from jaxwap.cli.calibrate import run_command
+    from jaxwap.core.progress import from_interrupt
+
+    def run(args: argparse.Namespace) -> int:
+        raise _interrupted_in_c()
+
+    code = run_command(argparse.Namespace(command="calibrate", run=run))
+    assert code == 130
+    assert capsys.readouterr().err.strip() == ("jaxwap calibrate: interrupted; nothing was "
+                                               "saved (a calibration is written once complete)")
+    other = SystemError("not an interrupt")
+    assert not from_interrupt(other)
+    loop_a, loop_b = ValueError("a"), ValueError("b")
+    loop_a.__context__, loop_b.__context__ = loop_b, loop_a
+    assert not from_interrupt(loop_a)
+
+    def fails(args: argparse.Namespace) -> int:
+        raise other
+
+    with pytest.raises(SystemError, match="not an interrupt"):
+        run_command(argparse.Namespace(command="calibrate", run=fails))

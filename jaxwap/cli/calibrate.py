@@ -20,7 +20,7 @@ import jax
 from jaxwap.calibration.calibrate import calibrate_full
 from jaxwap.calibration.store import calibration_path
 from jaxwap.cli.profiles import contribute
-from jaxwap.core.progress import interrupted
+from jaxwap.core.progress import from_interrupt, interrupted
 from jaxwap.hardware.measured_runs import RUNS_FILE
 from jaxwap.runtime.distributed import start_distributed
 
@@ -70,7 +70,9 @@ def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command; Ctrl-C ends it with one line and exit status 130."""
     try:
         return args.run(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemError) as e:
+        if not from_interrupt(e):
+            raise
         return interrupted(f"jaxwap {args.command}",
                            LEFT_SAVED.get(args.command, "nothing was saved"))
 

@@ -28,6 +28,21 @@ class Progress:
 INTERRUPTED = 130
 
 
+def from_interrupt(e: BaseException) -> bool:
+    """Whether `e` is Ctrl-C's KeyboardInterrupt, or an error it caused on the way out.
+    Ctrl-C raises where Python code runs, which may be a callback of C code (numpy asking
+    a jax dtype for its numpy dtype); that C code then reports `SystemError: ... returned
+    a result with an exception set`, the KeyboardInterrupt its context. Seen by the chain
+    of causes and contexts, each error once."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def interrupted(what: str, saved: str) -> int:
     """Say on one line that `what` was interrupted and what that left saved (`saved`),
     after ending a progress line it may have cut short; returns the exit status of a
