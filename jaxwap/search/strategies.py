@@ -136,8 +136,9 @@ def _strategies_for(shape: tuple[int, ...], layer_dims: tuple[tuple[int, ...], .
 
 def shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None = None) -> int:
     """The replicas r that let the data axis of d shard the parameters best: 1 where d
-    itself does, else the most that sharding over d/r data devices and replicating over r
-    (HSDP) holds least of the weights, gradients and optimizer state per device.
+    itself shards all but 5% of their bytes; else the r whose data sub-axis of d/r
+    devices, replicated r times (HSDP), leaves the least weights, gradients and
+    optimizer state on a device, taking fewer replicas unless more save 5% more.
 
     FSDP and ZeRO-1 split a dim the data axis divides, and a data axis takes the batch's
     factors, not the model's: 240 (1,920 GPUs at TP 8) divides no dim of a 16,384-wide
