@@ -11,7 +11,6 @@ from jaxwap.core.records import StepVariant
 from jaxwap.core.units import si
 from jaxwap.planning.variant_trials import FoundVariant, Trials
 from jaxwap.search.memory_repair import micro_batch_floor
-from jaxwap.search.meshes import mesh_shapes
 
 
 def fewest_micro_batches(trials: Trials, micro: list[StepVariant],
@@ -83,16 +82,14 @@ def _bisected(trials: Trials, micro: list[StepVariant], lo: int, hi: int
 def _same_meshes(trials: Trials, micro: list[StepVariant], base: Graph | None = None
                  ) -> list[tuple[int, int]]:
     """`micro`'s counts as runs (first and last index) over which the meshes a plan may
-    use stay the same (`meshes.mesh_shapes`: each micro-batch split evenly over the data
+    use stay the same (`Trials.meshes`: each micro-batch split evenly over the data
     axis); one run where no graph is at hand to say."""
     graph = base if base is not None else trials.plain_graph
     if not micro:
         return []
     if graph is None:
         return [(0, len(micro) - 1)]
-    options, node = trials.options, trials.ctx.cluster.mesh_node_size
-    sets = [frozenset(mesh_shapes(trials.usable, graph.batch_size, graph, options.num_devices,
-                                  r.micro_batches, options.mesh, node)[0]) for r in micro]
+    sets = [frozenset(trials.meshes(graph, r.micro_batches)) for r in micro]
     runs, first = [], 0
     for i in range(1, len(micro) + 1):
         if i == len(micro) or sets[i] != sets[first]:

@@ -32,7 +32,6 @@ from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers, saved_dot_b
 from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder
 from jaxwap.search.constraints import LayoutRules
-from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, plan_pipelines
 
 
@@ -158,15 +157,13 @@ def _selective_floor(fn: TrainStep, layout: ArgLayout, usable: int) -> float | N
 
 
 def _shard_rows(trials: Trials) -> int | None:
-    """A data shard's rows on the widest data axis the batch allows (`meshes.mesh_shapes`
-    of the step as written), for the ladder's micro-batch counts; None where the step
-    has no batch or no mesh."""
+    """A data shard's rows on the widest data axis the batch allows (`Trials.meshes` of
+    the step as written), for the ladder's micro-batch counts; None where the step has
+    no batch or no mesh."""
     graph = trials.plain_graph
     if graph is None or not graph.batch_size:
         return None
-    options = trials.options
-    shapes, _ = mesh_shapes(trials.usable, graph.batch_size, graph, options.num_devices,
-                            1, options.mesh, trials.ctx.cluster.mesh_node_size)
+    shapes = trials.meshes(graph)
     return graph.batch_size // max(d for d, _ in shapes) if shapes else None
 
 

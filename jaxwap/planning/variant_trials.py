@@ -26,6 +26,7 @@ from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
 from jaxwap.runtime.train_step import TrainStep, restructured
 from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, with_pipelines
 from jaxwap.search.solve import SearchResult
 
@@ -111,6 +112,14 @@ class Trials:
         self.misses.add(rung)
         self.needs[rung] = float(best.predicted.peak_memory_bytes)
         return None
+
+    def meshes(self, graph: Graph, micro_batches: int = 1) -> list[tuple[int, int]]:
+        """The (data, model) meshes this plan may use for `graph`'s step split into
+        `micro_batches` (`meshes.mesh_shapes`: each micro-batch split evenly over the data
+        axis, the options' devices and mesh, the cluster's nodes)."""
+        options = self.options
+        return mesh_shapes(self.usable, graph.batch_size, graph, options.num_devices,
+                           micro_batches, options.mesh, self.ctx.cluster.mesh_node_size)[0]
 
     def attempt_unless_bounded(self, rung: StepVariant) -> FoundVariant | None:
         """`attempt`, except for a rung whose floor (`floors`, 5% margin for the estimate)
