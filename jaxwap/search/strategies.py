@@ -159,22 +159,24 @@ def shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None = Non
 
 def _shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None) -> int:
     sizes = [float(p.nbytes) for p in graph.params]
-    whole = sum(b for j, b in enumerate(sizes)
-                if not any(s.data_sharded for s in param_strategies(graph, j, d, m, False, rules)))
+
+    def layouts(g: int) -> list[tuple[Strategy, ...]]:
+        return [param_strategies(graph, j, g, m, False, rules) for j in range(len(sizes))]
+
+    def held(g: int, options: list[tuple[Strategy, ...]]) -> float:
+        # the least bytes a device holds with the parameters sharded over g
+        return sum(min(2 * w / s.shard(g, m) + float(state) / s.state_shard(g, m)
+                       for s in ss)
+                   for w, state, ss in zip(sizes, graph.resident_bytes, options, strict=True))
+
+    at_d = layouts(d)
+    whole = sum(b for b, ss in zip(sizes, at_d, strict=True)
+                if not any(s.data_sharded for s in ss))
     if whole <= 0.05 * sum(sizes):   # d shards (nearly) every byte: nothing to gain
         return 1
-
-    def held(g: int) -> float:   # least bytes a device holds with the parameters over g
-        total = 0.0
-        for j in range(len(graph.params)):
-            w, state = sizes[j], float(graph.resident_bytes[j])
-            total += min(2 * w / s.shard(g, m) + state / s.state_shard(g, m)
-                         for s in param_strategies(graph, j, g, m, False, rules))
-        return total
-
-    best, least = 1, held(d)
+    best, least = 1, held(d, at_d)
     for g in sorted((g for g in range(2, d) if d % g == 0), reverse=True):
-        if (h := held(g)) < 0.95 * least:
+        if (h := held(g, layouts(g))) < 0.95 * least:
             best, least = d // g, h
     return best
 
