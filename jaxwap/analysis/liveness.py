@@ -25,6 +25,7 @@ import scipy.sparse
 
 from jaxwap.analysis.dataflow import Dataflow
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
+from jaxwap.analysis.fusion import kept_whole
 from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL
 from jaxwap.analysis.roles import PARAM, LeafRole
 from jaxwap.analysis.tp_activations import ModelSplit
@@ -111,7 +112,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              owner: np.ndarray, vclass: np.ndarray, num_params: int,
              extra: np.ndarray | None = None, extra_keys: Sequence[Any] = (),
              whole: Sequence[tuple[int, int, int, float]] = (),
-             reduced: Sequence[tuple[int, int, int, float]] = ()
+             reduced: Sequence[tuple[int, int, int, float]] = (),
+             kept: np.ndarray | None = None
              ) -> tuple[np.ndarray, scipy.sparse.csc_array | None, list[int]]:
     """Live bytes per program point, in buckets [batched, other, then (class, param), then
     one per extra bucket that holds some bytes]; its changes from row to row where
@@ -128,7 +130,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     before the first op to after the last: bytes no value of the program holds;
     `reduced` likewise to the REDUCED bucket (`grad_reductions.reduced_copies`). Every
     bucket's weight is non-negative, so pruning the points another dominates in every
-    bucket stays exact.
+    bucket stays exact. `kept` marks the elementwise results XLA does not fuse into their
+    readers (`fusion.kept_whole`).
     """
     nv, n, P = len(nbytes), len(ops), num_params
     # (python lists: fast to index one by one)
@@ -140,6 +143,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     materialized = [False] * nv
     produced = [False] * nv
     for i in out_ids:
+        consumers_heavy[i] = True
+    for i in ([] if kept is None else np.flatnonzero(kept).tolist()):
         consumers_heavy[i] = True
     for i in in_ids:
         materialized[i] = produced[i] = True
@@ -231,7 +236,7 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
     label = np.where(flow.batched, split.label, -1)
     live, changes, used = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes,
                                    flow.batched, flow.owner, vclass, num_params, label,
-                                   split.pairs, whole, reduced)
+                                   split.pairs, whole, reduced, kept_whole(prog, kinds))
     pairs = [split.pairs[e] for e in used]
     resident = np.zeros(num_params)
     for i, r in zip(prog.in_ids, in_roles, strict=True):
