@@ -9,10 +9,10 @@ whole (WHOLE) and a sixth for the copy XLA's combined gradient all-reduce writes
 kept.
 
 It models XLA's fusion and buffer assignment: elementwise chains are fused (their
-intermediates are not materialised, the chain keeps its inputs alive instead), a fused
-chain's result takes over the buffer of an operand of its size that nothing reads after
-it (`_share_buffers`), and layout-only ops are aliases of their operand.
-"""
+intermediates are not materialised, the chain keeps its inputs alive instead) but for
+what XLA keeps whole (`fusion.kept_whole`), a fused chain's result takes over the buffer
+of an operand of its size that nothing reads after it (`_share_buffers`), and layout-only
+ops are aliases of their operand."""
 
 from __future__ import annotations
 
@@ -130,8 +130,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     before the first op to after the last: bytes no value of the program holds;
     `reduced` likewise to the REDUCED bucket (`grad_reductions.reduced_copies`). Every
     bucket's weight is non-negative, so pruning the points another dominates in every
-    bucket stays exact. `kept` marks the elementwise results XLA does not fuse into their
-    readers (`fusion.kept_whole`).
+    bucket stays exact. `kept`: the results XLA does not fuse into their readers.
     """
     nv, n, P = len(nbytes), len(ops), num_params
     # (python lists: fast to index one by one)
@@ -142,10 +141,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
                 consumers_heavy[i] = True
     materialized = [False] * nv
     produced = [False] * nv
-    for i in out_ids:
-        consumers_heavy[i] = True
-    for i in ([] if kept is None else np.flatnonzero(kept).tolist()):
-        consumers_heavy[i] = True
+    for i in [*out_ids, *([] if kept is None else np.flatnonzero(kept).tolist())]:
+        consumers_heavy[i] = True   # (outputs, and what XLA keeps whole: materialized)
     for i in in_ids:
         materialized[i] = produced[i] = True
     roots: dict[int, frozenset[int]] = {}
@@ -164,11 +161,8 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
             produced[o] = True
             if kind == FREE and op.ins:
                 roots[o] = frozenset(roots.get(op.ins[0], {op.ins[0]}))
-            elif kind == ELEMENTWISE and not consumers_heavy[o]:
-                roots[o] = frozenset(used) if used else frozenset({o})
-                if not used:
-                    materialized[o] = True
-                    start[o] = k
+            elif kind == ELEMENTWISE and not consumers_heavy[o] and used:
+                roots[o] = frozenset(used)
             else:
                 materialized[o] = True
                 start[o] = k
@@ -177,8 +171,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
             last[r] = n
             materialized[r] = True
     _share_buffers(ops, kinds, roots, start, last, materialized, nbytes)
-    start = np.array(start, dtype=np.int64)
-    last = np.array(last, dtype=np.int64)
+    start, last = np.array(start, dtype=np.int64), np.array(last, dtype=np.int64)
     materialized = np.array(materialized, dtype=bool)
     base = 2 + NUM_CLASSES * P
     mat = np.flatnonzero(materialized)
