@@ -2,28 +2,28 @@
 
 The memory model fuses elementwise chains (`liveness`): a result that only elementwise
 ops read is recomputed inside each reader's fusion, and what it was computed from stays
-live instead. XLA fuses a producer into its consumers that way only where duplicating it
-into every one of them costs nothing worth avoiding (`InstructionFusion`'s rules, which
-XLA:CPU and XLA:GPU share):
+live instead. XLA's `InstructionFusion` (the pass XLA:CPU runs) duplicates a producer
+into its readers that way only where that costs nothing worth avoiding:
 
 - an *expensive* producer (a float divide, exp, log, tanh, logistic, rsqrt, pow: jax's
-  names in `EXPENSIVE`) is not duplicated: read by more than one op, it is computed once
-  and kept;
-- a producer that reads more than one full-size operand (the residual stream's
+  names in `EXPENSIVE`) read by more than one op is computed once and kept
+  (`ShouldFuse`: "expensive producer would be duplicated");
+- a producer that reads more than one operand of its size (the residual stream's
   `x + attention(x)`, a gated MLP's `silu(a) * b`) is not duplicated either, since every
-  copy would read all of them again (`EffectivelyAtMostUnary` and the operand-bytes test
-  of `ComputeGloballyUnfusible`), unless every reader can fuse it, which a reader in the
-  backward pass, far from the forward one, does not;
+  copy would read them all again (`EffectivelyAtMostUnary` and the operand-size test of
+  `ComputeGloballyUnfusible`), unless every reader can fuse it, which the backward
+  pass's readers, matmuls among them, do not;
 - and what a differentiated `jax.checkpoint` reads from outside it (a checkpointed
   layer's saved input) passes through the optimization barrier jax puts on it, which no
-  fusion crosses, on every backend.
+  fusion crosses on any backend.
 
-Without this, the model kept a deep unrolled model's residual stream as the union of
-every earlier layer's outputs (each a root of the next layer's input): under full
-per-layer remat it held 2.3x a layer's input for each layer where XLA keeps one, and as
-written it missed the softmax's and the gate's values the backward pass reads.
+XLA:GPU's priority fusion fuses a producer into all its readers or none, weighing the
+duplication with its cost model; these rules are checked against XLA:CPU only
+(`tests/test_fused_values.py`). Without them the model held a deep unrolled model's
+residual stream as the union of every earlier layer's outputs (each a root of the next
+layer's input): under full per-layer remat 2.3x a layer's input for each layer where XLA
+keeps one, and as written a third less than XLA:CPU keeps for the gated MLP's values.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -49,7 +49,7 @@ def kept_whole(prog: FlatProgram, kinds: Sequence[str]) -> np.ndarray:
     """[values] bool: results XLA does not fuse into all their readers, so they are
     materialized where the model would otherwise recompute them from their roots:
     read by two or more ops, and computed by an expensive op or from two or more
-    full-size operands that together outweigh the result; or read inside a
+    operands of its size (not broadcasts, iotas or scalars); or read inside a
     differentiated checkpoint (`FlatOp.region`) from outside it."""
     nv = len(prog.nbytes)
     readers = np.zeros(nv, dtype=np.int64)
@@ -64,7 +64,7 @@ def kept_whole(prog: FlatProgram, kinds: Sequence[str]) -> np.ndarray:
         for o in op.outs:
             made_by[o] = op.prim
             made_in[o] = op.region
-    size, nbytes = prog.size, prog.nbytes
+    size = prog.size
     for op, kind in zip(prog.ops, kinds, strict=True):
         if kind != ELEMENTWISE or not op.outs:
             continue
@@ -74,9 +74,10 @@ def kept_whole(prog: FlatProgram, kinds: Sequence[str]) -> np.ndarray:
         if op.prim in EXPENSIVE and not _cheap_divide(op.prim, op.ins, size, made_by):
             kept[shared] = True
             continue
+        # (two operands of the result's size outweigh it: XLA's operand-size test holds)
         full = [i for i in set(op.ins) if size[i] >= size[op.outs[0]] and size[i] > 1
                 and made_by[i] not in _SPREAD]
-        if len(full) > 1 and sum(nbytes[i] for i in full) > nbytes[op.outs[0]]:
+        if len(full) > 1:
             kept[shared] = True
     return kept
 
