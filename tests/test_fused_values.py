@@ -1,6 +1,7 @@
 """The values XLA keeps whole though only elementwise ops read them (`analysis/fusion.py`):
-an unrolled decoder's memory as written follows XLA's compiled programs layer by layer,
-and a checkpointed block keeps its input alone, not every earlier block's outputs."""
+each rule on a small program, an unrolled decoder's memory as written following XLA's
+compiled programs layer by layer, and a checkpointed block keeping its input alone, not
+every earlier block's outputs."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import optax
 import pytest
 
 import jaxwap
+from jaxwap.analysis.dataflow import op_kinds
+from jaxwap.analysis.flatten import flatten
+from jaxwap.analysis.fusion import kept_whole
 from jaxwap.core.records import StepVariant
 
 BATCH, SEQ, WIDTH, HEADS, FFN, VOCAB = 16, 64, 64, 4, 256, 128
@@ -96,3 +100,50 @@ def test_a_checkpointed_unrolled_block_keeps_its_input_alone():
     saved = BATCH * SEQ * WIDTH * 4 + block
     grown = (peaks[4][0] - peaks[2][0]) / 2
     assert saved <= grown <= 1.2 * saved, (grown, saved, peaks)
+
+
+def _kept_by_maker(fn, *args):
+    """{primitive: [kept?, ...]} for the results of `fn`'s flat program, by the
+    primitive that makes each."""
+    prog = flatten(jax.make_jaxpr(fn)(*args))
+    kept = kept_whole(prog, op_kinds(prog)[0])
+    out: dict[str, list[bool]] = {}
+    for op in prog.ops:
+        for o in op.outs:
+            out.setdefault(op.prim, []).append(bool(kept[o]))
+    return out
+
+
+def test_xla_keeps_expensive_and_multi_operand_results_read_twice_and_fuses_the_rest():
+    """Read by two ops each: exp (expensive) and a + b (two operands of its size) are
+    kept whole; a * 3 (cheap, one operand) and a divide by a constant (a multiply to
+    XLA) are recomputed in each reader; exp read once is fused into its reader."""
+    def f(a, b):
+        e, s, c, d = jnp.exp(a), a + b, a * 3.0, a / 3.0
+        once = jnp.log(b)
+        return (e * 2.0, e - 1.0, s * 2.0, s - 1.0, c * 2.0, c - 1.0, d * 2.0, d - 1.0,
+                once * 2.0)
+
+    x = jnp.ones((8, 128))
+    kept = _kept_by_maker(f, x, x)
+    assert kept["exp"] == [True] and kept["add"] == [True] and kept["log"] == [False]
+    assert kept["div"] == [False]
+    assert kept["mul"][0] is False        # a * 3.0 (the first multiply)
+
+
+def test_what_a_differentiated_checkpoint_reads_from_outside_is_kept_whole():
+    """z = a * 2 is cheap and has one operand, but the checkpoint's recomputation in the
+    backward pass reads it through jax's optimization barrier: kept whole."""
+    def f(a):
+        z = a * 2.0
+        return jax.checkpoint(lambda u: jnp.sum(jnp.sin(u)))(z)
+
+    prog = flatten(jax.make_jaxpr(jax.grad(f))(jnp.ones((8, 128))))
+    kept = kept_whole(prog, op_kinds(prog)[0])
+    made_in = {o: op.region for op in prog.ops for o in op.outs}
+    crossing = {i for op in prog.ops if op.region >= 0 for i in op.ins
+                if made_in.get(i, -1) != op.region and prog.size[i] == 8 * 128}
+    assert crossing and all(kept[i] for i in crossing)
+    z = [o for op in prog.ops if op.prim == "mul" and op.region < 0 for o in op.outs
+         if prog.size[o] == 8 * 128][0]
+    assert z in crossing
