@@ -22,8 +22,9 @@ duplication with its cost model; these rules are checked against XLA:CPU only
 (`tests/test_fused_values.py`). Without them the model held a deep unrolled model's
 residual stream as the union of every earlier layer's outputs (each a root of the next
 layer's input): under full per-layer remat 2.3x a layer's input for each layer where XLA
-keeps one, and as written a third less than XLA:CPU keeps for the gated MLP's values.
+keeps one; and as written it under-counted an unrolled decoder by a third against XLA:CPU.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
