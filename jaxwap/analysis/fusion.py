@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxwap.analysis.flatten import FlatProgram
-from jaxwap.analysis.primitives import ELEMENTWISE
+from jaxwap.analysis.primitives import ELEMENTWISE, FREE
 
 # jax's names of the elementwise primitives XLA prices as expensive (`IsExpensive`): it
 # does not duplicate them into several consumers. (A float divide by a constant is
@@ -57,11 +57,17 @@ def kept_whole(prog: FlatProgram, kinds: Sequence[str]) -> np.ndarray:
     made_by = [""] * nv
     made_in = [-1] * nv
     kept = np.zeros(nv, dtype=bool)
-    for op in prog.ops:
-        for i in set(op.ins):
-            readers[i] += 1
+    alias = list(range(nv))     # a layout-only op's result: the value it is a view of
+    for op, kind in zip(prog.ops, kinds, strict=True):
+        if kind == FREE and op.ins:
+            for o in op.outs:
+                alias[o] = alias[op.ins[0]]
+        else:
+            for i in {alias[i] for i in op.ins}:
+                readers[i] += 1     # (through any views: each reader is one)
+        for i in op.ins:
             if op.region >= 0 and made_in[i] != op.region:
-                kept[i] = True
+                kept[alias[i]] = True
         for o in op.outs:
             made_by[o] = op.prim
             made_in[o] = op.region
@@ -76,8 +82,8 @@ def kept_whole(prog: FlatProgram, kinds: Sequence[str]) -> np.ndarray:
             kept[shared] = True
             continue
         # (two operands of the result's size outweigh it: XLA's operand-size test holds)
-        full = [i for i in set(op.ins) if size[i] >= size[op.outs[0]] and size[i] > 1
-                and made_by[i] not in _SPREAD]
+        full = [i for i in {alias[i] for i in op.ins} if size[i] >= size[op.outs[0]]
+                and size[i] > 1 and made_by[i] not in _SPREAD]
         if len(full) > 1:
             kept[shared] = True
     return kept

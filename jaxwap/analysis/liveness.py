@@ -139,8 +139,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
         if kind in (MATMUL, HEAVY):
             for i in op.ins:
                 consumers_heavy[i] = True
-    materialized = [False] * nv
-    produced = [False] * nv
+    materialized, produced, fused = [False] * nv, [False] * nv, [False] * nv
     for i in [*out_ids, *([] if kept is None else np.flatnonzero(kept).tolist())]:
         consumers_heavy[i] = True   # (outputs, and what XLA keeps whole: materialized)
     for i in in_ids:
@@ -159,11 +158,12 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
             last[r] = k  # (k only grows)
         for o in op.outs:
             produced[o] = True
-            if kind == FREE and op.ins:
+            if kind == FREE and op.ins and not (consumers_heavy[o] and fused[op.ins[0]]):
                 roots[o] = frozenset(roots.get(op.ins[0], {op.ins[0]}))
+                fused[o] = fused[op.ins[0]]
             elif kind == ELEMENTWISE and not consumers_heavy[o] and used:
-                roots[o] = frozenset(used)
-            else:
+                roots[o], fused[o] = frozenset(used), True
+            else:   # (a view a matmul reads of a fused chain: the fusion writes it)
                 materialized[o] = True
                 start[o] = k
     for o in out_ids:
