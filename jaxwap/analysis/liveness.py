@@ -12,7 +12,8 @@ It models XLA's fusion and buffer assignment: elementwise chains are fused (thei
 intermediates are not materialised, the chain keeps its inputs alive instead) but for
 what XLA keeps whole (`fusion.kept_whole`), a fused chain's result takes over the buffer
 of an operand of its size that nothing reads after it (`_share_buffers`), and layout-only
-ops are aliases of their operand."""
+ops (casts too) alias their operand, but where a matmul reads one of a fused chain: the
+fusion writes it, at its own dtype (a norm's f32 output cast to bf16 for a matmul)."""
 
 from __future__ import annotations
 
@@ -164,8 +165,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
             elif kind == ELEMENTWISE and not consumers_heavy[o] and used:
                 roots[o], fused[o] = frozenset(used), True
             else:   # (a view a matmul reads of a fused chain: the fusion writes it)
-                materialized[o] = True
-                start[o] = k
+                materialized[o], start[o] = True, k
     for o in out_ids:
         for r in roots.get(o, {o}):
             last[r] = n
