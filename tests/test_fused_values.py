@@ -101,11 +101,16 @@ def test_a_checkpointed_unrolled_block_keeps_its_input_alone():
     assert saved <= grown <= 1.2 * saved, (grown, saved, peaks)
 
 
+def _flat_kept(fn, *args):
+    """`fn`'s flat program on `args`, and what `kept_whole` marks in it."""
+    prog = flatten(jax.make_jaxpr(fn)(*args))
+    return prog, kept_whole(prog, op_kinds(prog)[0])
+
+
 def _kept_by_maker(fn, *args):
     """{primitive: [kept?, ...]} for the results of `fn`'s flat program, by the
     primitive that makes each."""
-    prog = flatten(jax.make_jaxpr(fn)(*args))
-    kept = kept_whole(prog, op_kinds(prog)[0])
+    prog, kept = _flat_kept(fn, *args)
     out: dict[str, list[bool]] = {}
     for op in prog.ops:
         for o in op.outs:
@@ -137,8 +142,7 @@ def test_what_a_differentiated_checkpoint_reads_from_outside_is_kept_whole():
         z = a * 2.0
         return jax.checkpoint(lambda u: jnp.sum(jnp.sin(u)))(z)
 
-    prog = flatten(jax.make_jaxpr(jax.grad(f))(jnp.ones((8, 128))))
-    kept = kept_whole(prog, op_kinds(prog)[0])
+    prog, kept = _flat_kept(jax.grad(f), jnp.ones((8, 128)))
     made_in = {o: op.region for op in prog.ops for o in op.outs}
     crossing = {i for op in prog.ops if op.region >= 0 for i in op.ins
                 if made_in.get(i, -1) != op.region and prog.size[i] == 8 * 128}
