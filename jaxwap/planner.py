@@ -24,6 +24,7 @@ from jaxwap.analysis.fused_attention import planned_device, require_target, targ
 from jaxwap.analysis.graph import Graph
 from jaxwap.analysis.trace import ArgLayout, layout_of
 from jaxwap.calibration.host_calls import tree_calls
+from jaxwap.core.collector import collector_paused
 from jaxwap.core.records import Measurement
 from jaxwap.decide.attention_advice import planned_score_sites
 from jaxwap.decide.choose import PlanContext, build_plan, chosen_result
@@ -75,10 +76,12 @@ def make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, para
               options: PlanOptions, for_hardware: bool = False) -> Planned:
     """`_make_plan`, its traces made for the hardware planned for: jax's trace-time checks
     of cuDNN's fused attention answer for that target where this host cannot
-    (`fused_attention.target_checks`)."""
+    (`fused_attention.target_checks`), with Python's cyclic collector paused
+    (`collector.collector_paused`: a deep model's traces make its full collections most
+    of what they walk)."""
     target = planned_device(options.plan.hardware if options.plan is not None
                             else options.hardware)
-    with target_checks(target):
+    with target_checks(target), collector_paused():
         return _make_plan(fn, args, kwargs, params=params, options=options,
                           for_hardware=for_hardware)
 

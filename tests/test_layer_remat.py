@@ -229,6 +229,26 @@ def test_selective_remat_is_not_traced_where_the_matmul_outputs_it_keeps_cannot_
     assert traced == ["layer_full"]
 
 
+def test_each_layers_kept_input_is_the_residual_stream_scanned_or_unrolled(decoder,
+                                                                          unrolled):
+    """What every per-layer policy keeps as each layer's input, a part of the selective
+    variant's lower bound: the residual stream a layer passes the next (8 x 128 x 128
+    float32), once for each of the 7 layers after the first, whether the layers are a
+    scan's iterations (its carry) or a loop's repeated blocks (what a block reads from
+    the block before it); the same weight-matmul outputs in both forms."""
+    from jaxwap.runtime.layer_blocks import find_layers, saved_dot_bytes, saved_input_bytes
+    from jaxwap.runtime.layer_scan import trace_loss
+
+    got = []
+    for step, params, _, batch in (decoder, unrolled):
+        closed, _ = trace_loss(step.loss_fn, params, batch)
+        layers = find_layers(closed.jaxpr, len(jax.tree.leaves(params)), 8)
+        got.append((saved_input_bytes(closed.jaxpr, layers),
+                    saved_dot_bytes(closed.jaxpr, layers)))
+    assert got[0] == got[1]
+    assert got[0][0] == 7 * 8 * 128 * 128 * 4
+
+
 def test_xla_cpu_compiles_checkpointed_unrolled_blocks_to_the_plain_peak(unrolled):
     """Why a CPU's ladder leaves an unrolled model's blocks alone: XLA:CPU computes the
     recomputations ahead of the backward pass, so its compiled peak does not drop (a

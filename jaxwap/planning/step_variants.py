@@ -28,7 +28,12 @@ from jaxwap.hardware.cluster import Cluster
 from jaxwap.options import PlanOptions
 from jaxwap.planning.micro_batch_search import fewest_micro_batches
 from jaxwap.planning.variant_trials import FoundVariant, Trials, failed_note, variant_fn
-from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers, saved_dot_bytes
+from jaxwap.runtime.layer_blocks import (
+    RepeatedBlocks,
+    find_layers,
+    saved_dot_bytes,
+    saved_input_bytes,
+)
 from jaxwap.runtime.layer_scan import NoLayerScan, batch_size_of, trace_loss
 from jaxwap.runtime.train_step import TrainStep, ladder
 from jaxwap.search.constraints import LayoutRules
@@ -146,14 +151,19 @@ def _layers(fn: TrainStep, layout: ArgLayout) -> tuple[str | None, str | None]:
 
 
 def _selective_floor(fn: TrainStep, layout: ArgLayout, usable: int) -> float | None:
-    """A lower bound on what selective per-layer remat (`layer_dots`) holds per device:
-    the weight matmuls' outputs it keeps, every layer's (`layer_blocks.saved_dot_bytes`),
-    split over all `usable` devices (no layout splits them further): a Llama-3-70B
-    written as a loop keeps 28 TB of them at 256 x 8192 tokens, 220 GB on each of 128
-    GPUs, where tracing the variant costs seconds and could only confirm the miss. None
-    where the loss has no layers to say it of."""
+    """A lower bound on what selective per-layer remat (`layer_dots`) holds per device
+    when its forward pass ends: the weight matmuls' outputs it keeps and each layer's
+    input, every layer's (`layer_blocks.saved_dot_bytes`, `saved_input_bytes`), and the
+    parameters, all split over all `usable` devices (no layout splits them further): a
+    Llama-3-70B written as a loop keeps 28 TB of matmul outputs at 256 x 8192 tokens,
+    220 GB on each of 128 GPUs, where tracing the variant costs seconds and could only
+    confirm the miss. None where the loss has no layers to say it of."""
     got = _loss_layers(fn, layout)
-    return None if isinstance(got, str) else saved_dot_bytes(got[0].jaxpr, got[1]) / usable
+    if isinstance(got, str):
+        return None
+    jaxpr, layers = got[0].jaxpr, got[1]
+    kept = saved_dot_bytes(jaxpr, layers) + saved_input_bytes(jaxpr, layers)
+    return (kept + sum(p.nbytes for p in layout.params)) / usable
 
 
 def _shard_rows(trials: Trials) -> int | None:

@@ -334,13 +334,39 @@ def saved_dot_bytes(jaxpr: Jaxpr, layers: LayerScan | RepeatedBlocks) -> int:
     else:
         eqns = list(equation_at(jaxpr, layers.path).params["jaxpr"].jaxpr.eqns)
         times = layers.length
+    return sum(_nbytes(e.outvars[0]) for e in eqns if _weight_matmul(e)) * times
+
+
+def saved_input_bytes(jaxpr: Jaxpr, layers: LayerScan | RepeatedBlocks) -> int:
+    """The bytes, at the batch the loss was traced with, of what each layer's checkpoint
+    keeps as its input under every per-layer remat policy (its arguments stay with the
+    caller): the activation one layer passes the next (a scan's carry, each iteration's;
+    the values a repeated block reads from the block before it), every layer's together,
+    leaving out a weight matmul's output (`saved_dot_bytes` counts it) and the first
+    layer's input, so a lower bound."""
+    if isinstance(layers, LayerScan):
+        body = equation_at(jaxpr, layers.path).params["jaxpr"].jaxpr
+        if any(_weight_matmul(e) for e in body.eqns if set(e.outvars) & set(body.outvars)):
+            return 0     # the carry may be a saved matmul output: counted there
+        return int(np.prod(layers.carry_shape, dtype=np.int64)
+                   * np.dtype(layers.carry_dtype).itemsize) * max(layers.length - 1, 0)
+    inner = called_jaxpr(equation_at(jaxpr, layers.path)).jaxpr if layers.path else jaxpr
+    bounds = layers.bounds()
     total = 0
-    for e in eqns:
-        if e.primitive.name == "dot_general" and not e.params["dimension_numbers"][1][0]:
-            aval = e.outvars[0].aval
-            total += int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
-    return total * times
+    for (a, _), (ins, _) in zip(bounds[1:], group_ios(inner, bounds)[1:], strict=True):
+        made = {v: e for e in inner.eqns[a - layers.period:a] for v in e.outvars}
+        total += sum(_nbytes(v) for v in ins if v in made and not _weight_matmul(made[v]))
+    return total
+
+
+def _weight_matmul(e: Any) -> bool:
+    """A `dot_general` without batch dims: a weight matmul, not attention's."""
+    return e.primitive.name == "dot_general" and not e.params["dimension_numbers"][1][0]
+
+
+def _nbytes(v: Any) -> int:
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
 
 
 __all__ = ["RepeatedBlocks", "alike_repeats", "find_layers", "find_repeated_blocks",
-           "saved_dot_bytes"]
+           "saved_dot_bytes", "saved_input_bytes"]
