@@ -28,7 +28,7 @@ from jaxwap.analysis.dataflow import Dataflow
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
 from jaxwap.analysis.fusion import kept_whole
 from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL
-from jaxwap.analysis.roles import PARAM, LeafRole
+from jaxwap.analysis.roles import BATCH, PARAM, LeafRole
 from jaxwap.analysis.tp_activations import ModelSplit
 
 if TYPE_CHECKING:
@@ -217,7 +217,8 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
                 reduced: Sequence[tuple[int, int, int, float]] = ()) -> StepMemory:
     """Live device bytes per program point in buckets, the class of what each op makes,
     and each parameter's resident optimizer state (its mirrors among the inputs), which a
-    memory plan may shard or offload apart from the weight.
+    memory plan may shard or offload apart from the weight. The batch is never donated:
+    XLA keeps its entry buffers to the end, as it keeps the outputs, past their last read.
 
     A batched value a tensor-parallel layout splits (`tp_activations.model_splits`) goes to its
     (parameter, kind)'s column after the per-class ones instead of the batched column;
@@ -227,9 +228,10 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
                            flow.owner, flow.dep)
     device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
     label = np.where(flow.batched, split.label, -1)
-    live, changes, used = liveness(prog.ops, kinds, prog.in_ids, prog.out_ids, device_bytes,
-                                   flow.batched, flow.owner, vclass, num_params, label,
-                                   split.pairs, whole, reduced, kept_whole(prog, kinds))
+    batch = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
+    live, changes, used = liveness(prog.ops, kinds, prog.in_ids, [*prog.out_ids, *batch],
+                                   device_bytes, flow.batched, flow.owner, vclass, num_params,
+                                   label, split.pairs, whole, reduced, kept_whole(prog, kinds))
     pairs = [split.pairs[e] for e in used]
     resident = np.zeros(num_params)
     for i, r in zip(prog.in_ids, in_roles, strict=True):
