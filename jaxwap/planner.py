@@ -93,7 +93,11 @@ def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, par
     The devices planned for are those present, unless `for_hardware` and the hardware
     describes more (`jaxwap.plan(..., hardware=Cluster("h100-sxm", 4096, ...))`): then
     the plan is for the described cluster, analytic, since verification compiles on the
-    devices themselves. `options.plan` skips planning: the given plan is checked against
+    devices themselves. The step variants are those of the hardware's compiler where
+    the plan is for it: for the described cluster, or, with `for_hardware` and nothing
+    verified, for the hardware described whatever devices are present (`jaxwap.plan(...,
+    hardware=Cluster("a100-sxm-80gb", 8), verify=0)` on 8 CPU devices plans for A100s,
+    not XLA:CPU). `options.plan` skips planning: the given plan is checked against
     the devices and step present and used as it is.
 
     A plan made before for the same step, arguments, devices, hardware and options is
@@ -125,7 +129,8 @@ def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, par
             fn, plan.step), cache_key=key)
     if cluster.device.python_call_s:   # counted for a plan to be made, not one read back
         ctx = dataclasses.replace(ctx, tree_calls=tree_calls(layout))
-    return _searched_plan(fn, layout, closed, ctx, options, usable, described, timing, notes,
+    return _searched_plan(fn, layout, closed, ctx, options, usable,
+                          described or (for_hardware and not options.verify), timing, notes,
                           key)
 
 
@@ -154,13 +159,14 @@ def _cache_lookup(closed: Any, layout: ArgLayout, options: PlanOptions, ctx: Pla
 
 
 def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContext,
-                   options: PlanOptions, usable: int, described: bool,
+                   options: PlanOptions, usable: int, for_hardware: bool,
                    timing: dict[str, float], notes: list[str], key: str | None) -> Planned:
     """The plan searched for: the constraints' pins said, the pipelined candidates, the
     step variants until one fits, the attention advice's scores, the decision; kept in
-    the plan cache under `key` unless measurements are still to come."""
+    the plan cache under `key` unless measurements are still to come. `for_hardware`:
+    the step is planned for the hardware's compiler, not the present devices'."""
     cluster, devs = ctx.cluster, ctx.devices
-    platform = cluster.device.name.split()[0] if described else devs[0].platform
+    platform = cluster.device.name.split()[0] if for_hardware else devs[0].platform
     rules = options.rules(layout.params)
     if rules is not None and rules.pins:
         notes.append("constraints pin " + "; ".join(

@@ -69,6 +69,11 @@ MAXTEXT = ("NVIDIA dgxc-benchmarking, MaxText Llama3 70B recipe 25.02 (catalog.n
            "/orgs/nvidia/teams/dgxc-benchmarking/resources/maxtext-llama3-70b-dgxc-"
            "benchmarking-d): BF16, seq 8192, 2 sequences per GPU, FSDP over 128 GPUs and "
            "data parallel beyond")
+MOSAIC = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, table \"A100 80GB with "
+          "1600 Gbps node-node interconnect (RoCE)\" (25 GB/s a GPU): MPT pretraining with "
+          "FSDP FULL_SHARD, activation checkpointing, bf16, seq 2048 (model shapes from "
+          "scripts/train/yamls/pretrain/mpt-*.yaml); step = the global batch's tokens over "
+          "the measured tokens per second")
 LLAMA3 = ("Llama Team, Meta, The Llama 3 Herd of Models (2024), Table 4: Llama 3 405B on "
           "8,192 H100s (RoCE, 400 Gb/s per GPU), TP8 x CP1 x PP16 x DP64, seq 8192, 16M "
           "tokens a batch, 430 TFLOP/s per GPU (BF16 MFU 43%); step from the PaLM model-"
@@ -82,7 +87,7 @@ class Job:
     and the layout its experts chose (for the table; the planner is not told it)."""
 
     name: str
-    family: str                  # "megatron", "maxtext" or "llama3"
+    family: str                  # "megatron", "maxtext", "mosaic" or "llama3"
     layers: int
     hidden: int
     heads: int
@@ -153,6 +158,25 @@ def maxtext_jobs() -> list[Job]:
             for n, s in published.items()]
 
 
+def mosaic_jobs() -> list[Job]:
+    """MosaicML's measured FSDP runs (ZeRO-3 over every GPU, nothing else) of MPT on
+    A100-80GB, on a node and on 4 and 8 nodes over 25 GB/s a GPU: the yardstick for plans
+    that shard everything over data, as jaxwap's plans of Megatron's mid-size jobs do.
+    MPT's 4h GELU MLP is written as Llama's SwiGLU of 8h/3 rounded to 256 (the same flops
+    within 1%); its ALiBi, LayerNorm and tied embedding as rotary, RMSNorm and an untied
+    head (0.6% more parameters at 70 B). The step is the global batch over the measured
+    throughput, whatever micro-batches MosaicML ran it in."""
+    def job(name: str, layers: int, hidden: int, heads: int, gpus: int, batch: int,
+            tokens_per_s: float) -> Job:
+        return Job(f"MPT-{name}, {gpus} A100", "mosaic", layers, hidden, heads, heads,
+                   256 * round(8 * hidden / 3 / 256), 50368, 2048, gpus, batch,
+                   "a100-sxm-80gb", batch * 2048 / tokens_per_s, f"FSDP{gpus}", MOSAIC,
+                   25.0, (("mesh_shape", {"data": gpus}), ("pipeline", False)))
+    return [job("30B", 48, 7168, 56, 8, 504, 7330),
+            job("70B", 80, 8192, 64, 32, 1024, 11962),
+            job("70B", 80, 8192, 64, 64, 2048, 26274)]
+
+
 def palm_flops(params: float, layers: int, heads: int, head_dim: int, seq: int) -> float:
     """One sequence's model flops as PaLM's MFU counts them (Chowdhery et al., 2022, App.
     B): 6N per token for the weights and 12 L H Q T for attention, no recomputation."""
@@ -175,7 +199,7 @@ def llama3_jobs() -> list[Job]:
 
 
 def all_jobs() -> list[Job]:
-    return megatron_jobs() + maxtext_jobs() + llama3_jobs()
+    return megatron_jobs() + maxtext_jobs() + mosaic_jobs() + llama3_jobs()
 
 
 def quick_jobs() -> list[tuple[Job, int | None]]:
