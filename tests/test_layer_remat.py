@@ -268,6 +268,20 @@ def test_xla_cpu_compiles_checkpointed_unrolled_blocks_to_the_plain_peak(unrolle
     assert any("XLA:CPU computes their recomputations" in n for n in plan.notes)
 
 
+def test_a_plan_for_described_gpus_checkpoints_unrolled_blocks_on_a_cpu_host(unrolled):
+    """`jaxwap.plan(hardware=<GPUs>, verify=0)` plans for the GPUs' compiler even where
+    the host has as many CPU devices as the hardware describes: the unrolled blocks are
+    checkpointed (the CPU's rule is XLA:CPU's, whose step nothing here compiles), where
+    the same plan for the CPU micro-batches (the test above)."""
+    step, params, opt, batch = unrolled
+    gpu = {"hardware": jaxwap.Cluster("h100-sxm", 1), "verify": 0, "cache": False}
+    plain = jaxwap.plan(step, params, opt, batch, **gpu)
+    plan = jaxwap.plan(step, params, opt, batch, **gpu, offload=False,
+                       memory_budget=0.8 * plain.predicted.peak_memory_bytes)
+    assert plan.step.remat in ("layer_dots", "layer_full") and plan.step.micro_batches == 1
+    assert not any("XLA:CPU computes their recomputations" in n for n in plan.notes)
+
+
 def test_the_ladder_offers_unrolled_blocks_off_the_cpu_only():
     from jaxwap.runtime.train_step import ladder
 
