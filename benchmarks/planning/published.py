@@ -7,7 +7,9 @@ written twice, beside the published step.
 
 The yardstick is what experts reached by hand on the same job: Megatron-LM's GPT runs on
 A100-80GB (Narayanan et al., SC'21, Table 1: 1.7 B on 32 GPUs to 1 T on 3,072),
-MaxText's Llama-3-70B on 128-2,048 H100s (NVIDIA's DGX Cloud benchmarking recipe) and
+MaxText's Llama-3-70B on 128-2,048 H100s (NVIDIA's DGX Cloud benchmarking recipe),
+MosaicML's measured FSDP runs of MPT-30B and MPT-70B on 8-64 A100-80GB (llm-foundry's
+benchmark table: the yardstick for plans that shard everything over data) and
 Llama 3's 405B on 8,192 H100s (the Llama 3 paper's Table 4: 126 layers, which no power
 of two of stages divides, on 16 stages). Each model is written twice:
 
@@ -24,7 +26,8 @@ for the H100s) chooses the mesh, the schedule, the remat policy and the micro-ba
 The plan's step is **predicted** (nothing runs), the published step is **published**
 (Megatron's from its Tflop/s per GPU and the paper's flop count, which counts the
 recomputation: 96 B s l h^2 (1 + s/6h + V/16lh); Llama 3's from its TFLOP/s per GPU and
-PaLM's model-flop count, `palm_flops`), the planning time **measured** on the
+PaLM's model-flop count, `palm_flops`; MosaicML's from its measured tokens per second),
+the planning time **measured** on the
 machine running this. The "balanced" and "energy" columns are what those objectives pick
 among the same plan's candidates (its meshes and power limits), ranked by the planner's
 own rankers. "Published layout predicted" is the expert's model planned on the experts'
@@ -342,8 +345,8 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         "# Expert plans at scale: jaxwap's plans against published runs", "",
         f"Command: `{command}`. **Predicted**: the plan's step (`jaxwap.plan(..., "
         "objective=\"throughput\", verify=0)`, nothing ran). **Published**: the run's step "
-        "(Megatron's and Llama 3's from their Tflop/s per GPU). Planning time **measured** on "
-        "this machine "
+        "(Megatron's and Llama 3's from their Tflop/s per GPU, MosaicML's from its measured "
+        "tokens per second). Planning time **measured** on this machine "
         "(see the record's `cpu`). Expert: scanned blocks, per-block remat, cuDNN attention "
         "on H100s; newcomer: unrolled blocks, no remat, XLA attention. Goals: expert "
         f"{EXPERT_RANGE[0]}-{EXPERT_RANGE[1]}x, newcomer {NEWCOMER_RANGE[0]}-"
