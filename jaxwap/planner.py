@@ -94,8 +94,8 @@ def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, par
     describes more (`jaxwap.plan(..., hardware=Cluster("h100-sxm", 4096, ...))`): then
     the plan is for the described cluster, analytic, since verification compiles on the
     devices themselves. The step variants are those of the hardware's compiler where
-    the plan is for it: for the described cluster, or, with `for_hardware` and nothing
-    verified, for the hardware described whatever devices are present (`jaxwap.plan(...,
+    the plan is for it: for the described cluster, or, with `for_hardware`, hardware
+    given and nothing verified, for that hardware whatever devices are present (`jaxwap.plan(...,
     hardware=Cluster("a100-sxm-80gb", 8), verify=0)` on 8 CPU devices plans for A100s,
     not XLA:CPU). `options.plan` skips planning: the given plan is checked against
     the devices and step present and used as it is.
@@ -130,8 +130,8 @@ def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, par
     if cluster.device.python_call_s:   # counted for a plan to be made, not one read back
         ctx = dataclasses.replace(ctx, tree_calls=tree_calls(layout))
     return _searched_plan(fn, layout, closed, ctx, options, usable,
-                          described or (for_hardware and not options.verify), timing, notes,
-                          key)
+                          described or (for_hardware and options.hardware is not None
+                                        and not options.verify), timing, notes, key)
 
 
 def _cache_lookup(closed: Any, layout: ArgLayout, options: PlanOptions, ctx: PlanContext,
@@ -166,7 +166,8 @@ def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContex
     the plan cache under `key` unless measurements are still to come. `for_hardware`:
     the step is planned for the hardware's compiler, not the present devices'."""
     cluster, devs = ctx.cluster, ctx.devices
-    platform = cluster.device.name.split()[0] if for_hardware else devs[0].platform
+    # a profile's name says its platform ("cpu", "calibrated cpu", "h100-sxm", ...)
+    on_cpu = "cpu" in cluster.device.name.lower() if for_hardware else devs[0].platform == "cpu"
     rules = options.rules(layout.params)
     if rules is not None and rules.pins:
         notes.append("constraints pin " + "; ".join(
@@ -175,7 +176,7 @@ def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContex
                                ctx.tree_calls, notes, traced=closed)
     timing["pipeline"] = pipes.seconds
     found = search_variants(fn, layout, closed, ctx, options, usable, timing, notes,
-                            "cpu" if platform == "cpu" else "accelerator", pipes, rules)
+                            "cpu" if on_cpu else "accelerator", pipes, rules)
     scores = planned_score_sites(
         notes, found.graph, lambda: found.closed, layout.inputs.roles, layout.outputs.roles,
         layout.params, cluster.device,

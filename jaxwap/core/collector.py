@@ -3,12 +3,12 @@
 Planning a deep model builds jaxprs of tens of thousands of equations, and their
 analyses, several times over (the step as written, each variant tried): millions of
 long-lived objects, and each full collection the allocations trigger walks all of them
-again, to find almost nothing (the traces hold few reference cycles that outlive them).
-On an unrolled 96-layer GPT planned for 1,920 GPUs, a fifth of the planning time was the
-collector's, and pausing it left the process's peak memory the same (docs/guide/scale.md,
-Planning time). The collector's own state is restored on the way out,
-whether the plan was made or failed, and the garbage of the plan is collected then by
-the collector's usual thresholds; reference counting frees everything else throughout.
+again, to find almost nothing (the traces hold few reference cycles that outlive them):
+on a deep unrolled model that is a fifth of the planning time, and pausing it leaves the
+process's peak memory the same (docs/guide/scale.md). The collector's own state is
+restored on the way out, whether the plan was made or failed, and the plan's garbage is
+collected then by the collector's usual thresholds; reference counting frees everything
+else throughout.
 """
 
 from __future__ import annotations
