@@ -11,10 +11,12 @@
 # 3. benchmarks/gpu/gpu_sweep.py: calibration without touching the power limit, then
 #    AlexNet, VGG-16 and GPT-2 small on one device, measured against predicted.
 # 4. benchmarks/gpu/conv_probe.py: convolutions by shape against the calibrated matmul curve.
+# 5. benchmarks/gpu/memory_rules.py: a decoder layer's memory, predicted against compiled.
 # Everything lands under $OUT: env.txt (with the smoke test's output), gpu_sweep.log, the
 # sweep's records in gpu_sweep/, conv_probe's in conv_probe/ (as under benchmarks/results/),
-# and the sweep's work folder as gpu_sweep_work.tgz. Kept in benchmarks/results/gpu_sweep/
-# as <device>.{json,md,png}, <device>_env.txt, <device>_sweep.log, <device>_work.tgz.
+# memory_rules' in memory_rules/, and the sweep's work folder as gpu_sweep_work.tgz.
+# Kept in benchmarks/results/gpu_sweep/ as <device>.{json,md,png}, <device>_env.txt,
+# <device>_sweep.log, <device>_work.tgz.
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 PY=${PY:-python3}
@@ -79,6 +81,12 @@ $PY -m benchmarks.gpu.gpu_sweep --no-power-limits --out "$OUT/gpu_sweep" "$@" 2>
 timeout "${CONV_TIMEOUT:-120}" $PY -m benchmarks.gpu.conv_probe --out "$OUT/conv_probe" \
   --calibration "$OUT/gpu_sweep/gpu_sweep_work/calibration.json" >>"$OUT/gpu_sweep.log" 2>&1
 echo "conv_probe: exit $?"; tail -8 "$OUT/gpu_sweep.log"
+
+# 5. benchmarks/gpu/memory_rules.py: a decoder layer's memory, predicted against XLA:GPU's
+#    compiled figure, scanned and unrolled, with each per-layer remat policy (compiles only)
+timeout "${MEMORY_TIMEOUT:-180}" $PY -m benchmarks.gpu.memory_rules --out "$OUT/memory_rules" \
+  >>"$OUT/gpu_sweep.log" 2>&1
+echo "memory_rules: exit $?"; tail -16 "$OUT/gpu_sweep.log"
 # the sweep's work folder (calibration, rows, traces and their programs) as one file: what
 # comes back from a lent machine is counted in files
 tar -C "$OUT/gpu_sweep" -czf "$OUT/gpu_sweep_work.tgz" gpu_sweep_work \
