@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from models import scanned_mlp_step
 
 import jaxwap
@@ -141,3 +142,32 @@ def test_a_kept_trace_counts_its_equations_nested_calls_included():
     assert graph_cache.array_bytes(closed) == graph_cache.EQN_BYTES * (top + nested)
     assert graph_cache.array_bytes((closed, [closed.jaxpr])) == \
         2 * graph_cache.EQN_BYTES * (top + nested)
+
+
+def test_the_cyclic_collector_is_paused_while_planning_and_restored_after(monkeypatch):
+    """Planning runs with Python's cyclic garbage collector off (`core.collector`: a deep
+    model's traces are millions of objects each full collection would walk again), and
+    leaves it as it found it: back on after a plan made or failed, still off where the
+    caller had turned it off."""
+    import gc
+
+    from jaxwap import planner
+
+    seen: list[bool] = []
+    real = planner._make_plan
+    monkeypatch.setattr(planner, "_make_plan",
+                        lambda *a, **k: seen.append(gc.isenabled()) or real(*a, **k))
+    step, params, opt, batch = _stack(layers=2, d=64, rows=256)
+    one = {"hardware": jaxwap.Cluster("cpu", 1), "verify": 0, "cache": False}
+    assert gc.isenabled()
+    jaxwap.plan(step, params, opt, batch, **one)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(MemoryError):
+        jaxwap.plan(step, params, opt, batch, **one, memory_budget=1)
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        jaxwap.plan(step, params, opt, batch, **one)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
