@@ -84,7 +84,7 @@ def markdown(record: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         p, c = r["per_layer"]["predicted"], r["per_layer"]["compiled"]
-        s = r["step"][DEPTHS[1]] if DEPTHS[1] in r["step"] else r["step"][str(DEPTHS[1])]
+        s = r["step"][DEPTHS[1]]
         ratio = "-" if r["per_layer_ratio"] is None else f"{r['per_layer_ratio']:.2f}x"
         lines.append(f"| {r['dtype']} | {r['written']} | {r['remat']} | {p / 1e6:.2f} MB | "
                      f"{c / 1e6:.2f} MB | {ratio} | {s['predicted'] / 1e6:.1f} / "

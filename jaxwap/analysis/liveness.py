@@ -109,7 +109,7 @@ def gathered_whole(ops: Sequence[FlatOp], nbytes: np.ndarray, layers: Sequence[L
 
 
 def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
-             out_ids: Sequence[int], nbytes: np.ndarray, batched: np.ndarray,
+             held: Sequence[int], nbytes: np.ndarray, batched: np.ndarray,
              owner: np.ndarray, vclass: np.ndarray, num_params: int,
              extra: np.ndarray | None = None, extra_keys: Sequence[Any] = (),
              whole: Sequence[tuple[int, int, int, float]] = (),
@@ -121,7 +121,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     `live_rows` gives them (else None); and those extra buckets (indices into
     `extra_keys`, in the order of their keys).
 
-    Row 0 is before the first op; inputs are live from it, outputs to the end. `nbytes`
+    Row 0 is before the first op; inputs live from it, `held` (outputs, batch) to the end. `nbytes`
     is what a value takes in device memory (0 for one in host memory). A batched value
     whose `extra` is e >= 0 goes to extra bucket e instead of the batched one (a bucket a
     memory plan weighs apart: bytes a tensor-parallel layout also splits); of the
@@ -141,7 +141,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
             for i in op.ins:
                 consumers_heavy[i] = True
     materialized, produced, fused = [False] * nv, [False] * nv, [False] * nv
-    for i in [*out_ids, *([] if kept is None else np.flatnonzero(kept).tolist())]:
+    for i in [*held, *([] if kept is None else np.flatnonzero(kept).tolist())]:
         consumers_heavy[i] = True   # (outputs, and what XLA keeps whole: materialized)
     for i in in_ids:
         materialized[i] = produced[i] = True
@@ -166,7 +166,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
                 roots[o], fused[o] = frozenset(used), True
             else:   # (a view a matmul reads of a fused chain: the fusion writes it)
                 materialized[o], start[o] = True, k
-    for o in out_ids:
+    for o in held:
         for r in roots.get(o, {o}):
             last[r] = n
             materialized[r] = True
