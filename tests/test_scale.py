@@ -260,3 +260,50 @@ def test_pruned_search_of_a_large_cluster_finds_the_best_of_every_mesh(objective
                                                          want.strategies)
     # + the data-parallel baseline
     assert len(got.results) <= len(every) + 1 and len(every) <= 2 * len(shapes)
+
+
+# --------------------------------------------------------------------------- uneven batches
+def _decoder_for_2520():
+    """A scanned, checkpointed decoder 640 wide (2^7 x 5) for a batch of 2,520 sequences
+    (2^3 x 3^2 x 5 x 7): weights dominate what a device holds."""
+    from benchmarks.models import zoo
+
+    return zoo.llama("llama_tiny", batch_size=2520, scan=True, remat=True, layers=8,
+                     d_model=640, heads=8, kv_heads=8, ffn=2560, vocab=640, seq_len=4)
+
+
+def test_a_batch_with_few_factors_of_two_searches_the_counts_that_shard_its_weights_further():
+    """2,520 sequences on 2,520 GPUs: no power of two past 8 splits the batch, and the
+    whole cluster's data axis (315 at a model axis of 8) shares only 5 with the weights'
+    dims, so every power-of-two count and the whole cluster hold the weights 64 or 40
+    ways. 2,240 GPUs (7 replicas of a data axis of 40, model 8) hold them 320 ways: the
+    only count that fits a budget the others miss, and one `device_counts` never lists."""
+    w = _decoder_for_2520()
+    cluster = jaxwap.Cluster("a100-sxm-80gb", 2520, devices_per_node=8)
+    assert 2240 not in device_counts(2520, 8)
+    plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=cluster, cache=False,
+                       objective="throughput", verify=0, memory_budget=3e6)
+    assert plan.num_devices == 2240
+    assert dict(plan.mesh_shape) == {"replica": 7, "data": 40, "model": 8}
+    assert plan.predicted.peak_memory_bytes <= 3e6
+    others = [c for c in plan.candidates if c.num_devices != 2240]
+    assert others and not any(c.fits for c in others)
+
+
+def test_a_power_of_two_batch_adds_no_device_counts_and_an_uneven_one_adds_few():
+    from jaxwap.search.meshes import even_split_counts
+
+    step, params, opt, data = abstract_setup((1024, 1024, 1024, 16), 4096, 1024)
+    graph = analyze(*_analysis_inputs(step, params, opt, data))
+    counts = device_counts(4096, 8)
+    assert even_split_counts(4096, 4096, graph, 1, 8, counts) == set()
+    assert even_split_counts(4096, 4096, graph, 4, 8, counts) == set()
+    # a 2,520 batch on 2,520 devices of nodes of 8: a handful of counts, each a whole
+    # number of nodes whose (data, model) split divides the batch
+    added = even_split_counts(2520, 2520, graph, 1, 8, device_counts(2520, 8))
+    assert added and len(added) <= 8, added
+    assert all(n % 8 == 0 and n not in device_counts(2520, 8) for n in added)
+    assert all(any(2520 % (n // m) == 0 for m in (1, 2, 4, 8) if n % m == 0)
+               for n in added)
+    # a cluster small enough to try every count adds none
+    assert even_split_counts(48, 48, graph, 1, 8, device_counts(48, 8)) == set()

@@ -3,6 +3,9 @@ shapes of each that the batch, the layers and the cluster's nodes allow."""
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 from jaxwap.analysis.graph import Graph
 
 # Clusters up to this many devices try every device count; larger ones powers of two
@@ -42,6 +45,9 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
     or such a cluster could never split a layer."""
     shapes, skipped = [], []
     ns = [num_devices_exact] if num_devices_exact else device_counts(num_devices, node_size)
+    if not num_devices_exact and mesh is None and batch_size is not None:
+        ns = sorted(set(ns) | even_split_counts(num_devices, batch_size, graph, micro_batches,
+                                                node_size, ns))
     if mesh is not None:
         ns = [mesh[0] * mesh[1]]
     for n in ns:
@@ -70,4 +76,71 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
     return shapes, skipped
 
 
-__all__ = ["EXHAUSTIVE_DEVICES", "device_counts", "mesh_shapes"]
+def even_split_counts(num_devices: int, batch_size: int, graph: Graph, micro_batches: int,
+                      node_size: int | None, counts: list[int]) -> set[int]:
+    """The device counts beyond `counts` that shard the parameters over more devices than
+    any larger count can: a count whose data axis splits the batch (each micro-batch)
+    evenly and whose mesh divides the weights' dims further than every larger count's.
+
+    `device_counts` takes powers of two past `EXHAUSTIVE_DEVICES`, which is where a
+    power-of-two batch and model split. A batch with few factors of two does not: 2,520
+    sequences on 2,520 GPUs leave a data axis of 315 (at a model axis of 8), which shares
+    only 5 with a 20,480-wide model's dims, so its weights shard 40 ways at most, and no
+    power of two splits the batch past 8; 2,240 of the GPUs (7 replicas of a data axis
+    of 40 at model 8) shard them 320 ways. Each count is judged by the parameter bytes a
+    device would hold at its best (data, model) split (`_held_estimate`, an estimate to
+    choose what to search; the search prices the meshes themselves), against every
+    larger count tried; a count is added only where it holds 5% less. Kept with the graph:
+    a search asks it of every micro-batch count."""
+    if num_devices <= EXHAUSTIVE_DEVICES or batch_size % micro_batches:
+        return set()
+    key = ("even_split_counts", num_devices, batch_size, micro_batches, node_size,
+           tuple(counts))
+    if key not in graph.memo:
+        graph.memo[key] = _even_split_counts(num_devices, batch_size // micro_batches, graph,
+                                             node_size, counts)
+    return graph.memo[key]
+
+
+def _even_split_counts(num_devices: int, per_micro_batch: int, graph: Graph,
+                       node_size: int | None, counts: list[int]) -> set[int]:
+    node = node_size if node_size is not None and node_size > 1 else 1
+    models = _divisors(node if node > 1 else num_devices)
+    datas = _divisors(per_micro_batch)
+    splits: dict[int, list[tuple[int, int]]] = {}
+    for d in datas:
+        for m in models:
+            n = d * m
+            if n <= num_devices and (n <= node or n % node == 0):
+                splits.setdefault(n, []).append((d, m))
+    shapes = Counter((tuple(int(x) for x in p.shape), p.nbytes) for p in graph.params)
+    held = {n: min(_held_estimate(shapes, d, m) for d, m in dms) for n, dms in splits.items()}
+    added, least = set(), math.inf
+    for n in sorted(set(held) | set(counts), reverse=True):
+        h = held.get(n, math.inf)
+        if n not in counts and h < 0.95 * least:
+            added.add(n)
+        least = min(least, h)
+    return added
+
+
+def _divisors(n: int) -> list[int]:
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small) | {n // k for k in small})
+
+
+def _held_estimate(shapes: Counter, d: int, m: int) -> float:
+    """Parameter bytes a device holds with every leaf split as far as a data axis of d
+    (any sub-axis of it, replicated over the rest: HSDP) and a model axis of m divide its
+    dims, one axis a dim or both on one: what a count's best mesh could shard, for
+    choosing the counts to search (`even_split_counts`)."""
+    total = 0.0
+    for (shape, nbytes), k in shapes.items():
+        best = max((math.gcd(d, a) * (math.gcd(m, b) if j != i else 1)
+                    for i, a in enumerate(shape) for j, b in enumerate(shape)), default=1)
+        best = max([best, *(math.gcd(d * m, a) for a in shape)])
+        total += k * nbytes / best
+    return total
+
+
+__all__ = ["EXHAUSTIVE_DEVICES", "device_counts", "even_split_counts", "mesh_shapes"]
