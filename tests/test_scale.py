@@ -307,3 +307,19 @@ def test_a_power_of_two_batch_adds_no_device_counts_and_an_uneven_one_adds_few()
                for n in added)
     # a cluster small enough to try every count adds none
     assert even_split_counts(48, 48, graph, 1, 8, device_counts(48, 8)) == set()
+
+
+def test_a_batch_no_power_of_two_splits_far_is_planned_on_the_devices_that_split_it():
+    """1,000 sequences on 1,024 H100s: the power-of-two meshes that split the batch stop
+    at 64 devices (a data axis of 8 x model 8); the 1,000 GPUs that split it evenly
+    compute each step's batch over 16x as many, and throughput takes them."""
+    from benchmarks.models import zoo
+
+    w = zoo.llama("llama_tiny", batch_size=1000, scan=True, remat=True, layers=4,
+                  d_model=1024, heads=8, kv_heads=8, ffn=4096, vocab=32000, seq_len=2048)
+    assert not any(1000 % d == 0 and d > 8 for d in device_counts(1024, 8))
+    plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=_cluster(1024),
+                       cache=False, objective="throughput", verify=0)
+    assert plan.num_devices == 1000
+    mesh = dict(plan.mesh_shape)
+    assert 1000 % (mesh.get("replica", 1) * mesh["data"]) == 0

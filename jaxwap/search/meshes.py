@@ -78,20 +78,23 @@ def mesh_shapes(num_devices: int, batch_size: int | None, graph: Graph,
 
 def even_split_counts(num_devices: int, batch_size: int, graph: Graph, micro_batches: int,
                       node_size: int | None, counts: list[int]) -> set[int]:
-    """The device counts beyond `counts` that shard the parameters over more devices than
-    any larger count can: a count whose data axis splits the batch (each micro-batch)
-    evenly and whose mesh divides the weights' dims further than every larger count's.
+    """The device counts beyond `counts` that no larger count beats on both what a device
+    computes and what it holds: a count whose data axis splits the batch (each
+    micro-batch) evenly, and which is the largest that does or whose mesh divides the
+    weights' dims further than every larger count's.
 
     `device_counts` takes powers of two past `EXHAUSTIVE_DEVICES`, which is where a
-    power-of-two batch and model split. A batch with few factors of two does not: 2,520
-    sequences on 2,520 GPUs leave a data axis of 315 (at a model axis of 8), which shares
-    only 5 with a 20,480-wide model's dims, so its weights shard 40 ways at most, and no
-    power of two splits the batch past 8; 2,240 of the GPUs (7 replicas of a data axis
-    of 40 at model 8) shard them 320 ways. Each count is judged by the parameter bytes a
-    device would hold at its best (data, model) split (`_held_estimate`, an estimate to
-    choose what to search; the search prices the meshes themselves), against every
-    larger count tried; a count is added only where it holds 5% less. Kept with the graph:
-    a search asks it of every micro-batch count."""
+    power-of-two batch and model split. A batch with few factors of two does not. 1,000
+    sequences split over no power of two past 8: on 1,024 GPUs the meshes of
+    `device_counts` that split them use 64, where 1,000 data-parallel GPUs each compute
+    a sixteenth as much. 2,520 sequences on 2,520 GPUs leave a data axis of 315 (at a
+    model axis of 8), which shares only 5 with a 20,480-wide model's dims, so its weights
+    shard 40 ways at most; 2,240 of the GPUs (7 replicas of a data axis of 40 at model 8)
+    shard them 320 ways. Walking down from the cluster's size, a count is added where no
+    larger count splits the batch at all, or where it holds 5% fewer parameter bytes a
+    device than every larger one at its best (data, model) split (`_held_estimate`, an
+    estimate to choose what to search; the search prices the meshes themselves). Kept
+    with the graph: a search asks it of every micro-batch count."""
     if num_devices <= EXHAUSTIVE_DEVICES or batch_size % micro_batches:
         return set()
     key = ("even_split_counts", num_devices, batch_size, micro_batches, node_size,
