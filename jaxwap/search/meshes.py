@@ -118,12 +118,13 @@ def _even_split_counts(num_devices: int, per_micro_batch: int, graph: Graph,
                 splits.setdefault(n, []).append((d, m))
     shapes = Counter((tuple(int(x) for x in p.shape), p.nbytes) for p in graph.params)
     held = {n: min(_held_estimate(shapes, d, m) for d, m in dms) for n, dms in splits.items()}
-    added, least = set(), math.inf
+    added, least = set(), math.inf      # the least held by the larger counts searched
     for n in sorted(set(held) | set(counts), reverse=True):
         h = held.get(n, math.inf)
         if n not in counts and h < 0.95 * least:
             added.add(n)
-        least = min(least, h)
+        if n in counts or n in added:
+            least = min(least, h)
     return added
 
 
