@@ -192,10 +192,17 @@ def test_fused_counterfactual_of_the_xla_step_matches_the_cudnn_step():
     prog = flatten(xc)
     kinds, _ = op_kinds(prog)
     flow = dataflow(prog, kinds, xl.inputs.roles, xl.outputs.roles, xl.params, B)
-    live, _, kind = step_live(xg, prog, kinds, flow, xl.inputs.roles, xl.outputs.roles,
-                              xl.params, prog.nbytes)
-    np.testing.assert_array_equal(live, xg.live)
-    assert kind == xg.tp_live_kind
+    mem = step_live(xg, prog, kinds, flow, xl.inputs.roles, xl.outputs.roles, xl.params,
+                    prog.nbytes)
+    np.testing.assert_array_equal(mem.live, xg.live)
+    assert mem.tp_live_kind == xg.tp_live_kind
+    # the changes it hands the fused graph are the graph's own
+    assert mem.changes is not None
+    np.testing.assert_array_equal(mem.changes.toarray(), xg.live_changes.toarray())
+    fused_rows = sites.fused.live_changes
+    assert fused_rows is sites.fused.live_delta[1]
+    dense = np.diff(sites.fused.live, axis=0, prepend=np.zeros((1, sites.fused.live.shape[1])))
+    np.testing.assert_allclose(fused_rows.toarray(), dense)
     found = search(xg, H100X8, Objective("throughput"), 8, 72e9)
     checked = 0
     for r in found.results:

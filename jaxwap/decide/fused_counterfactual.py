@@ -29,7 +29,7 @@ from jaxwap.analysis.fused_attention import (
 from jaxwap.analysis.grad_reductions import batch_split, partial_sums, reduced_copies
 from jaxwap.analysis.graph import Graph
 from jaxwap.analysis.graph_cache import kept
-from jaxwap.analysis.liveness import gathered_whole, step_memory
+from jaxwap.analysis.liveness import StepMemory, gathered_whole, step_memory
 from jaxwap.analysis.roles import LeafRole, ParamInfo
 from jaxwap.analysis.tp_activations import model_splits
 from jaxwap.decide.score_detection import (
@@ -126,10 +126,12 @@ def _score_sites(graph: Graph, closed: Any, in_roles: Sequence[LeafRole],
     nbytes = np.where(values, 0.0, prog.nbytes)
     for s in sites:   # the log-sum-exp kept for the backward pass, with the output
         nbytes[prog.ops[s.value].outs[0]] += 4.0 * s.pairs * s.q_len
-    live, tp_param, tp_kind = step_live(graph, prog, kinds, flow, in_roles, out_roles,
-                                        params, nbytes, split)
-    fused = dataclasses.replace(fused, live=live, tp_live_param=tp_param,
-                                tp_live_kind=tp_kind)
+    mem = step_live(graph, prog, kinds, flow, in_roles, out_roles, params, nbytes, split)
+    # its row-to-row changes with it, as `graph.analyze` keeps them: made from the few
+    # changes, where `Graph.live_changes` would otherwise scan the whole dense matrix
+    fused = dataclasses.replace(
+        fused, live=mem.live, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
+        live_delta=None if mem.changes is None else (mem.live, mem.changes))
     return ScoreSites(graph, fused, region, carriers, instances, sites[0].shape,
                       sites[0].dtype, any(s.masked for s in sites))
 
@@ -138,10 +140,11 @@ def step_live(graph: Graph, prog: FlatProgram, kinds: Sequence[str], flow: Dataf
               in_roles: Sequence[LeafRole], out_roles: Sequence[LeafRole],
               params: Sequence[ParamInfo], nbytes: np.ndarray,
               split: tuple[Sequence[int | None], np.ndarray] | None = None
-              ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """`Graph.live` (with its tensor-parallel columns) of the step `graph` was analyzed
-    from, its values taking `nbytes` each: `graph.analyze`'s memory pass, run again on
-    the same program with other sizes (`split`: its `grad_reductions.batch_split`, if known)."""
+              ) -> StepMemory:
+    """`Graph.live` (with its tensor-parallel columns and its row-to-row changes) of the
+    step `graph` was analyzed from, its values taking `nbytes` each: `graph.analyze`'s
+    memory pass, run again on the same program with other sizes (`split`: its
+    `grad_reductions.batch_split`, if known)."""
     tp = model_splits(prog, kinds, flow.owner, flow.perm, flow.batched, graph.layers,
                       params, graph.stacked_dim)
     whole = gathered_whole(prog.ops, prog.nbytes, graph.layers, graph.tp_param, flow.owner,
@@ -150,7 +153,7 @@ def step_live(graph: Graph, prog: FlatProgram, kinds: Sequence[str], flow: Dataf
     mem = step_memory(dataclasses.replace(prog, nbytes=np.asarray(nbytes, float)), kinds,
                       flow, in_roles, out_roles, len(params), tp, whole,
                       reduced_copies(prog, sums))
-    return mem.live, mem.tp_live_param, mem.tp_live_kind
+    return mem
 
 
 def _fused(graph: Graph, prog: FlatProgram, values: np.ndarray,
