@@ -323,3 +323,21 @@ def test_a_batch_no_power_of_two_splits_far_is_planned_on_the_devices_that_split
     assert plan.num_devices == 1000
     mesh = dict(plan.mesh_shape)
     assert 1000 % (mesh.get("replica", 1) * mesh["data"]) == 0
+
+
+def test_a_pipelines_stages_take_the_devices_that_split_their_rows():
+    """1,536 sequences over 16 stages of 8,192 H100s: a stage's 96 rows split over no
+    data axis of its 512 devices with the model axis inside a node (64 x TP8 at the
+    least), so the halvings gave each stage 256 (data 32 x TP8); 384 devices split them
+    too (data 48 x TP8 or 96 x TP4), and the stages take those: 6,144 GPUs."""
+    from benchmarks.models import zoo
+
+    w = zoo.llama("llama_tiny", batch_size=1536, scan=True, remat=True, layers=32,
+                  d_model=1024, heads=8, kv_heads=8, ffn=4096, vocab=32000, seq_len=2048)
+    plan = jaxwap.plan(w.step, *w.args, params=w.params, hardware=_cluster(8192),
+                       cache=False, objective="throughput", verify=0,
+                       pipeline={"stages": 16})
+    mesh = dict(plan.mesh_shape)
+    assert plan.step.stages == mesh["stage"] == 16
+    assert mesh["data"] * mesh["model"] == 384 and plan.num_devices == 6144
+    assert 96 % mesh["data"] == 0

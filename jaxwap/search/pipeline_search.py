@@ -62,7 +62,7 @@ from jaxwap.runtime.layer_scan import (
 from jaxwap.runtime.stage_layout import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
-from jaxwap.search.meshes import mesh_shapes
+from jaxwap.search.meshes import even_split_counts, mesh_shapes
 from jaxwap.search.pipeline_shapes import (
     carry_split,
     inputs_split,
@@ -256,6 +256,11 @@ def _priced(fn: TrainStep, args: Sequence[Any], scan: LayerScan, p: int, B: int,
     whole = [Strategy("replicate", (None,) * len(x.shape)) for x in graph.params]
     stack_live = stack_kept(graph, twice, whole, 1)     # none split over a model axis
     stacked = set(scan.stacked)
+    if options.mesh is None and not options.num_devices:
+        # a stage's rows with few factors of two split over few of the halvings: the
+        # stage sizes that split them and shard the stage's weights further
+        sizes = sorted(set(sizes) | even_split_counts(
+            sizes[0], B // p, graph, 1, cluster.mesh_node_size, list(sizes)), reverse=True)
     meshes = [dm for size in sizes for dm in mesh_shapes(
         size, B // p, graph, num_devices_exact=size, mesh=options.mesh,
         node_size=cluster.mesh_node_size)[0]
