@@ -140,9 +140,9 @@ def _held_estimate(shapes: Counter, d: int, m: int) -> float:
     choosing the counts to search (`even_split_counts`)."""
     total = 0.0
     for (shape, nbytes), k in shapes.items():
-        best = max((math.gcd(d, a) * (math.gcd(m, b) if j != i else 1)
-                    for i, a in enumerate(shape) for j, b in enumerate(shape)), default=1)
-        best = max([best, *(math.gcd(d * m, a) for a in shape)])
+        best = max([1, *(math.gcd(d * m, a) for a in shape),        # both on one dim
+                    *(math.gcd(d, a) * math.gcd(m, b)                # each on its own
+                      for i, a in enumerate(shape) for j, b in enumerate(shape) if i != j)])
         total += k * nbytes / best
     return total
 
