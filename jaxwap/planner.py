@@ -38,6 +38,7 @@ from jaxwap.plans.cache import PlanCache, plan_key
 from jaxwap.plans.fingerprint import jaxpr_fingerprint
 from jaxwap.plans.plan import Plan
 from jaxwap.runtime.compile import CompiledStep
+from jaxwap.runtime.train_step import planned_trace
 from jaxwap.search.constraints import path_string
 from jaxwap.search.solve import SearchResult
 
@@ -114,7 +115,9 @@ def _make_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], *, par
                                                 notes)
     budget = memory_budget(options, cluster, None if described else devs[0])
     t0 = time.perf_counter()
-    layout, closed = layout_of(fn, args, kwargs, params, options.batch_size)
+    # the step as the planner traces it (`TrainStep.planned_as`): the same program
+    layout, closed = planned_trace(
+        lambda f: layout_of(f, args, kwargs, params, options.batch_size), fn)
     timing = {"trace": time.perf_counter() - t0}
     require_target(closed, cluster.device, devs)
     if options.verify and (why := unverifiable(closed, devs)) is not None:

@@ -1,5 +1,5 @@
 """Per-layer rematerialization as a planner decision (`StepVariant(remat="layer_*")`,
-`layer_scan_rewrite.layer_remat_loss`): each layer of a `make_train_step` loss's layer
+`layer_remat.layer_remat_loss`): each layer of a `make_train_step` loss's layer
 scan checkpointed with a policy. The step computes the same gradients, XLA's compiled
 memory shows the saving the model credits, and the ladder takes it before micro-batches
 when the step as written does not fit."""
@@ -412,8 +412,8 @@ def test_blocks_that_differ_in_a_constant_are_each_traced_and_keep_their_gradien
     scaled by different constants are found as repeats (equal shapes) but not alike, and
     the checkpointed loss's gradient is the plain one's; with equal scales they share."""
     from jaxwap.runtime.layer_blocks import alike_repeats, find_layers
+    from jaxwap.runtime.layer_remat import layer_remat_loss
     from jaxwap.runtime.layer_scan import trace_loss
-    from jaxwap.runtime.layer_scan_rewrite import layer_remat_loss
 
     def alike(scales):
         loss, params, batch = _scaled_mlp(scales)

@@ -24,7 +24,7 @@ from jaxwap.decide.no_fit import nothing_fits, nothing_fits_compiled
 from jaxwap.decide.verify import Verification
 from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
-from jaxwap.runtime.train_step import TrainStep, restructured
+from jaxwap.runtime.train_step import TrainStep, planned_trace, restructured
 from jaxwap.search.constraints import LayoutRules
 from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, with_pipelines
@@ -143,7 +143,8 @@ class Trials:
         layout = self.layout
         try:
             def build() -> tuple[Graph, Any]:
-                closed = self.closed if rung.is_plain else trace_layout(fn_v, layout)
+                closed = self.closed if rung.is_plain else planned_trace(
+                    lambda f: trace_layout(f, layout), fn_v)
                 return analyze(closed, layout.inputs.roles, layout.outputs.roles,
                                layout.params, layout.inputs.batch_size), closed
             # kept: by its trace for the step as written (jax hands back the same trace

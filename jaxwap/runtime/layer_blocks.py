@@ -11,7 +11,7 @@ repeated elementwise pattern). Where a repeat starts within the period is chosen
 the fewest activation bytes cross from one repeat into the next: the layer's input (the
 residual stream), as a hand-placed `jax.checkpoint` around each block would take it.
 
-`layer_scan_rewrite.layer_remat_loss` checkpoints each repeat as it checkpoints a scan's
+`layer_remat.layer_remat_loss` checkpoints each repeat as it checkpoints a scan's
 body; the cost model then reads the checkpointed program as it is. What it credits
 assumes a backend that schedules each block's recomputation just before that block's
 backward pass, as a loop forces for a scan's body. XLA:CPU does not: it computes every

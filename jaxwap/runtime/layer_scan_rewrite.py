@@ -15,7 +15,8 @@ a bare `PartitionSpec` does not trace there, and is refused with `NoLayerScan` (
 `NamedSharding` one works).
 
 `stack_cut` binds the scan again over fewer layers: the loss of one stage's share of the
-stack, which the pipelined search prices.
+stack, which the pipelined search prices. `evaluate_replacing` and `rebound` are the
+evaluation every rewrite of a traced loss runs (`layer_remat`'s too).
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
-from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, group_ios, scan_counts
+from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, scan_counts
 from jaxwap.core.records import MODEL, STAGE
-from jaxwap.runtime.layer_blocks import RepeatedBlocks, alike_repeats, find_layers
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
     LayerScan,
@@ -50,9 +50,10 @@ from jaxwap.runtime.stage_layout import chunking, to_stages
 # inside a stage the rows are the stage's own: their layout constraints do not apply
 _STAGE_IDENTITY = frozenset({"sharding_constraint"})
 
-def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
-          replace: tuple[tuple[int, ...], Callable[[list[Any]], list[Any]]] | None = None,
-          in_stage: bool = False) -> list[Any]:
+
+def evaluate_replacing(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
+                       replace: tuple[tuple[int, ...], Callable[[list[Any]], list[Any]]]
+                       | None = None, in_stage: bool = False) -> list[Any]:
     """Evaluate a jaxpr (`flatten.evaluate`). `replace=(path, fn)`: the equation at `path`
     (nested calls on the way inlined) computes `fn(inputs)` instead. `in_stage`: evaluated
     inside the pipeline's `shard_map`, so nested jit calls are inlined (their meshes are
@@ -65,8 +66,8 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
             return replace[1](ins)
         if here or (in_stage and name in CALL_PRIMITIVES):
             inner = called_jaxpr(eqn)
-            return _eval(inner.jaxpr, inner.consts, ins, in_stage=in_stage,
-                         replace=(replace[0][1:], replace[1]) if here else None)
+            return evaluate_replacing(inner.jaxpr, inner.consts, ins, in_stage=in_stage,
+                                      replace=(replace[0][1:], replace[1]) if here else None)
         if in_stage and name in _STAGE_IDENTITY:
             return ins
         if in_stage and name in REMAT_PRIMITIVES:
@@ -77,7 +78,7 @@ def _eval(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any], *,
             inner = eqn.params["jaxpr"]
             body, consts = ((inner.jaxpr, inner.consts) if isinstance(inner, ClosedJaxpr)
                             else (inner, ()))
-            return jax.checkpoint(lambda *a: _eval(body, consts, a, in_stage=True),
+            return jax.checkpoint(lambda *a: evaluate_replacing(body, consts, a, in_stage=True),
                                   policy=eqn.params.get("policy"),
                                   prevent_cse=eqn.params.get("prevent_cse", True))(*ins)
         return bind(eqn, ins)
@@ -108,13 +109,13 @@ def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
     return out
 
 
-def _rebound(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any], batch: Any,
-             path: tuple[int, ...], run: Callable[[list[Any]], list[Any]]) -> Any:
+def rebound(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any], batch: Any,
+            path: tuple[int, ...], run: Callable[[list[Any]], list[Any]]) -> Any:
     """The traced loss's outputs (as `out_tree`) on the parameter `leaves` and `batch`,
     its layer scan at `path` computed by `run(inputs)` instead (the scan changed: fewer
     layers, a checkpointed body, checkpointed whole)."""
-    outs = _eval(closed.jaxpr, closed.consts, [*leaves, *jax.tree_util.tree_leaves(batch)],
-                 replace=(path, run))
+    outs = evaluate_replacing(closed.jaxpr, closed.consts,
+                              [*leaves, *jax.tree_util.tree_leaves(batch)], replace=(path, run))
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
@@ -170,91 +171,11 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
         if remat_stack:
             checked = jax.checkpoint(lambda *ins: run(list(ins)),
                                      policy=jax.checkpoint_policies.nothing_saveable)
-            return _rebound(closed, out_tree, leaves, batch, found.path,
+            return rebound(closed, out_tree, leaves, batch, found.path,
                             lambda ins: checked(*ins))
-        return _rebound(closed, out_tree, leaves, batch, found.path, run)
+        return rebound(closed, out_tree, leaves, batch, found.path, run)
 
     return loss
-
-
-def layer_remat_loss(loss_fn: Callable, policy: Any) -> Callable[[Any, Any], Any]:
-    """`loss_fn` with each of its layers rematerialized: run under `jax.checkpoint(policy=
-    ...)`, so the backward pass keeps what the policy saves of each layer (nothing: the
-    layer's input alone; the matmul outputs; or those in host memory) and recomputes the
-    rest a layer at a time, as Megatron and MaxText checkpoint per layer. Checkpointing
-    the whole loss saves nothing (its recomputation replays the whole forward pass at
-    once); per layer, what the forward pass keeps for the backward one shrinks to what the
-    policy keeps.
-
-    The layers are the body of the loss's layer scan (`find_in_jaxpr`), else the repeats
-    of an unrolled model (`layer_blocks.find_repeated_blocks`); a loss with neither
-    raises `NoLayerScan` with both reasons. Built from the traced jaxpr (the loss traced
-    at the batch it is given, evaluated again with each layer checkpointed), so the
-    user's code is unchanged."""
-    def loss(params: Any, batch: Any) -> Any:
-        leaves = jax.tree_util.tree_leaves(params)
-        closed, out_tree = trace_loss(loss_fn, params, batch)
-        found = find_layers(closed.jaxpr, len(leaves), batch_size_of(batch))
-        if isinstance(found, RepeatedBlocks):
-            return _blocks_checkpointed(closed, out_tree, leaves, batch, found, policy)
-        eqn = equation_at(closed.jaxpr, found.path)
-        body = eqn.params["jaxpr"]
-
-        def layer(*args: Any) -> list[Any]:
-            return evaluate(body.jaxpr, body.consts, args)
-
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
-        checked = jax.make_jaxpr(jax.checkpoint(layer, policy=policy, prevent_cse=False))(
-            *avals)
-        remat = eqn.replace(params={**eqn.params, "jaxpr": checked})
-        return _rebound(closed, out_tree, leaves, batch, found.path,
-                        lambda ins: bind(remat, ins))
-
-    return loss
-
-
-def _blocks_checkpointed(closed: ClosedJaxpr, out_tree: Any, leaves: Sequence[Any],
-                         batch: Any, blocks: RepeatedBlocks, policy: Any) -> Any:
-    """The traced loss's outputs with each of an unrolled model's repeated blocks run
-    under `jax.checkpoint(policy=...)`. Unlike a scan's body, unrolled blocks sit side by
-    side in one program, where XLA's common-subexpression elimination would merge a
-    block's recomputation with its forward pass: `prevent_cse` stays on."""
-
-    def where(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-        groups, checkpointed = {}, []
-        bounds = blocks.bounds()
-        ios = group_ios(jaxpr, bounds)
-        for i, ((first, past), alike) in enumerate(zip(
-                bounds, alike_repeats(jaxpr, blocks, ios), strict=True)):
-            if alike != i:
-                # an alike repeat runs its first's function: one trace, whose derivative
-                # and transposition JAX's caches then hold for every layer
-                checkpointed.append(checkpointed[alike])
-            else:
-                ins, outs = ios[i]
-                # the block as a jaxpr of its own, named as the repeat it is
-                info = jaxpr.debug_info._replace(
-                    func_src_info=f"repeated block at equations {first}:{past}",
-                    arg_names=tuple(f"in{j}" for j in range(len(ins))),
-                    result_paths=tuple(f"out{j}" for j in range(len(outs))))
-                part = Jaxpr([], ins, outs, jaxpr.eqns[first:past],
-                             effects=frozenset().union(
-                                 *(e.effects for e in jaxpr.eqns[first:past])),
-                             debug_info=info)
-                checkpointed.append(jax.checkpoint(
-                    lambda *xs, part=part: evaluate(part, [], xs), policy=policy))
-            groups[first] = (past, lambda xs, block=checkpointed[i]: block(*xs))
-        return evaluate(jaxpr, consts, args, groups=groups)
-
-    args = [*leaves, *jax.tree_util.tree_leaves(batch)]
-    if blocks.path:
-        call = equation_at(closed.jaxpr, blocks.path)
-        inner = called_jaxpr(call)
-        outs = _eval(closed.jaxpr, closed.consts, args, replace=(
-            blocks.path, lambda ins: where(inner.jaxpr, inner.consts, ins)))
-    else:
-        outs = where(closed.jaxpr, closed.consts, args)
-    return jax.tree_util.tree_unflatten(out_tree, outs)
 
 
 def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
@@ -370,7 +291,8 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
         nc, nb = scan_counts(eqn.params)[0], len(body.consts)
 
         def layer(w: list[Any], h: Any, *consts: Any) -> Any:
-            return _eval(body.jaxpr, consts[:nb], [*consts[nb:], h, *w], in_stage=True)[0]
+            return evaluate_replacing(body.jaxpr, consts[:nb], [*consts[nb:], h, *w],
+                                      in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
                         data_axis=data_axis, param_specs=specs, stage_remat=stage_remat,
@@ -383,10 +305,10 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             return [out, *(None for _ in eqn.outvars[1:])]
 
         args = [*jax.tree_util.tree_leaves(params), *jax.tree_util.tree_leaves(batch)]
-        outs = _eval(closed.jaxpr, closed.consts, args, replace=(found.path, replaced))
+        outs = evaluate_replacing(closed.jaxpr, closed.consts, args, replace=(found.path, replaced))
         return jax.tree_util.tree_unflatten(out_tree, outs)
 
     return loss
 
 
-__all__ = ["layer_remat_loss", "pipelined_loss", "stack_cut"]
+__all__ = ["evaluate_replacing", "pipelined_loss", "rebound", "stack_cut"]

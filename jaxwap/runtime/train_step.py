@@ -28,7 +28,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,8 @@ import numpy as np
 from jaxwap.analysis.roles import likeliest_batch
 from jaxwap.core.records import DATA, REPLICA, StepVariant
 from jaxwap.runtime.stage_layout import micro_join, micro_split
+
+T = TypeVar("T")
 
 
 def _policy(name: str) -> Any:
@@ -66,8 +68,8 @@ class TrainStep:
     restructured; `with_variant` gives the same step restructured another way."""
 
     def __init__(self, loss_fn: Callable[..., Any], optimizer: Any, *, has_aux: bool = False,
-                 variant: StepVariant | None = None, _update: Callable[..., Any] | None = None
-                 ) -> None:
+                 variant: StepVariant | None = None, _update: Callable[..., Any] | None = None,
+                 _shared_blocks: bool = False) -> None:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -82,11 +84,27 @@ class TrainStep:
         # step restructured (remat, micro-batches) trace the update once, where tracing
         # optax over a large model's leaves costs seconds each time; XLA inlines the call
         self._update = _update or jax.jit(functools.partial(_apply_update, optimizer))
+        self._shared_blocks = _shared_blocks
+        self._planned_as: TrainStep | None = None
         self.__name__ = getattr(loss_fn, "__name__", "loss_fn") + "_train_step"
 
     def with_variant(self, variant: StepVariant) -> TrainStep:
         return TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux, variant=variant,
-                         _update=self._update)
+                         _update=self._update, _shared_blocks=self._shared_blocks)
+
+    def planned_as(self) -> TrainStep:
+        """The same step as the planner traces it: a loss without remat has an unrolled
+        model's repeated blocks each a jitted call (`layer_remat.shared_blocks_loss`),
+        the same program differentiated one block at a time. Only traced, never run: the
+        step that runs is this one. Made once per step, so jax's trace cache, keyed by
+        the function, serves a second plan of it."""
+        if self._shared_blocks:
+            return self
+        if self._planned_as is None:
+            self._planned_as = TrainStep(self.loss_fn, self.optimizer, has_aux=self.has_aux,
+                                         variant=self.variant, _update=self._update,
+                                         _shared_blocks=True)
+        return self._planned_as
 
     def init(self, params: Any) -> Any:
         """The optimizer state for `params` (`optimizer.init`)."""
@@ -103,11 +121,15 @@ class TrainStep:
         if self.variant.pipelined:       # its remat ("stage", or none) is the pipeline's
             return _pipelined(fn, self.variant)
         if self.variant.remat.startswith("layer_"):
-            from jaxwap.runtime.layer_scan_rewrite import layer_remat_loss
+            from jaxwap.runtime.layer_remat import layer_remat_loss
 
             fn = layer_remat_loss(fn, _policy(self.variant.remat))
         elif self.variant.remat != "none":
             fn = jax.checkpoint(fn, policy=_policy(self.variant.remat))
+        elif self._shared_blocks:
+            from jaxwap.runtime.layer_remat import shared_blocks_loss
+
+            fn = shared_blocks_loss(fn)
         return fn
 
     def grads(self, params: Any, batch: Any) -> tuple[Any, Any, Any]:
@@ -226,6 +248,19 @@ def restructured(fn: Callable[..., Any], variant: StepVariant | None) -> Callabl
     return fn.with_variant(variant)
 
 
+def planned_trace(trace: Callable[[Callable[..., Any]], T], fn: Callable[..., Any]) -> T:
+    """`trace(fn)` made from the step as the planner traces it (`TrainStep.planned_as`),
+    the same program traced faster; `trace(fn)` itself where that fails (the faster
+    trace is an optional branch: a failure of the user's own step surfaces from tracing
+    the step as it is)."""
+    if not isinstance(fn, TrainStep) or fn.planned_as() is fn:
+        return trace(fn)
+    try:
+        return trace(fn.planned_as())
+    except Exception:  # noqa: BLE001 - optional: trace the step as it is, which says why
+        return trace(fn)
+
+
 def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
            layers: str | None = None, rows: int | None = None) -> list[StepVariant]:
     """The variants to try when the step as written does not fit, cheapest first: where
@@ -267,4 +302,4 @@ def ladder(batch_size: int | None, platform: str, max_micro_batches: int = 64,
     return out
 
 
-__all__ = ["TrainStep", "ladder", "make_train_step", "restructured"]
+__all__ = ["TrainStep", "ladder", "make_train_step", "planned_trace", "restructured"]
