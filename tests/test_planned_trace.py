@@ -60,7 +60,8 @@ def test_the_planned_trace_analyses_as_the_users_own_trace(unrolled):
                                       np.sort(getattr(planned, name)), err_msg=name)
     assert own.batched.sum() == planned.batched.sum()
     assert len(own.layers) == len(planned.layers)
-    np.testing.assert_allclose(own.live.sum(1).max(), planned.live.sum(1).max())
+    np.testing.assert_allclose(np.asarray(own.live).sum(1).max(),
+                               np.asarray(planned.live).sum(1).max())
     np.testing.assert_array_equal(own.resident_bytes, planned.resident_bytes)
 
 

@@ -47,6 +47,7 @@ from jaxwap.analysis.grad_reductions import (
     reduced_copies,
     relayouts,
 )
+from jaxwap.analysis.live_matrix import LiveRows
 from jaxwap.analysis.liveness import (
     GRAD,
     NUM_CLASSES,
@@ -90,10 +91,11 @@ class Graph:
     owner: np.ndarray          # [ops] int param index or -1
     tp_param: np.ndarray       # [ops] int: the weight whose TP sharding splits this matmul
     layers: tuple[Layer, ...]
-    live: np.ndarray           # [points, 2 + 4P + E] live bytes: batched, other, then per
-                               # class (WEIGHT, GRAD, OPT, RESIDENT) a column per param,
-                               # then batched bytes a tensor-parallel layout splits
-                               # (`tp_live_param`, `tp_live_kind`)
+    live: np.ndarray | LiveRows  # [points, 2 + 4P + E] live bytes: batched, other, then
+                               # per class (WEIGHT, GRAD, OPT, RESIDENT) a column per
+                               # param, then batched bytes a tensor-parallel layout splits
+                               # (`tp_live_param`, `tp_live_kind`); as the memory pass
+                               # gives it, its changes summed a row when read (`LiveRows`)
     unmodeled: tuple[str, ...]
     op_class: np.ndarray       # [ops] class of the value an op produces (WEIGHT .. RESIDENT)
     repeat: np.ndarray         # [ops] iterations of the enclosing (inlined) scans
@@ -188,7 +190,7 @@ class Graph:
     # (the `live` array, its changes from row to row) as the memory pass made them
     # (`liveness.live_rows`), which `live_changes` takes for that array only: a graph
     # replaced with another `live` computes its own; left out, computed
-    live_delta: tuple[np.ndarray, scipy.sparse.csc_array] | None = field(
+    live_delta: tuple[np.ndarray | LiveRows, scipy.sparse.csc_array] | None = field(
         default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -233,6 +235,8 @@ class Graph:
         model's 4739 x 4016 matrix changes in 16,622 cells: every per-point product is
         then a sparse product and a running sum (`live_at`), not a dense one."""
         live = self.live
+        if isinstance(live, LiveRows):
+            return live.changes
         if self.live_delta is not None and self.live_delta[0] is live:
             return self.live_delta[1]
         changes = np.empty_like(live)      # (np.diff with prepend= copies it thrice)

@@ -26,6 +26,7 @@ import scipy.sparse
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxwap.analysis.flatten import sub_jaxprs
+from jaxwap.analysis.live_matrix import LiveRows
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ def array_bytes(x: Any) -> int:
     """The bytes `x` keeps alive, near enough: its numpy and scipy arrays, and its jaxprs
     at `EQN_BYTES` an equation, in its dataclass fields, tuples, lists and dicts, through
     any depth."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray | LiveRows):
         return int(x.nbytes)
     if isinstance(x, ClosedJaxpr | Jaxpr):
         return EQN_BYTES * _equations(x.jaxpr if isinstance(x, ClosedJaxpr) else x)

@@ -27,6 +27,7 @@ import scipy.sparse
 from jaxwap.analysis.dataflow import Dataflow
 from jaxwap.analysis.flatten import FlatOp, FlatProgram
 from jaxwap.analysis.fusion import kept_whole
+from jaxwap.analysis.live_matrix import LiveRows
 from jaxwap.analysis.primitives import ELEMENTWISE, FREE, HEAVY, MATMUL
 from jaxwap.analysis.roles import BATCH, PARAM, LeafRole
 from jaxwap.analysis.tp_activations import ModelSplit
@@ -115,7 +116,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              whole: Sequence[tuple[int, int, int, float]] = (),
              reduced: Sequence[tuple[int, int, int, float]] = (),
              kept: np.ndarray | None = None
-             ) -> tuple[np.ndarray, scipy.sparse.csc_array | None, list[int]]:
+             ) -> tuple[np.ndarray | LiveRows, scipy.sparse.csc_array | None, list[int]]:
     """Live bytes per program point, in buckets [batched, other, then (class, param), then
     one per extra bucket that holds some bytes]; its changes from row to row where
     `live_rows` gives them (else None); and those extra buckets (indices into
@@ -202,7 +203,7 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
 class StepMemory:
     """`step_memory`'s answer: what `Graph` keeps of the step's memory."""
 
-    live: np.ndarray
+    live: np.ndarray | LiveRows
     op_class: np.ndarray
     resident_bytes: np.ndarray
     tp_live_param: np.ndarray
@@ -275,7 +276,7 @@ def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],
 
 def live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
               nbytes: np.ndarray, width: int, passes: int = 8
-              ) -> tuple[np.ndarray, scipy.sparse.csc_array | None]:
+              ) -> tuple[np.ndarray | LiveRows, scipy.sparse.csc_array | None]:
     """`prune` of the [points, width] matrix whose column `cols[j]` holds `nbytes[j]` from
     row `begin[j]` to row `end[j] - 1` (`dense_live_rows`), without building it; and its
     changes from each kept row to the next (row 0: itself), sparse, as `Graph.live_changes`
@@ -294,7 +295,8 @@ def live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
     matrix, bit for bit. (A step moving more than 2**53 bytes in all, a 70B model at a
     global batch of millions of tokens, rounds sums at 1e-16 of their size, as the whole
     matrix in float64 would: building that one instead would cost the square of its
-    depth for nothing.)
+    depth for nothing.) The kept rows stay those changes (`live_matrix.LiveRows`), each
+    row summed when read.
     """
     if len(nbytes) == 0 or not np.all(nbytes == np.floor(nbytes)):
         return dense_live_rows(points, begin, end, cols, nbytes, width, passes), None
@@ -310,9 +312,10 @@ def live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
     # runs of equal rows start at row 0 and at every row where something changes
     starts = np.unique(np.concatenate([[0], row]))
 
-    def rows_at(at: np.ndarray) -> tuple[np.ndarray, scipy.sparse.csc_array]:
-        """The rows `at` (ascending), each the sum of the changes at or before it, and
-        their changes from one to the next (exact: integer sums)."""
+    def rows_at(at: np.ndarray) -> tuple[LiveRows, scipy.sparse.csc_array]:
+        """The rows `at` (ascending), each the sum of the changes at or before it (held
+        as those changes, `live_matrix.LiveRows`), and their changes from one to the
+        next (exact: integer sums)."""
         k = np.searchsorted(at, row)
         ok = k < len(at)
         cells, where = np.unique(k[ok] * width + col[ok], return_inverse=True)
@@ -321,14 +324,11 @@ def live_rows(points: int, begin: np.ndarray, end: np.ndarray, cols: np.ndarray,
         cells, sums = cells[nz], sums[nz]
         changes = scipy.sparse.csc_array((sums, (cells // width, cells % width)),
                                          shape=(len(at), width))
-        dense = np.zeros(len(at) * width)
-        dense[cells] = sums
-        dense = dense.reshape(len(at), width)
-        return np.cumsum(dense, axis=0, out=dense), changes
+        return LiveRows(changes), changes
 
     if points < 3:
         counts = np.diff(np.append(starts, points))
-        return np.repeat(rows_at(starts)[0], counts, axis=0), None
+        return np.repeat(rows_at(starts)[0].dense(), counts, axis=0), None
     # the first pass of `prune` on the runs: a run's rows but its last are <= the next
     # (equal) row; its last is dropped where the next row only grows from it or, when the
     # run is one row, where it only shrinks from the row before
