@@ -83,7 +83,9 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     trials = Trials(fn, layout, closed, ctx, options, usable, timing, notes, pipes, rules)
     # the step as written; then per-layer remat policies, in order; then the fewest
     # micro-batches that fit
-    found = trials.attempt(StepVariant())
+    # not searched where no layout can fit it and restructurings follow (the pipelined
+    # candidates, weighed beside it, need its search)
+    found = trials.attempt(StepVariant(), bounded=restructurable and not pipes.results)
     no_layers = None
     if found is None and restructurable:
         # the pipelined search found the layer scan when it considered pipelines at all

@@ -26,6 +26,7 @@ from jaxwap.options import PlanOptions
 from jaxwap.planning.verified_search import step_searcher, tighten, verify_finalists
 from jaxwap.runtime.train_step import TrainStep, planned_trace, restructured
 from jaxwap.search.constraints import LayoutRules
+from jaxwap.search.memory_repair import micro_batch_floor
 from jaxwap.search.meshes import mesh_shapes
 from jaxwap.search.pipeline_search import Pipelines, with_pipelines
 from jaxwap.search.solve import SearchResult
@@ -74,9 +75,13 @@ class Trials:
         self.misses: set[StepVariant] = set()          # those that did not fit
         self.floors: dict[StepVariant, float] = {}     # lower bounds, per device, untraced
         self.needs: dict[StepVariant, float] = {}      # the least predicted, those traced
+        self.unsearched: Graph | None = None           # the step as written, not searched
 
-    def attempt(self, rung: StepVariant) -> FoundVariant | None:
-        """Plan one variant; None (and what was tried, and why not) when nothing fits."""
+    def attempt(self, rung: StepVariant, bounded: bool = False) -> FoundVariant | None:
+        """Plan one variant; None (and what was tried, and why not) when nothing fits.
+        `bounded` (the step as written, where restructurings follow and no pipeline
+        stands beside it): not searched where no layout of any mesh can fit
+        (`_over_floor`)."""
         ctx, options = self.ctx, self.options
         fn_v = variant_fn(self.fn, rung) or self.fn
         ta = time.perf_counter()
@@ -84,6 +89,9 @@ class Trials:
         if traced is None:
             return None
         graph, closed = traced
+        if bounded and self._over_floor(rung, graph):
+            self.timing["analyze"] += time.perf_counter() - ta
+            return None
         tb = time.perf_counter()
         base = step_searcher(ctx, options, self.usable, self.rules, rung.micro_batches)
 
@@ -112,6 +120,25 @@ class Trials:
         self.misses.add(rung)
         self.needs[rung] = float(best.predicted.peak_memory_bytes)
         return None
+
+    def _over_floor(self, rung: StepVariant, graph: Graph) -> bool:
+        """Whether `rung`'s least possible peak on every mesh the search would try
+        (`memory_repair.micro_batch_floor`: each parameter at its smallest share, the
+        bound `solve.solve_mesh` prunes a mesh by) is over the budget: then no candidate
+        fits, and searching would only price each mesh at that bound. Said in `tried`;
+        the search runs after all if no variant fits, for the error (`no_fit`)."""
+        ctx, options = self.ctx, self.options
+        floor = micro_batch_floor(graph, ctx.cluster, self.usable, rung.micro_batches,
+                                  offload=options.offload, allowed=self.rules,
+                                  num_devices_exact=options.num_devices, mesh=options.mesh)
+        if not ctx.budget < floor < float("inf"):   # (no mesh at all: the search says why)
+            return False
+        self.tried.append(f"{rung.describe()}: needs at least {si(floor, 'B')} per device "
+                          f"(a lower bound)")
+        self.misses.add(rung)
+        self.needs[rung] = floor
+        self.unsearched = graph
+        return True
 
     def meshes(self, graph: Graph, micro_batches: int = 1) -> list[tuple[int, int]]:
         """The (data, model) meshes this plan may use for `graph`'s step split into
@@ -190,13 +217,18 @@ class Trials:
         """The error when no variant fits: the first one's reason, what else was tried,
         and what cuDNN's fused attention would give the step as written."""
         tried, layout = self.tried, self.layout
+        first = self.first_error
+        if self.unsearched is not None:   # the step as written, bounded: its search's error
+            first = nothing_fits(step_searcher(self.ctx, self.options, self.usable, self.rules)(
+                self.unsearched), self.ctx.budget, layout.inputs.batch_size, self.rules,
+                self.ctx.params)
         more = (f" Also tried restructuring the step: {'; '.join(tried[1:])}."
                 if len(tried) > 1 else "")
         more += fused_alternative(
             self.plain_graph, self.closed, layout.inputs.roles, layout.outputs.roles,
             layout.params, self.ctx.cluster.device,
             step_searcher(self.ctx, self.options, self.usable, self.rules))
-        return MemoryError(f"{self.first_error}{more}")
+        return MemoryError(f"{first}{more}")
 
 
 def _variant_key(fn: TrainStep, rung: StepVariant, layout: ArgLayout) -> tuple[Any, ...]:
