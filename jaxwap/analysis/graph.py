@@ -91,11 +91,11 @@ class Graph:
     owner: np.ndarray          # [ops] int param index or -1
     tp_param: np.ndarray       # [ops] int: the weight whose TP sharding splits this matmul
     layers: tuple[Layer, ...]
-    live: np.ndarray | LiveRows  # [points, 2 + 4P + E] live bytes: batched, other, then
-                               # per class (WEIGHT, GRAD, OPT, RESIDENT) a column per
-                               # param, then batched bytes a tensor-parallel layout splits
-                               # (`tp_live_param`, `tp_live_kind`); as the memory pass
-                               # gives it, its changes summed a row when read (`LiveRows`)
+    # [points, 2 + 4P + E] live bytes: batched, other, then per class (WEIGHT, GRAD, OPT,
+    # RESIDENT) a column per param, then batched bytes a tensor-parallel layout splits
+    # (`tp_live_param`, `tp_live_kind`); as the memory pass gives it, its changes from row
+    # to row, a row summed when read (`LiveRows`)
+    live: np.ndarray | LiveRows
     unmodeled: tuple[str, ...]
     op_class: np.ndarray       # [ops] class of the value an op produces (WEIGHT .. RESIDENT)
     repeat: np.ndarray         # [ops] iterations of the enclosing (inlined) scans
@@ -187,11 +187,6 @@ class Graph:
     # (`op_work.OpCosts.attention`, priced at `DeviceSpec.attention_*_efficiency`); left
     # out, none
     attention: np.ndarray | None = field(default=None)
-    # (the `live` array, its changes from row to row) as the memory pass made them
-    # (`liveness.live_rows`), which `live_changes` takes for that array only: a graph
-    # replaced with another `live` computes its own; left out, computed
-    live_delta: tuple[np.ndarray | LiveRows, scipy.sparse.csc_array] | None = field(
-        default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stacked_dim is None:
@@ -235,10 +230,8 @@ class Graph:
         model's 4739 x 4016 matrix changes in 16,622 cells: every per-point product is
         then a sparse product and a running sum (`live_at`), not a dense one."""
         live = self.live
-        if isinstance(live, LiveRows):
+        if isinstance(live, LiveRows):   # as the memory pass gave them
             return live.changes
-        if self.live_delta is not None and self.live_delta[0] is live:
-            return self.live_delta[1]
         changes = np.empty_like(live)      # (np.diff with prepend= copies it thrice)
         if len(live):
             changes[0] = live[0]
@@ -324,7 +317,6 @@ def analyze(closed_jaxpr: Any, in_roles: Sequence[LeafRole], out_roles: Sequence
         kernels=costs.kernels, is_matmul=costs.is_matmul, low_precision=costs.low_precision,
         batched=splits.batched, owner=splits.owner, tp_param=splits.tp_param,
         layers=splits.layers, live=mem.live, unmodeled=costs.unmodeled,
-        live_delta=None if mem.changes is None else (mem.live, mem.changes),
         op_class=mem.op_class, repeat=np.array([float(op.repeat) for op in prog.ops]),
         resident_bytes=mem.resident_bytes, host_transfer=host_transfer,
         grad_repeat=repeats, reduce_bytes=reduce_bytes, reduce_count=reduce_count,

@@ -116,11 +116,11 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
              whole: Sequence[tuple[int, int, int, float]] = (),
              reduced: Sequence[tuple[int, int, int, float]] = (),
              kept: np.ndarray | None = None
-             ) -> tuple[np.ndarray | LiveRows, scipy.sparse.csc_array | None, list[int]]:
+             ) -> tuple[np.ndarray | LiveRows, list[int]]:
     """Live bytes per program point, in buckets [batched, other, then (class, param), then
-    one per extra bucket that holds some bytes]; its changes from row to row where
-    `live_rows` gives them (else None); and those extra buckets (indices into
-    `extra_keys`, in the order of their keys).
+    one per extra bucket that holds some bytes] (held as its changes from row to row
+    where `live_rows` gives them), and those extra buckets (indices into `extra_keys`,
+    in the order of their keys).
 
     Row 0 is before the first op; inputs live from it, `held` (outputs, batch) to the end. `nbytes`
     is what a value takes in device memory (0 for one in host memory). A batched value
@@ -191,12 +191,12 @@ def liveness(ops: Sequence[FlatOp], kinds: Sequence[str], in_ids: Sequence[int],
     e = np.maximum(last[mat], start[mat]) + 1
     w = np.array([(*x, WHOLE) for x in whole] + [(*x, REDUCED) for x in reduced],
                  dtype=np.float64).reshape(-1, 5)
-    live, changes = live_rows(n + 2, np.concatenate([s, w[:, 0].astype(np.int64) + 1]),
+    live, _ = live_rows(n + 2, np.concatenate([s, w[:, 0].astype(np.int64) + 1]),
                               np.concatenate([e + 1, w[:, 1].astype(np.int64) + 2]),
                               np.concatenate([cols[mat], 2 + w[:, 4].astype(np.int64) * P
                                               + w[:, 2].astype(np.int64)]),
                               np.concatenate([nbytes[mat], w[:, 3]]), base + len(used))
-    return live, changes, used
+    return live, used
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,6 @@ class StepMemory:
     resident_bytes: np.ndarray
     tp_live_param: np.ndarray
     tp_live_kind: tuple[str, ...]
-    changes: scipy.sparse.csc_array | None = None    # `live`'s, where `live_rows` gave them
 
 
 def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
@@ -230,7 +229,7 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
     device_bytes = np.where(prog.on_host, 0.0, prog.nbytes)
     label = np.where(flow.batched, split.label, -1)
     batch = [i for i, r in zip(prog.in_ids, in_roles, strict=True) if r.kind == BATCH]
-    live, changes, used = liveness(prog.ops, kinds, prog.in_ids, [*prog.out_ids, *batch],
+    live, used = liveness(prog.ops, kinds, prog.in_ids, [*prog.out_ids, *batch],
                                    device_bytes, flow.batched, flow.owner, vclass, num_params,
                                    label, split.pairs, whole, reduced, kept_whole(prog, kinds))
     pairs = [split.pairs[e] for e in used]
@@ -241,8 +240,7 @@ def step_memory(prog: FlatProgram, kinds: Sequence[str], flow: Dataflow,
     op_class = np.array([vclass[op.outs[0]] if op.outs else WEIGHT for op in prog.ops],
                         dtype=np.int64)
     return StepMemory(live, op_class, resident,
-                      np.array([j for j, _ in pairs], dtype=np.int64), tuple(k for _, k in pairs),
-                      changes)
+                      np.array([j for j, _ in pairs], dtype=np.int64), tuple(k for _, k in pairs))
 
 
 def _share_buffers(ops: Sequence[FlatOp], kinds: Sequence[str],

@@ -127,11 +127,9 @@ def _score_sites(graph: Graph, closed: Any, in_roles: Sequence[LeafRole],
     for s in sites:   # the log-sum-exp kept for the backward pass, with the output
         nbytes[prog.ops[s.value].outs[0]] += 4.0 * s.pairs * s.q_len
     mem = step_live(graph, prog, kinds, flow, in_roles, out_roles, params, nbytes, split)
-    # its row-to-row changes with it, as `graph.analyze` keeps them: made from the few
-    # changes, where `Graph.live_changes` would otherwise scan the whole dense matrix
+    # (its `live` held as its row-to-row changes, as `graph.analyze` keeps it)
     fused = dataclasses.replace(
-        fused, live=mem.live, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind,
-        live_delta=None if mem.changes is None else (mem.live, mem.changes))
+        fused, live=mem.live, tp_live_param=mem.tp_live_param, tp_live_kind=mem.tp_live_kind)
     return ScoreSites(graph, fused, region, carriers, instances, sites[0].shape,
                       sites[0].dtype, any(s.masked for s in sites))
 
@@ -141,7 +139,7 @@ def step_live(graph: Graph, prog: FlatProgram, kinds: Sequence[str], flow: Dataf
               params: Sequence[ParamInfo], nbytes: np.ndarray,
               split: tuple[Sequence[int | None], np.ndarray] | None = None
               ) -> StepMemory:
-    """`Graph.live` (with its tensor-parallel columns and its row-to-row changes) of the
+    """`Graph.live` (with its tensor-parallel columns) of the
     step `graph` was analyzed from, its values taking `nbytes` each: `graph.analyze`'s
     memory pass, run again on the same program with other sizes (`split`: its
     `grad_reductions.batch_split`, if known)."""
