@@ -170,6 +170,7 @@ def column_leaks(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
     if not cols:
         return frozenset()
     bit = {j: 1 << b for b, j in enumerate(cols)}
+    of_bit = list(cols)             # the column layer of each bit
     owner_l = owner.tolist()
     carried = [0] * len(prog.vars)
     readers: dict[int, set[int]] = {j: set() for j in cols}
@@ -202,10 +203,11 @@ def column_leaks(prog: FlatProgram, kinds: Sequence[str], owner: np.ndarray,
                 if a is not None:
                     carried[o] |= bit[j]
                     forward.add(j)
-        if mask:
-            for j in cols:
-                if mask & bit[j]:
-                    readers[j].update(forward - {j})
+        while mask:     # each column split this matmul reads, by its set bit
+            low = mask & -mask
+            j = of_bit[low.bit_length() - 1]
+            readers[j].update(forward - {j})
+            mask ^= low
     return frozenset(j for j, r in readers.items() if len(r) > 1)
 
 
