@@ -119,6 +119,37 @@ def test_live_rows_equal_the_whole_matrix():
             assert changes.nnz == np.count_nonzero(diff)
 
 
+def test_live_rows_read_one_at_a_time_equal_the_whole_matrix(monkeypatch):
+    """A row read alone (`LiveRows`: summed from the nearest row summed before it), in
+    any order, past the rows it keeps, and sliced as a repair slices it, is bit for bit
+    that row of the whole matrix; reading rows never builds the whole matrix."""
+    from jaxwap.analysis import live_matrix
+
+    monkeypatch.setattr(live_matrix, "KEPT_ROWS", 4)   # rows dropped as they are read
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(300):
+        points, n, width = int(rng.integers(3, 60)), int(rng.integers(1, 40)), int(
+            rng.integers(1, 7))
+        begin = rng.integers(0, points, n)
+        end = np.minimum(begin + rng.integers(1, points + 1, n), points)
+        cols = rng.integers(0, width, n)
+        nbytes = rng.choice([0.0, 1.0, 4.0, 12.0, 4096.0, 2.0**40], n)
+        rows, changes = live_rows(points, begin, end, cols, nbytes, width)
+        if changes is None:
+            continue
+        whole = dense_live_rows(points, begin, end, cols, nbytes, width)
+        fresh = live_matrix.LiveRows(changes)
+        for k in rng.permutation(len(whole)):
+            assert fresh[k].tobytes() == whole[k].tobytes()
+            assert fresh[int(k), 1:].tobytes() == whole[k, 1:].tobytes()
+        assert fresh[-1].tobytes() == whole[-1].tobytes()
+        assert fresh._dense is None and len(fresh._rows) <= 4
+        assert len(fresh) == len(whole) and fresh.shape == whole.shape
+        checked += 1
+    assert checked > 100
+
+
 def test_live_columns_per_block():
     """Each parameter's live bytes (every class's column, at its peak) are the same in
     every block, and the same in the 2- and 8-layer models."""

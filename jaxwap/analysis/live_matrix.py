@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import scipy.sparse
 
-#: rows kept once summed: a repair returns to its peak points; past this many, the
-#: oldest half is dropped (each row is a parameter's-classes-wide vector)
+#: rows kept once summed (a repair returns to its peak points); past this many, the
+#: lower half of them by row is dropped (each row is as wide as the matrix)
 KEPT_ROWS = 256
 
 
