@@ -98,19 +98,27 @@ def test_cached_costs_equal_each_equation_priced():
             assert g.bytes[k] == cost[1] * op.repeat
 
 
-def test_live_rows_equal_the_whole_matrix():
-    """The live rows summed only where the first pruning pass keeps them are bit for bit
-    those of pruning the whole matrix, and so are their changes from row to row."""
-    rng = np.random.default_rng(0)
-    for _ in range(2000):
-        points, n, width = int(rng.integers(1, 60)), int(rng.integers(0, 40)), int(
-            rng.integers(1, 7))
+def _live_cases(seed, count, min_points, min_values):
+    """`count` random `live_rows` arguments (points, begin, end, cols, nbytes, width):
+    up to 60 points, 40 values and 6 buckets, byte counts from 0 to 2**40."""
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        points, n, width = int(rng.integers(min_points, 60)), int(
+            rng.integers(min_values, 40)), int(rng.integers(1, 7))
         begin = rng.integers(0, points, n)
         end = np.minimum(begin + rng.integers(1, points + 1, n), points)
         cols = rng.integers(0, width, n)
         nbytes = rng.choice([0.0, 1.0, 4.0, 12.0, 4096.0, 2.0**40], n)
-        fast, changes = live_rows(points, begin, end, cols, nbytes, width)
-        whole = dense_live_rows(points, begin, end, cols, nbytes, width)
+        yield points, begin, end, cols, nbytes, width
+
+
+def test_live_rows_equal_the_whole_matrix():
+    """The live rows summed only where the first pruning pass keeps them are bit for bit
+    those of pruning the whole matrix, and so are their changes from row to row."""
+    for case in _live_cases(0, 2000, min_points=1, min_values=0):
+        fast, changes = live_rows(*case)
+        whole = dense_live_rows(*case)
+        width = case[-1]
         assert fast.shape == whole.shape and fast.tobytes() == whole.tobytes()
         if changes is not None:    # the rows' changes, made sparse, are theirs exactly
             diff = np.diff(whole, axis=0, prepend=np.zeros((1, width)))
@@ -126,19 +134,13 @@ def test_live_rows_read_one_at_a_time_equal_the_whole_matrix(monkeypatch):
     from jaxwap.analysis import live_matrix
 
     monkeypatch.setattr(live_matrix, "KEPT_ROWS", 4)   # rows dropped as they are read
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(2)   # the order rows are read in
     checked = 0
-    for _ in range(300):
-        points, n, width = int(rng.integers(3, 60)), int(rng.integers(1, 40)), int(
-            rng.integers(1, 7))
-        begin = rng.integers(0, points, n)
-        end = np.minimum(begin + rng.integers(1, points + 1, n), points)
-        cols = rng.integers(0, width, n)
-        nbytes = rng.choice([0.0, 1.0, 4.0, 12.0, 4096.0, 2.0**40], n)
-        rows, changes = live_rows(points, begin, end, cols, nbytes, width)
+    for case in _live_cases(1, 300, min_points=3, min_values=1):
+        _, changes = live_rows(*case)
         if changes is None:
             continue
-        whole = dense_live_rows(points, begin, end, cols, nbytes, width)
+        whole = dense_live_rows(*case)
         fresh = live_matrix.LiveRows(changes)
         for k in rng.permutation(len(whole)):
             assert fresh[k].tobytes() == whole[k].tobytes()

@@ -4,13 +4,10 @@ floor and past a run whose need turned up not traced."""
 
 from __future__ import annotations
 
-import functools
-
 from jaxwap.analysis.graph import Graph
 from jaxwap.core.records import StepVariant
 from jaxwap.core.units import si
 from jaxwap.planning.variant_trials import FoundVariant, Trials
-from jaxwap.search.memory_repair import micro_batch_floor
 
 
 def fewest_micro_batches(trials: Trials, micro: list[StepVariant],
@@ -109,11 +106,8 @@ def _above_floor(trials: Trials, micro: list[StepVariant], base: Graph | None, l
     base = base if base is not None else trials.plain_graph
     if not micro or base is None:
         return lo
-    ctx, options = trials.ctx, trials.options
-    floor = functools.partial(micro_batch_floor, base, ctx.cluster, trials.usable,
-                              offload=options.offload, allowed=trials.rules,
-                              num_devices_exact=options.num_devices, mesh=options.mesh)
-    while lo <= hi and (need := floor(micro[lo].micro_batches)) > 1.05 * ctx.budget:
+    while lo <= hi and (need := trials.floor(base, micro[lo].micro_batches)) \
+            > 1.05 * trials.ctx.budget:
         trials.tried.append(f"{micro[lo].describe()}: needs at least {si(need, 'B')} per "
                             f"device (estimated)")
         lo += 1

@@ -127,11 +127,8 @@ class Trials:
         bound `solve.solve_mesh` prunes a mesh by) is over the budget: then no candidate
         fits, and searching would only price each mesh at that bound. Said in `tried`;
         the search runs after all if no variant fits, for the error (`no_fit`)."""
-        ctx, options = self.ctx, self.options
-        floor = micro_batch_floor(graph, ctx.cluster, self.usable, rung.micro_batches,
-                                  offload=options.offload, allowed=self.rules,
-                                  num_devices_exact=options.num_devices, mesh=options.mesh)
-        if not ctx.budget < floor < float("inf"):   # (no mesh at all: the search says why)
+        floor = self.floor(graph, rung.micro_batches)
+        if not self.ctx.budget < floor < float("inf"):   # (no mesh at all: the search says why)
             return False
         self.tried.append(f"{rung.describe()}: needs at least {si(floor, 'B')} per device "
                           f"(a lower bound)")
@@ -139,6 +136,15 @@ class Trials:
         self.needs[rung] = floor
         self.unsearched = graph
         return True
+
+    def floor(self, graph: Graph, micro_batches: int) -> float:
+        """`memory_repair.micro_batch_floor` of `graph`'s step split into
+        `micro_batches`, on the meshes this plan may use (the options' devices, mesh,
+        offload and layout rules)."""
+        options = self.options
+        return micro_batch_floor(graph, self.ctx.cluster, self.usable, micro_batches,
+                                 offload=options.offload, allowed=self.rules,
+                                 num_devices_exact=options.num_devices, mesh=options.mesh)
 
     def meshes(self, graph: Graph, micro_batches: int = 1) -> list[tuple[int, int]]:
         """The (data, model) meshes this plan may use for `graph`'s step split into
