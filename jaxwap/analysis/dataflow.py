@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +76,11 @@ def dataflow(prog: FlatProgram, kinds: Sequence[str], in_roles: Sequence[LeafRol
             pdep[o] = pdep[o] or pd
         if op.prim in _SCAN_OPS:
             _scan_owner(op, owner, perm, forward=True)
+            continue
+        if op.prim == "dynamic_slice" and loop_slice_dim(op, V) is not None:
+            # one layer of a stacked weight a loop indexes (`w[i]` in a `fori_loop`):
+            # that weight, its dims as the stack's (the indexed one now of size 1)
+            owner[op.outs[0]], perm[op.outs[0]] = owner[ins[0]], perm[ins[0]]
             continue
         if kind not in (FREE, ELEMENTWISE):
             continue
@@ -164,26 +170,45 @@ def _batched(prog: FlatProgram, dep: np.ndarray, owner: np.ndarray,
     return batched & (prog.size % rows == 0) & (prog.size >= rows)
 
 
+def loop_slice_dim(op: FlatOp, V: Sequence[Any]) -> int | None:
+    """The dim a loop indexes one layer out of, where `op` is a `dynamic_slice` taking a
+    window of 1 on that dim alone and all of every other, inside a loop whose iterations
+    the dim's length divides (`fori_loop(0, L, ...)` reading `w[i]` of an [L, ...] stack:
+    every layer once per pass); None otherwise."""
+    shape = V[op.ins[0]].shape
+    sizes = op.eqn.params.get("slice_sizes", ())
+    cut = [k for k, (n, s) in enumerate(zip(shape, sizes, strict=False)) if n != s]
+    if len(sizes) != len(shape) or len(cut) != 1 or sizes[cut[0]] != 1:
+        return None
+    n = shape[cut[0]]
+    return cut[0] if 1 < n <= op.repeat and op.repeat % n == 0 else None
+
+
 def stacked_dims(prog: FlatProgram, flow: Dataflow, params: Sequence[ParamInfo]
-                  ) -> np.ndarray:
-    """Per parameter, the dim a scan slices one iteration out of (`scan_slice` cuts the
-    leading dim of a scanned input), named in the parameter's own dims; -1 if no scan
-    iterates over it. A parameter whose dim map is unknown there but whose shape is the
-    scanned input's is taken as stacked on its leading dim."""
+                 ) -> np.ndarray:
+    """Per parameter, the dim a loop takes one layer out of in each iteration, named in
+    the parameter's own dims; -1 if no loop iterates over it. A scan slices its scanned
+    input's leading dim (`scan_slice`); a loop over a stack it closes over indexes it
+    (`loop_slice_dim`). A parameter whose dim map is unknown there but whose shape is the
+    sliced value's is taken as stacked on that dim."""
     stacked = np.full(len(params), -1, np.int64)
     for op in prog.ops:
-        if op.prim != "scan_slice":
+        if op.prim == "scan_slice":
+            d: int | None = 0
+        elif op.prim == "dynamic_slice":
+            d = loop_slice_dim(op, prog.vars)
+        else:
             continue
         x = op.ins[0]
         p = int(flow.owner[x])
-        if p < 0 or stacked[p] >= 0:
+        if d is None or p < 0 or stacked[p] >= 0:
             continue
         perm = flow.perm[x]
         if perm is not None:
-            stacked[p] = perm[0]
+            stacked[p] = perm[d]
         elif prog.vars[x].shape == tuple(params[p].shape):
-            stacked[p] = 0
+            stacked[p] = d
     return stacked
 
 
-__all__ = ["Dataflow", "dataflow", "looked_up", "op_kinds", "stacked_dims"]
+__all__ = ["Dataflow", "dataflow", "looked_up", "loop_slice_dim", "op_kinds", "stacked_dims"]

@@ -138,7 +138,8 @@ def _sources(prog: FlatProgram) -> list[int]:
     for op in prog.ops:
         info = prim_info(op.prim)
         if (len(op.ins) == 1 and len(op.outs) == 1 and info.kind == FREE
-                and info.permutation is None and op.prim != "broadcast_in_dim"):
+                and (info.permutation is None or op.prim == "squeeze")
+                and op.prim != "broadcast_in_dim"):
             source[op.outs[0]] = source[op.ins[0]]
     return source
 

@@ -109,10 +109,15 @@ register(PrimInfo(inline=True), "pjit", "jit", "closed_call", "core_call", "rema
 register(PrimInfo(FREE, same_layout=True), "convert_element_type", "copy", "copy_p",
          "stop_gradient", "reduce_precision", "pvary", "sharding_constraint",
          "optimization_barrier")
-register(PrimInfo(FREE), "reshape", "squeeze", "expand_dims", "broadcast_in_dim",
+register(PrimInfo(FREE), "reshape", "expand_dims", "broadcast_in_dim",
          "name", "tie", "device_put", "scan_slice")
 register(PrimInfo(FREE, permutation=lambda eqn: tuple(eqn.params["permutation"])),
          "transpose")
+# a squeeze keeps the operand's other dims in order (a stacked weight's one layer, `w[i]`,
+# named in the weight's own dims)
+register(PrimInfo(FREE, permutation=lambda eqn: tuple(
+    k for k in range(len(eqn.invars[0].aval.shape)) if k not in eqn.params["dimensions"])),
+    "squeeze")
 register(PrimInfo(HEAVY), "reduce_sum", "reduce_max", "reduce_min", "reduce_prod",
          "reduce_and", "reduce_or", "reduce_xor", "reduce", "argmax", "argmin", "gather",
          "scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max",
