@@ -217,6 +217,35 @@ def test_fused_elementwise_and_reduction_move_what_xla_fusions_move():
     assert chained - matmul == pytest.approx(2 * n, abs=16)
 
 
+@pytest.mark.parametrize("layers", [4, 16])
+def test_a_scans_stacked_outputs_are_priced_as_each_iteration_writes_its_slice(layers):
+    """XLA writes each iteration's output into the loop's stacked buffer in place: one
+    slice per iteration. The stacking op is priced at that slice's bytes, so a stack of
+    `layers` residuals costs `layers` slices a step (it was priced as the whole stack
+    rewritten every iteration: 92% of a 64-layer scan's bytes), and jaxwap's own op is not
+    reported as one no rule prices."""
+    from jaxwap.analysis.dataflow import op_kinds
+    from jaxwap.analysis.flatten import flatten
+    from jaxwap.analysis.op_work import op_costs
+
+    x = jnp.ones((64, 256), jnp.float32)
+    w = jnp.ones((layers, 256, 256), jnp.float32)
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+        return h.sum()
+
+    prog = flatten(jax.make_jaxpr(jax.grad(loss))(w, x))
+    costs = op_costs(prog, op_kinds(prog)[0], roofline_rules())
+    stacks = [k for k, op in enumerate(prog.ops) if op.prim == "scan_stack"]
+    assert stacks and "scan_stack" not in costs.unmodeled
+    for k in stacks:
+        op = prog.ops[k]
+        assert op.repeat == layers and costs.flops[k] == 0
+        assert costs.bytes[k] == layers * prog.nbytes[op.ins[0]]
+        assert prog.nbytes[op.outs[0]] == layers * prog.nbytes[op.ins[0]]
+
+
 def test_a_first_layers_convolutions_are_narrow_and_priced_apart():
     """A convolution over 3 input channels (forward, and its kernel gradient, whose lhs
     batch the channels become) is kind 3 and takes `narrow_conv_efficiency`; the next

@@ -99,10 +99,16 @@ def test_an_uneven_pipeline_is_stored_split_along_another_dim_and_equals_the_ste
         assert p.spec[0] != STAGE, p
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
-    # priced as closely as the even splits are (XLA:CPU compiles them 13-16% above the
-    # model at these sizes, uneven or not)
-    chosen = next(c for c in plan.candidates if c.chosen)
-    assert 0.8 < chosen.compiled.memory_bytes / chosen.predicted.peak_memory_bytes < 1.25
+    # priced as closely as an even split of the same pipeline is, on the same mesh
+    # (XLA:CPU's memory against the model's: 1.0x on stage=2 x data=4, 0.76-0.79x with
+    # a model axis inside the stages, uneven or not)
+    even = -(-layers // (stages * repeats)) * stages * repeats
+    plan_even, _, _ = _forced(jaxwap.make_train_step(_loss, optax.sgd(0.1)),
+                              *_setup(layers=even), stages, micro, repeats)
+    assert plan_even.mesh_shape == plan.mesh_shape
+    ratios = [c.compiled.memory_bytes / c.predicted.peak_memory_bytes
+              for p in (plan, plan_even) for c in p.candidates if c.chosen]
+    assert 0.7 < ratios[0] < 1.3 and ratios[0] == pytest.approx(ratios[1], abs=0.05)
 
 
 def test_pipelined_candidates_are_weighed_beside_the_others():
