@@ -176,9 +176,11 @@ def loop_slice_dim(op: FlatOp, V: Sequence[Any]) -> int | None:
     the dim's length divides (`fori_loop(0, L, ...)` reading `w[i]` of an [L, ...] stack:
     every layer once per pass); None otherwise."""
     shape = V[op.ins[0]].shape
-    sizes = op.eqn.params.get("slice_sizes", ())
-    cut = [k for k, (n, s) in enumerate(zip(shape, sizes, strict=False)) if n != s]
-    if len(sizes) != len(shape) or len(cut) != 1 or sizes[cut[0]] != 1:
+    sizes = tuple(op.eqn.params.get("slice_sizes", ()))
+    if len(sizes) != len(shape):
+        return None
+    cut = [k for k, (n, s) in enumerate(zip(shape, sizes, strict=True)) if n != s]
+    if len(cut) != 1 or sizes[cut[0]] != 1:
         return None
     n = shape[cut[0]]
     return cut[0] if 1 < n <= op.repeat and op.repeat % n == 0 else None

@@ -111,17 +111,18 @@ def op_costs(prog: FlatProgram, kinds: Sequence[str], rules: RooflineRules) -> O
             for o in op.outs:
                 fusible[o] = True
             continue
+        rule = prim_info(op.prim).cost or rules.cost
         key = eqn_key(op.eqn)
         if op.prim == "scan_stack":
             # an iteration's output written in place into the stacked ys XLA's loop
             # carries: the slice's bytes, not the whole stack's (priced per iteration)
             cost: tuple[float, float] | None = (0.0, float(nbytes[op.ins[0]]))
         elif key is None:
-            cost = (prim_info(op.prim).cost or rules.cost)(op.eqn)
+            cost = rule(op.eqn)
         else:
             cost = priced.get(key, priced)
             if cost is priced:
-                cost = priced[key] = (prim_info(op.prim).cost or rules.cost)(op.eqn)
+                cost = priced[key] = rule(op.eqn)
         out_bytes = float(sum(nbytes[o] for o in op.outs))
         taps = window_taps(op.eqn)
         if taps:   # a compare or add per tap; its operands read, its result written
