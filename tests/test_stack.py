@@ -86,6 +86,12 @@ def _two_carries(params, batch):
     return jnp.mean(h)
 
 
+def _fori_loop(params, batch):
+    h = jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ params["blocks"]["w"][i]),
+                          batch["x"] @ params["a_in"])
+    return jnp.mean(h)
+
+
 def _scans_data(params, batch):
     h, _ = jax.lax.scan(lambda h, x: (h + x.sum(), None), batch["x"] @ params["a_in"],
                         jnp.arange(L, dtype=jnp.float32))
@@ -110,6 +116,8 @@ def _scan_in_checkpoint(params, batch):
 @pytest.mark.parametrize("fn, why", [
     (_no_scan, "no lax.scan over stacked parameters at its top level"),
     (_two_carries, "carries 2 values; pipelining needs one carried activation"),
+    (_fori_loop, r"indexes its stacked parameters \(a fori_loop reading w\[i\]\); written "
+                 r"as a lax.scan over them"),
     (_scans_data, "per-layer inputs include a value that is not a stacked parameter"),
     (_batch_const, "the scan's consts depend on the batch"),
     (_scan_in_checkpoint, "inside jax.checkpoint, not at the top level"),

@@ -182,6 +182,11 @@ class _Search:
         why = None
         if p.get("reverse", False):
             why = "the scan runs in reverse"
+        elif not xs and any(is_var(v) and v in param_of and v.aval.shape[:1] == (length,)
+                            for v in consts):
+            why = ("the loop indexes its stacked parameters (a fori_loop reading w[i]); "
+                   "written as a lax.scan over them, it can be pipelined and checkpointed "
+                   "layer by layer")
         elif ncarry != 1:
             why = (f"the scan carries {ncarry} values; pipelining needs one carried "
                    f"activation")
