@@ -18,6 +18,7 @@ the same way (`trace_loss`).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import abstract_key, kept
+from jaxwap.analysis.roles import likeliest_batch
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -73,22 +75,15 @@ def abstract_values(tree: Any) -> Any:
 
 
 def batch_size_of(batch: Any) -> int:
-    """The leading dim every batch leaf shares: the rows micro-batches split."""
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not leaves:
-        raise NoLayerScan("the batch has no arrays, so no batch dim to split into "
+    """The batch's rows, which micro-batches split: the leading dim most of its leaves
+    share (`roles.likeliest_batch`, as `make_train_step`'s micro-batches take it). Leaves
+    without it (a PRNG key, class weights, a scalar temperature) are not rows: a stage's
+    micro-batch leaves them whole."""
+    size = likeliest_batch(Counter(int(np.shape(x)[0]) for x in jax.tree_util.tree_leaves(
+        batch) if np.ndim(x)))
+    if size is None:
+        raise NoLayerScan("the batch has no array with a leading (batch) dim to split into "
                           "micro-batches")
-    first, size = None, 0
-    for path, x in leaves:
-        where = f"batch{jax.tree_util.keystr(path)}"
-        if np.ndim(x) == 0:
-            raise NoLayerScan(f"{where} is a scalar: pipelining splits every batch leaf "
-                              f"along its leading (batch) dim")
-        if first is None:
-            first, size = where, int(np.shape(x)[0])
-        elif np.shape(x)[0] != size:
-            raise NoLayerScan(f"the batch leaves disagree on the leading (batch) dim: "
-                              f"{first} has {size} rows, {where} has {np.shape(x)[0]}")
     return size
 
 

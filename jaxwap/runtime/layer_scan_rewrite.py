@@ -193,9 +193,12 @@ def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
 def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[int, ...],
              rows: int) -> ClosedJaxpr:
     """The scan's body for `rows` rows: `loss_fn` traced again with every batch leaf cut
-    to `rows` rows, in the context of the pipeline's shard_map, where the body runs."""
+    to `rows` rows (the leaves without the batch's rows, a PRNG key, stay whole), in the
+    context of the pipeline's shard_map, where the body runs."""
+    size = batch_size_of(batch)
     small = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype), abstract_values(batch))
+        lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype)
+        if np.ndim(x) and np.shape(x)[0] == size else x, abstract_values(batch))
     mesh = jax.sharding.get_abstract_mesh()
     # the context the body runs in: the mesh with every axis manual, as shard_map sets it
     # (jax caches traces of jitted helpers and custom-derivative rules by that context)
