@@ -455,3 +455,66 @@ def test_no_micro_batch_count_is_traced_where_each_ones_floor_is_over_the_budget
                     memory_budget=0.5 * weights, offload=False)
     assert traced and all(v.micro_batches == 1 for v in traced), traced
     assert "8 micro-batches: needs at least" in str(e.value)
+
+
+def _stack_loop(loop):
+    """An 8-layer MLP whose loop cannot be pipelined, with real arrays: a `fori_loop`
+    reading `w[i]` of its stacked weights, or a `lax.scan` over the weights and a dropout
+    key per layer (per-layer inputs that are not parameters)."""
+    layers, width, rows = 8, 64, 256
+    rng = np.random.default_rng(0)
+    params = {"w": (rng.standard_normal((layers, width, width)) / 8).astype(np.float32),
+              "out": (rng.standard_normal((width, 4)) / 8).astype(np.float32)}
+    batch = {"x": rng.standard_normal((rows, width)).astype(np.float32),
+             "y": rng.standard_normal((rows, 4)).astype(np.float32),
+             "key": np.asarray(jax.random.key_data(jax.random.key(1)))}
+
+    def layer(h, w):
+        a = jax.numpy.tanh(h @ w)
+        return h + jax.numpy.sin(a) * jax.numpy.cos(a) + a * a
+
+    def loss(p, b):
+        if loop == "fori_loop":
+            h = jax.lax.fori_loop(0, layers, lambda i, h: layer(h, p["w"][i]), b["x"])
+        else:
+            def body(h, wk):
+                keep = jax.random.bernoulli(wk[1], 0.9, h.shape)
+                return jax.numpy.where(keep, layer(h, wk[0]), 0.0), None
+            keys = jax.random.split(jax.random.wrap_key_data(b["key"]), layers)
+            h, _ = jax.lax.scan(body, b["x"], (p["w"], keys))
+        return jax.numpy.mean((h @ p["out"] - b["y"]) ** 2)
+
+    step = jaxwap.make_train_step(loss, optax.sgd(LR))
+    return step, params, step.init(params), batch
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "scan_with_keys"])
+def test_a_loop_over_layers_that_cannot_be_pipelined_is_checkpointed_layer_by_layer(loop):
+    """Neither loop can be pipelined (the reason is kept), but each is a loop over
+    layers: per-layer remat checkpoints its body, computes the plain step's update on 8
+    devices, and is what the ladder takes when the step as written does not fit."""
+    from jaxwap.runtime.layer_blocks import find_layers
+    from jaxwap.runtime.layer_scan import trace_loss
+
+    step, params, opt, batch = _stack_loop(loop)
+    closed, _ = trace_loss(step.loss_and_aux(), params, batch)
+    found = find_layers(closed.jaxpr, 2, 256)
+    assert found.length == 8 and found.not_pipelined
+    ref = jax.jit(step)(params, opt, batch)
+    variant = step.with_variant(StepVariant(remat="layer_full"))
+    sharded = jaxwap.auto_shard(variant, params, mesh_shape={"data": 8}, verify=0,
+                                cache=False)
+    out = sharded(jax.tree.map(np.array, params), opt, batch)
+    assert float(out[2]) == pytest.approx(float(ref[2]), rel=2e-5)
+    # updates up to 0.2: 8 devices' partial gradients summed in another order than one
+    # device's leave up to 5e-8 on the elements that cancel to near zero
+    for want, got in zip(_update(params, ref[0]), _update(params, out[0]), strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    need = {policy: jaxwap.plan(step.with_variant(StepVariant(remat=policy)), params, opt,
+                                batch, hardware=jaxwap.Cluster("cpu", 1), verify=0,
+                                cache=False).predicted.peak_memory_bytes
+            for policy in ("none", "layer_full")}
+    assert need["none"] > 1.5 * need["layer_full"]
+    plan = jaxwap.plan(step, params, opt, batch, hardware=jaxwap.Cluster("cpu", 1),
+                       verify=0, cache=False, memory_budget=(need["none"] + need["layer_full"]) / 2)
+    assert plan.step.remat.startswith("layer_") and plan.step.micro_batches == 1

@@ -117,7 +117,7 @@ def _scan_in_checkpoint(params, batch):
     (_no_scan, "no lax.scan over stacked parameters at its top level"),
     (_two_carries, "carries 2 values; pipelining needs one carried activation"),
     (_fori_loop, r"indexes its stacked parameters \(a fori_loop reading w\[i\]\); written "
-                 r"as a lax.scan over them"),
+                 r"as a lax.scan over them, it can be pipelined"),
     (_scans_data, "per-layer inputs include a value that is not a stacked parameter"),
     (_batch_const, "the scan's consts depend on the batch"),
     (_scan_in_checkpoint, "inside jax.checkpoint, not at the top level"),

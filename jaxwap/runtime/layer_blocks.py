@@ -296,7 +296,8 @@ _LAYERS: weakref.WeakKeyDictionary[Jaxpr, dict[tuple[int, int], Any]] = \
 
 def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
     """The layers of a loss jaxpr taking (param leaves, batch leaves): its layer scan
-    (`find_in_jaxpr`), else an unrolled model's repeated blocks; `NoLayerScan` gives both
+    (`find_in_jaxpr`; one that cannot be pipelined but loops over layers is still one to
+    checkpoint), else an unrolled model's repeated blocks; `NoLayerScan` gives both
     reasons where there are neither."""
     known = _LAYERS.setdefault(jaxpr, {})
     key = (n_params, batch_size)
@@ -312,7 +313,7 @@ def find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | Rep
 
 def _find_layers(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan | RepeatedBlocks:
     try:
-        return find_in_jaxpr(jaxpr, n_params, batch_size)
+        return find_in_jaxpr(jaxpr, n_params, batch_size, remat=True)
     except NoLayerScan as no_scan:
         try:
             return find_repeated_blocks(jaxpr, n_params)

@@ -58,6 +58,9 @@ class LayerScan:
     carry_dtype: str
     batch_size: int
     path: tuple[int, ...] = ()
+    # why it cannot be pipelined, where it is a loop over layers that can only be
+    # checkpointed layer by layer (`find_in_jaxpr(..., remat=True)`); None: it can be
+    not_pipelined: str | None = None
 
     @property
     def carry_row_bytes(self) -> int:
@@ -136,6 +139,10 @@ class _Search:
         self.found: list[tuple[int, LayerScan]] = []
         self.reasons: list[tuple[int, str]] = []
         self.hidden: list[str] = []
+        # loops over layers that cannot be pipelined but can be checkpointed layer by
+        # layer: per-layer inputs besides the weights (dropout keys), a fori_loop's
+        # counter, more carries, used per-layer outputs, batch-dependent consts
+        self.remat: list[tuple[int, LayerScan]] = []
 
     def walk(self, jaxpr: Jaxpr, param_of: dict[Any, int], on_batch: set[Any],
              live: set[Any], path: tuple[int, ...]) -> None:
@@ -180,8 +187,7 @@ class _Search:
         elif not xs and any(is_var(v) and v in param_of and v.aval.shape[:1] == (length,)
                             for v in consts):
             why = ("the loop indexes its stacked parameters (a fori_loop reading w[i]); "
-                   "written as a lax.scan over them, it can be pipelined and checkpointed "
-                   "layer by layer")
+                   "written as a lax.scan over them, it can be pipelined")
         elif ncarry != 1:
             why = (f"the scan carries {ncarry} values; pipelining needs one carried "
                    f"activation")
@@ -199,14 +205,36 @@ class _Search:
             why = f"the scan has {length} layer"
         if why is not None:
             self.reasons.append((weight, why))
+            self._remat_only(eqn, param_of, carry, xs, weight, why, path)
             return
         self.found.append((weight, LayerScan(
             length, tuple(int(s) for s in stacked), tuple(int(d) for d in aval.shape),
             str(aval.dtype), self.batch_size, path)))
 
-    def best(self) -> LayerScan:
+    def _remat_only(self, eqn: Any, param_of: dict[Any, int], carry: list[Any],
+                    xs: list[Any], weight: int, why: str, path: tuple[int, ...]) -> None:
+        """Keep a scan refused for pipelining as layers to checkpoint, where it loops
+        over layers: two or more iterations over stacked parameters (scanned, or indexed
+        as its consts), with an activation of the batch's rows carried."""
+        length = int(eqn.params["length"])
+        consts = eqn.invars[:scan_counts(eqn.params)[0]]
+        stacked = [param_of[v] for v in xs if is_var(v) and v in param_of]
+        indexed = [v for v in consts if is_var(v) and v in param_of
+                   and v.aval.shape[:1] == (length,)]
+        rows = [v.aval for v in carry if np.ndim(v.aval) and v.aval.shape[0] == self.batch_size]
+        if length < 2 or not (stacked or indexed) or not rows:
+            return
+        weight += sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in indexed)
+        aval = max(rows, key=lambda a: int(np.prod(a.shape)))
+        self.remat.append((weight, LayerScan(
+            length, tuple(stacked), tuple(int(d) for d in aval.shape), str(aval.dtype),
+            self.batch_size, path, not_pipelined=why)))
+
+    def best(self, remat: bool = False) -> LayerScan:
         if self.found:
             return max(self.found, key=lambda x: x[0])[1]
+        if remat and self.remat:
+            return max(self.remat, key=lambda x: x[0])[1]
         if self.reasons:
             raise NoLayerScan(max(self.reasons, key=lambda x: x[0])[1])
         if self.hidden:
@@ -217,12 +245,15 @@ class _Search:
         raise NoLayerScan(NO_SCAN)
 
 
-def find_in_jaxpr(jaxpr: Jaxpr, n_params: int, batch_size: int) -> LayerScan:
-    """The layer scan of a loss jaxpr taking (param leaves, batch leaves)."""
+def find_in_jaxpr(jaxpr: Jaxpr, n_params: int, batch_size: int,
+                  remat: bool = False) -> LayerScan:
+    """The layer scan of a loss jaxpr taking (param leaves, batch leaves). `remat`: where
+    no scan can be pipelined, a loop over layers that can still be checkpointed layer by
+    layer (`LayerScan.not_pipelined` says why it cannot be pipelined)."""
     search = _Search(batch_size)
     search.walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_params])},
                 set(jaxpr.invars[n_params:]), {v for v in jaxpr.outvars if is_var(v)}, ())
-    return search.best()
+    return search.best(remat)
 
 
 def find_layer_scan(loss_fn: Callable, params: Any, batch: Any) -> LayerScan:
