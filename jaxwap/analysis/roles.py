@@ -258,6 +258,13 @@ def likeliest_batch(leading: Counter[int]) -> int | None:
     return max(b for b, c in leading.items() if c == top)
 
 
+def batch_rows(leaves: Sequence[Any]) -> int | None:
+    """A batch's rows: the leading dim most of its array `leaves` share
+    (`likeliest_batch`); leaves without it (a PRNG key, class weights, a scalar) are not
+    rows. None where no leaf has a leading dim."""
+    return likeliest_batch(Counter(int(np.shape(x)[0]) for x in leaves if np.ndim(x)))
+
+
 def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],
                     params: Sequence[ParamInfo], *, identity: dict[int, int] | None = None,
                     batch_size: int | None = None, infer_batch: bool = True,

@@ -18,7 +18,6 @@ the same way (`trace_loss`).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import abstract_key, kept
-from jaxwap.analysis.roles import likeliest_batch
+from jaxwap.analysis.roles import batch_rows
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -79,11 +78,10 @@ def abstract_values(tree: Any) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """The batch's rows, which micro-batches split: the leading dim most of its leaves
-    share (`roles.likeliest_batch`, as `make_train_step`'s micro-batches take it). Leaves
+    share (`roles.batch_rows`, as `make_train_step`'s micro-batches take it). Leaves
     without it (a PRNG key, class weights, a scalar temperature) are not rows: a stage's
     micro-batch leaves them whole."""
-    size = likeliest_batch(Counter(int(np.shape(x)[0]) for x in jax.tree_util.tree_leaves(
-        batch) if np.ndim(x)))
+    size = batch_rows(jax.tree_util.tree_leaves(batch))
     if size is None:
         raise NoLayerScan("the batch has no array with a leading (batch) dim to split into "
                           "micro-batches")
@@ -127,6 +125,12 @@ def is_var(v: Any) -> bool:
     """Whether an equation's input or output is a value (not a literal, not dropped):
     only values can be parameters, be computed from the batch, or be read."""
     return not isinstance(v, Literal | DropVar)
+
+
+def _indexed_stacks(consts: list[Any], param_of: dict[Any, int], length: int) -> list[Any]:
+    """The consts of a scan of `length` iterations that are stacked parameters of as many
+    layers: what a `fori_loop` over layers indexes (`w[i]`) where a layer scan slices."""
+    return [v for v in consts if is_var(v) and v in param_of and v.aval.shape[:1] == (length,)]
 
 
 class _Search:
@@ -184,8 +188,7 @@ class _Search:
         why = None
         if p.get("reverse", False):
             why = "the scan runs in reverse"
-        elif not xs and any(is_var(v) and v in param_of and v.aval.shape[:1] == (length,)
-                            for v in consts):
+        elif not xs and _indexed_stacks(consts, param_of, length):
             why = ("the loop indexes its stacked parameters (a fori_loop reading w[i]); "
                    "written as a lax.scan over them, it can be pipelined")
         elif ncarry != 1:
@@ -219,8 +222,7 @@ class _Search:
         length = int(eqn.params["length"])
         consts = eqn.invars[:scan_counts(eqn.params)[0]]
         stacked = [param_of[v] for v in xs if is_var(v) and v in param_of]
-        indexed = [v for v in consts if is_var(v) and v in param_of
-                   and v.aval.shape[:1] == (length,)]
+        indexed = _indexed_stacks(consts, param_of, length)
         rows = [v.aval for v in carry if np.ndim(v.aval) and v.aval.shape[0] == self.batch_size]
         if length < 2 or not (stacked or indexed) or not rows:
             return

@@ -25,7 +25,6 @@ The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both 
 from __future__ import annotations
 
 import functools
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -34,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxwap.analysis.roles import likeliest_batch
+from jaxwap.analysis.roles import batch_rows
 from jaxwap.core.records import DATA, REPLICA, StepVariant
 from jaxwap.runtime.stage_layout import micro_join, micro_split
 
@@ -143,7 +142,7 @@ class TrainStep:
         # the leaves with the batch's leading dim are split; the rest (class weights, a
         # temperature) go whole to every micro-batch
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        b = likeliest_batch(Counter(int(np.shape(x)[0]) for _, x in flat if np.ndim(x)))
+        b = batch_rows([x for _, x in flat])
         split = [np.ndim(x) > 0 and np.shape(x)[0] == b for _, x in flat]
         micro = [_split(p, x, k) for (p, x), cut in zip(flat, split, strict=True) if cut]
 
