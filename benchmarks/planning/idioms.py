@@ -9,6 +9,8 @@ measured. Writes `benchmarks/results/idioms/cpu.md`.
 
 - Flax Linen's layer scan, `nn.scan(Block, variable_axes={"params": 0}, length=L)` with
   `nn.remat` inside (MaxText's `scan_layers`), on a cluster of nodes;
+- the same scan with `nn.Dropout` and `split_rngs={"dropout": True}` (a key per layer),
+  no remat written and a dropout key in the batch, for 8 H100s;
 - NNX layers made by `nnx.vmap` and run by `nnx.scan`, on the same cluster;
 - cuDNN attention, `jax.nn.dot_product_attention(..., implementation="cudnn")`, in a
   Llama-shaped step, for 8 H100s;
@@ -86,6 +88,50 @@ def linen_scan() -> tuple[str, Callable[[], jaxwap.Plan]]:
             "64 H100 in 8 nodes at 100 Gb/s",
             lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
                                 hardware=NODES, verify=0, cache=False,
+                                objective="throughput"))
+
+
+class _DropoutBlock(nn.Module):
+    d: int
+
+    @nn.compact
+    def __call__(self, h: jax.Array, _: None) -> tuple[jax.Array, None]:
+        y = nn.Dropout(0.1, deterministic=False)(nn.gelu(nn.Dense(4 * self.d)(
+            nn.LayerNorm()(h))))
+        return h + nn.Dense(self.d)(y), None
+
+
+class _LinenDropout(nn.Module):
+    layers: int
+    d: int
+    vocab: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        blocks = nn.scan(_DropoutBlock, variable_axes={"params": 0},
+                         split_rngs={"params": True, "dropout": True}, length=self.layers)
+        h, _ = blocks(self.d)(nn.Embed(self.vocab, self.d)(x), None)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(h))
+
+
+def linen_scan_dropout() -> tuple[str, Callable[[], jaxwap.Plan]]:
+    model = _LinenDropout(layers=32, d=1024, vocab=32000)
+    tokens = _sds(1024, 1024, dtype=jnp.int32)
+    params = jax.eval_shape(lambda: model.init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)}, tokens))["params"]
+
+    def loss(p: Any, b: Any) -> jax.Array:
+        logits = model.apply({"params": p}, b["x"],
+                             rngs={"dropout": jax.random.wrap_key_data(b["key"])})
+        return _xent(logits, b["y"])
+
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    batch = {"x": tokens, "y": tokens, "key": _sds(2, dtype=jnp.uint32)}
+    return ("Linen nn.scan(length=32) with nn.Dropout (split_rngs dropout: a key per layer), "
+            "no remat written (d 1024, seq 1024, batch 1024; a dropout key in the batch), "
+            "8 H100",
+            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
+                                hardware=H100X8, verify=0, cache=False,
                                 objective="throughput"))
 
 
@@ -238,8 +284,8 @@ def _seen(plan: jaxwap.Plan) -> str:
 
 def main() -> None:
     rows = []
-    for make in (linen_scan, nnx_scan, cudnn_attention, xla_attention, alpa_mlp,
-                 logical_rules):
+    for make in (linen_scan, linen_scan_dropout, nnx_scan, cudnn_attention, xla_attention,
+                 alpa_mlp, logical_rules):
         what, run = make()
         t0 = time.perf_counter()
         try:
