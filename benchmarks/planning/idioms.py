@@ -11,6 +11,7 @@ measured. Writes `benchmarks/results/idioms/cpu.md`.
   `nn.remat` inside (MaxText's `scan_layers`), on a cluster of nodes;
 - the same scan with `nn.Dropout` and `split_rngs={"dropout": True}` (a key per layer),
   no remat written and a dropout key in the batch, for 8 H100s;
+- a `lax.fori_loop` over stacked layers reading `w[i]`, for 8 H100s;
 - NNX layers made by `nnx.vmap` and run by `nnx.scan`, on the same cluster;
 - cuDNN attention, `jax.nn.dot_product_attention(..., implementation="cudnn")`, in a
   Llama-shaped step, for 8 H100s;
@@ -130,6 +131,28 @@ def linen_scan_dropout() -> tuple[str, Callable[[], jaxwap.Plan]]:
     return ("Linen nn.scan(length=32) with nn.Dropout (split_rngs dropout: a key per layer), "
             "no remat written (d 1024, seq 1024, batch 1024; a dropout key in the batch), "
             "8 H100",
+            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
+                                hardware=H100X8, verify=0, cache=False,
+                                objective="throughput"))
+
+
+def fori_stack() -> tuple[str, Callable[[], jaxwap.Plan]]:
+    layers, d = 32, 2048
+    params = {"embed": _sds(32000, d), "w_in": _sds(layers, d, 4 * d),
+              "w_out": _sds(layers, 4 * d, d), "head": _sds(d, 32000)}
+
+    def loss(p: Any, b: Any) -> jax.Array:
+        def layer(i: jax.Array, h: jax.Array) -> jax.Array:
+            w_in, w_out = p["w_in"][i].astype(jnp.bfloat16), p["w_out"][i].astype(jnp.bfloat16)
+            return h + jax.nn.gelu(h @ w_in) @ w_out
+        h = jax.lax.fori_loop(0, layers, layer, p["embed"].astype(jnp.bfloat16)[b["x"]])
+        return _xent((h @ p["head"].astype(jnp.bfloat16)).astype(jnp.float32), b["y"])
+
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    tokens = _sds(256, 2048, dtype=jnp.int32)
+    batch = {"x": tokens, "y": tokens}
+    return ("a lax.fori_loop over 32 stacked MLP layers reading w[i] (d 2048, seq 2048, "
+            "batch 256), 8 H100",
             lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
                                 hardware=H100X8, verify=0, cache=False,
                                 objective="throughput"))
@@ -284,8 +307,8 @@ def _seen(plan: jaxwap.Plan) -> str:
 
 def main() -> None:
     rows = []
-    for make in (linen_scan, linen_scan_dropout, nnx_scan, cudnn_attention, xla_attention,
-                 alpa_mlp, logical_rules):
+    for make in (linen_scan, linen_scan_dropout, fori_stack, nnx_scan, cudnn_attention,
+                 xla_attention, alpa_mlp, logical_rules):
         what, run = make()
         t0 = time.perf_counter()
         try:
