@@ -50,6 +50,14 @@ def _sds(*shape: int, dtype: Any = jnp.float32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _plan_of(step: Any, params: Any, batch: Any, hardware: jaxwap.Cluster,
+             **options: Any) -> Callable[[], jaxwap.Plan]:
+    """The row's plan, made when called: `jaxwap.plan` of `step` from abstract arguments
+    (its optimizer state `eval_shape`d), analytic (`verify=0`) and uncached."""
+    return lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
+                               hardware=hardware, verify=0, cache=False, **options)
+
+
 def _xent(logits: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -87,9 +95,7 @@ def linen_scan() -> tuple[str, Callable[[], jaxwap.Plan]]:
     batch = {"x": tokens, "y": tokens}
     return ("Linen nn.scan(length=32) + nn.remat decoder (d 1024, seq 1024, batch 256), "
             "64 H100 in 8 nodes at 100 Gb/s",
-            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
-                                hardware=NODES, verify=0, cache=False,
-                                objective="throughput"))
+            _plan_of(step, params, batch, NODES, objective="throughput"))
 
 
 class _DropoutBlock(nn.Module):
@@ -131,9 +137,7 @@ def linen_scan_dropout() -> tuple[str, Callable[[], jaxwap.Plan]]:
     return ("Linen nn.scan(length=32) with nn.Dropout (split_rngs dropout: a key per layer), "
             "no remat written (d 1024, seq 1024, batch 1024; a dropout key in the batch), "
             "8 H100",
-            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
-                                hardware=H100X8, verify=0, cache=False,
-                                objective="throughput"))
+            _plan_of(step, params, batch, H100X8, objective="throughput"))
 
 
 def fori_stack() -> tuple[str, Callable[[], jaxwap.Plan]]:
@@ -153,9 +157,7 @@ def fori_stack() -> tuple[str, Callable[[], jaxwap.Plan]]:
     batch = {"x": tokens, "y": tokens}
     return ("a lax.fori_loop over 32 stacked MLP layers reading w[i] (d 2048, seq 2048, "
             "batch 256), 8 H100",
-            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
-                                hardware=H100X8, verify=0, cache=False,
-                                objective="throughput"))
+            _plan_of(step, params, batch, H100X8, objective="throughput"))
 
 
 class _NnxBlock(nnx.Module):
@@ -193,9 +195,7 @@ def nnx_scan() -> tuple[str, Callable[[], jaxwap.Plan]]:
     batch = {"x": _sds(2048, 2048), "y": _sds(2048, 2048)}
     return ("NNX nnx.vmap-made layers run by nnx.scan (48 MLP blocks d 2048, batch 2048), "
             "64 H100 in 8 nodes at 100 Gb/s",
-            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
-                                hardware=NODES, verify=0, cache=False,
-                                objective="throughput"))
+            _plan_of(step, params, batch, NODES, objective="throughput"))
 
 
 def _cudnn(q: Any, k: Any, v: Any, *_: Any, **__: Any) -> Any:
@@ -256,9 +256,7 @@ def alpa_mlp() -> tuple[str, Callable[[], jaxwap.Plan]]:
     slow = jaxwap.Cluster("h100-sxm", 4, link_bandwidth=1e9)
     return ("Alpa's MLP (6 x 256, batch 32), mesh_shape={'data': 1, 'model': 4}, "
             "4 H100 at 1 GB/s",
-            lambda: jaxwap.plan(step, layers, jax.eval_shape(step.init, layers), batch,
-                                hardware=slow, verify=0, cache=False,
-                                mesh_shape={"data": 1, "model": 4}))
+            _plan_of(step, layers, batch, slow, mesh_shape={"data": 1, "model": 4}))
 
 
 def logical_rules() -> tuple[str, Callable[[], jaxwap.Plan]]:
@@ -284,9 +282,8 @@ def logical_rules() -> tuple[str, Callable[[], jaxwap.Plan]]:
     batch = {"x": x, "y": _sds(64, 256)}
     return ("Flax logical partitioning with the example's rules (('batch', 'data'), "
             "('mlp', 'model')), 'embed' unlisted",
-            lambda: jaxwap.plan(step, params, jax.eval_shape(step.init, params), batch,
-                                hardware=H100X8, verify=0, cache=False, constraints=cons,
-                                mesh_shape={"data": 2, "model": 4}))
+            _plan_of(step, params, batch, H100X8, constraints=cons,
+                     mesh_shape={"data": 2, "model": 4}))
 
 
 def _seen(plan: jaxwap.Plan) -> str:
