@@ -47,6 +47,29 @@ class _LinenModel(nn.Module):
         return nn.Dense(V)(h)
 
 
+class _EvalDropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        y = nn.Dropout(0.1, deterministic=True)(jnp.tanh(nn.Dense(2 * D)(h)))
+        return h + nn.Dense(D)(y), None
+
+
+class _LinenDropoutKeys(nn.Module):
+    """MaxText's way: the scan splits a dropout key over the layers (`split_rngs`) and
+    the step passes one, while dropout itself is off (rate 0 in pretraining,
+    `deterministic`): every layer gets a key it never draws from."""
+
+    layers: int = L
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Embed(V, D)(x).mean(1)
+        h, _ = nn.scan(_EvalDropoutBlock, variable_axes={"params": 0},
+                       split_rngs={"params": True, "dropout": True},
+                       length=self.layers)()(h, None)
+        return nn.Dense(V)(h)
+
+
 class _DecoderBlock(nn.Module):
     """Pre-norm causal self-attention and MLP, the mask broadcast to every layer."""
 
@@ -111,6 +134,16 @@ def _linen(remat: bool, layers: int = L):
     return lambda p, b: _xent(model.apply({"params": p}, b["x"]), b["y"]), params
 
 
+def _dropout_keys(layers: int = L):
+    model = _LinenDropoutKeys(layers)
+    params = model.init(jax.random.key(0), jnp.zeros((B, 4), jnp.int32))["params"]
+
+    def loss(p, b):
+        rngs = {"dropout": jax.random.wrap_key_data(b["key"])}
+        return _xent(model.apply({"params": p}, b["x"], rngs=rngs), b["y"])
+    return loss, params
+
+
 def _decoder(layers: int = L):
     model = _LinenDecoder(layers)
     params = model.init(jax.random.key(0), jnp.zeros((B, 4), jnp.int32))["params"]
@@ -140,6 +173,7 @@ def _lax(layers: int = L):
 
 FORMS = {"linen_scan_remat": lambda n=L: _linen(True, n),
          "linen_scan": lambda n=L: _linen(False, n), "linen_decoder": _decoder,
+         "linen_dropout_keys": _dropout_keys,
          "nnx_vmap_scan": _nnx, "lax_scan": _lax}
 # Adam's first step divides each gradient element by its own size, so an element whose
 # gradient is near Adam's eps moves by rounding noise at full scale (up to lr): the
@@ -153,6 +187,8 @@ def _setup(form: str):
     rng = np.random.default_rng(1)
     batch = {"x": jnp.asarray(rng.integers(0, V, (B, 4)), jnp.int32),
              "y": jnp.asarray(rng.integers(0, V, (B,)), jnp.int32)}
+    if form == "linen_dropout_keys":
+        batch["key"] = jax.random.key_data(jax.random.key(7))
     step = jaxwap.make_train_step(loss, _OPTIMIZER.get(form, optax.adam(1e-2)))
     return step, params, step.init(params), batch
 
@@ -224,7 +260,7 @@ def test_a_tight_memory_budget_is_planned_with_pipelines_weighed(form):
 
 
 @pytest.mark.parametrize("form", ["linen_scan_remat", "linen_scan", "linen_decoder",
-                                  "nnx_vmap_scan"])
+                                  "nnx_vmap_scan", "linen_dropout_keys"])
 def test_the_pipelined_step_equals_the_plain_step(form):
     """2 stages x data 4, 4 micro-batches (the hand-written scan's pipelines are run by
     `test_pipeline_plan.py`)."""

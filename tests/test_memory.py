@@ -159,6 +159,40 @@ def test_batch_leaves_without_the_batch_dim_reach_every_micro_batch_whole():
           rtol=1e-4, atol=1e-5)
 
 
+def _masked_mean(p, b):
+    """A dropout-like loss returning its mask: the keep mask is drawn from `b["key"]`
+    for the rows it is given; `b["hw"]` (uint32[2]) is a plain number pair."""
+    keep = jax.random.bernoulli(b["key"], 0.5, (b["x"].shape[0], 16))
+    scale = jnp.sum(b["hw"]).astype(jnp.float32)
+    return jnp.mean(jnp.where(keep, b["x"] @ p["w"], 0.0)) * scale, keep
+
+
+@pytest.mark.parametrize("kind", ["raw", "typed"])
+def test_a_batch_key_is_folded_per_micro_batch_so_their_dropout_masks_differ(kind):
+    """A PRNG key in the batch goes whole to every micro-batch: unfolded, all 4 drew the
+    first micro-batch's mask (rows 0 and 4 kept what rows 1 and 5 kept). Folded with the
+    micro-batch's index, micro-batch i draws from fold_in(key, i); a uint32[2] leaf the
+    loss never wraps as a key is left as it is."""
+    key = jax.random.key(3)
+    batch = {"x": jnp.arange(32.0).reshape(8, 4) / 10, "hw": jnp.asarray([1, 2], jnp.uint32),
+             "key": key if kind == "typed" else jax.random.key_data(key)}
+    step = jaxwap.make_train_step(_masked_mean, optax.sgd(0.1), has_aux=True)
+    params = {"w": jnp.ones((4, 16))}
+    out = jax.jit(step.with_variant(StepVariant(micro_batches=4)))(params, step.init(params),
+                                                                   batch)
+    mask = np.asarray(out[2][1])
+    # micro-batch i holds rows i and i + 4 (`_split`): its mask drawn for 2 rows
+    want = [np.asarray(jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, (2, 16)))
+            for i in range(4)]
+    for i in range(4):
+        np.testing.assert_array_equal(mask[[i, i + 4]], want[i])
+    assert len({w.tobytes() for w in want}) == 4       # the micro-batches' masks differ
+    # the loss is the micro-batches' mean of the masked means, "hw" summed to 3 in each
+    parts = [np.where(w, np.asarray(batch["x"])[[i, i + 4]] @ np.ones((4, 16)), 0.0).mean()
+             for i, w in enumerate(want)]
+    assert float(out[2][0]) == pytest.approx(3 * np.mean(parts), rel=1e-6)
+
+
 def test_bad_inputs_are_named():
     step, params, opt, batch = cnn_problem(batch=30)
     with pytest.raises(ValueError, match=r"batch\['x'\].*\(30, 16, 16, 3\).*4 micro-batches"):

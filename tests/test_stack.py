@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import jaxwap
 from jaxwap.core.records import STAGE, StepVariant
 from jaxwap.runtime.layer_scan import NoLayerScan, find_layer_scan
-from jaxwap.runtime.layer_scan_rewrite import pipelined_loss
+from jaxwap.runtime.layer_scan_rewrite import pipelined_loss, stack_cut
 
 L, D, B = 8, 16, 16
 AUTO = jax.sharding.AxisType.Auto
@@ -98,6 +98,20 @@ def _scans_data(params, batch):
     return jnp.mean(h)
 
 
+def _draws_per_layer(params, batch):
+    keys = jax.random.split(jax.random.key(0), L)
+    h, _ = jax.lax.scan(lambda h, wk: (jnp.tanh(h @ wk[0]["w"]) * jax.random.bernoulli(
+        wk[1], 0.9, h.shape), None), batch["x"] @ params["a_in"], (params["blocks"], keys))
+    return jnp.mean(h)
+
+
+def _rows_per_layer(params, batch):
+    rows = jnp.broadcast_to(batch["y"][None, :, :1], (L, B, 1))
+    h, _ = jax.lax.scan(lambda h, wr: (jnp.tanh(h @ wr[0]["w"]) * wr[1], None),
+                        batch["x"] @ params["a_in"], (params["blocks"], rows))
+    return jnp.mean(h)
+
+
 def _batch_const(params, batch):
     m = batch["x"].mean()
     h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w["w"]) * m, None),
@@ -118,7 +132,10 @@ def _scan_in_checkpoint(params, batch):
     (_two_carries, "carries 2 values; pipelining needs one carried activation"),
     (_fori_loop, r"indexes its stacked parameters \(a fori_loop reading w\[i\]\); written "
                  r"as a lax.scan over them, it can be pipelined"),
-    (_scans_data, "per-layer inputs include a value that is not a stacked parameter"),
+    (_scans_data, "the scan has no stacked parameters as per-layer inputs"),
+    (_draws_per_layer, r"draw random numbers from a per-layer key \(key<fry>\[8\]"),
+    (_rows_per_layer, r"a per-layer input of the scan \(float32\[8,16,1\]\) has the "
+                      r"batch's rows"),
     (_batch_const, "the scan's consts depend on the batch"),
     (_scan_in_checkpoint, "inside jax.checkpoint, not at the top level"),
 ])
@@ -188,6 +205,47 @@ def test_the_rewritten_loss_equals_the_loss_value_and_gradients(layers, stages, 
     with jax.set_mesh(_mesh(stages, data)):
         got = jax.jit(jax.value_and_grad(fn))(params, batch)
     _assert_close(got, jax.value_and_grad(_loss)(params, batch))
+
+
+def _per_layer_inputs(params, batch):
+    """`_loss`'s layers scanned with per-layer inputs that are not parameters, as models
+    write them: a flag (local or global attention, alternating, as Gemma 2's layers), a
+    per-layer constant computed in the loss, and a key the layers never draw from (Flax's
+    `nn.scan` splits the dropout key over the layers whether or not dropout is on)."""
+    h = batch["x"] @ params["a_in"]
+    n = params["blocks"]["w"].shape[0]
+    local = jnp.arange(n) % 2 == 0
+    gain = 1.0 + 0.1 * jnp.tanh(params["a_in"][0, 0]) * jnp.arange(n, dtype=jnp.float32)
+
+    def layer(h, xs):
+        w, is_local, g, _unused_key = xs
+        mix = jnp.where(is_local, jnp.tanh(h @ w["w"]), jax.nn.relu(h @ w["w"]))
+        return h + g * mix * w["scale"], None
+    h, _ = jax.lax.scan(layer, h, (params["blocks"], local, gain,
+                                   jax.random.split(jax.random.key(0), n)))
+    return jnp.mean((h @ params["z_out"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("layers, stages, micro, repeats", [
+    (L, 2, 4, 1), (L, 2, 2, 2), (7, 2, 2, 2), (6, 4, 4, 1)])
+def test_a_scan_with_per_layer_inputs_besides_its_parameters_is_pipelined_and_equals_the_loss(
+        layers, stages, micro, repeats):
+    """They were refused ("a value that is not a stacked parameter"); each layer now
+    reads its own row of them in its stage, even and uneven splits."""
+    params, batch = _setup(layers)
+    scan = find_layer_scan(_per_layer_inputs, params, batch)
+    assert scan.extras == (2, 3, 4) and scan.length == layers   # after scale, w
+    assert _paths(params, scan.stacked) == ["['blocks']['scale']", "['blocks']['w']"]
+    fn = pipelined_loss(_per_layer_inputs, scan, stages=stages, micro_batches=micro,
+                        repeats=repeats, data_axis="data")
+    with jax.set_mesh(_mesh(stages, 8 // stages)):
+        got = jax.jit(jax.value_and_grad(fn))(params, batch)
+    _assert_close(got, jax.value_and_grad(_per_layer_inputs)(params, batch))
+    # a stage's cut of the stack (what the pipeline search prices) reads as many rows
+    cut = stack_cut(_per_layer_inputs, scan, 3)
+    short = dict(params, blocks=jax.tree.map(lambda x: x[:3], params["blocks"]))
+    assert float(cut(short, batch)) == pytest.approx(float(_per_layer_inputs(short, batch)),
+                                                     rel=1e-6)
 
 
 def test_the_rewritten_loss_keeps_the_output_tree():

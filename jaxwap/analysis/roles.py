@@ -261,8 +261,10 @@ def likeliest_batch(leading: Counter[int]) -> int | None:
 def batch_rows(leaves: Sequence[Any]) -> int | None:
     """A batch's rows: the leading dim most of its array `leaves` share
     (`likeliest_batch`); leaves without it (a PRNG key, class weights, a scalar) are not
-    rows. None where no leaf has a leading dim."""
-    return likeliest_batch(Counter(int(np.shape(x)[0]) for x in leaves if np.ndim(x)))
+    rows; raw PRNG key data (`raw_key`) does not vote, its 2 or 4 being no batch. None
+    where no leaf has a leading dim."""
+    return likeliest_batch(Counter(int(np.shape(x)[0]) for x in leaves
+                                   if np.ndim(x) and not raw_key(x)))
 
 
 def classify_leaves(entries: Sequence[tuple[str, Sequence[Any], Any]],

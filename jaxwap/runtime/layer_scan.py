@@ -29,7 +29,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
 
 from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import abstract_key, kept
-from jaxwap.analysis.roles import batch_rows
+from jaxwap.analysis.roles import batch_rows, is_key_dtype
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -57,6 +57,10 @@ class LayerScan:
     carry_dtype: str
     batch_size: int
     path: tuple[int, ...] = ()
+    # positions among the scan's per-layer inputs of those that are not parameters (a
+    # per-layer flag or constant, a Flax dropout key the layers never draw from): a
+    # pipeline passes them whole to every stage, each layer reading its own row
+    extras: tuple[int, ...] = ()
     # why it cannot be pipelined, where it is a loop over layers that can only be
     # checkpointed layer by layer (`find_in_jaxpr(..., remat=True)`); None: it can be
     not_pipelined: str | None = None
@@ -133,6 +137,22 @@ def _indexed_stacks(consts: list[Any], param_of: dict[Any, int], length: int) ->
     return [v for v in consts if is_var(v) and v in param_of and v.aval.shape[:1] == (length,)]
 
 
+def reads(jaxpr: Jaxpr, var: Any) -> bool:
+    """Whether `jaxpr` reads its input `var`: some equation takes it, other than a call
+    whose body (taking its inputs one to one: jit, checkpoint, custom derivatives, a
+    scan's body) leaves it unread, or it is an output."""
+    if any(v is var for v in jaxpr.outvars):
+        return True
+    for eqn in jaxpr.eqns:
+        for k, v in enumerate(eqn.invars):
+            if v is not var:
+                continue
+            inner = [j for j in sub_jaxprs(eqn.params) if len(j.invars) == len(eqn.invars)]
+            if not inner or any(reads(j, j.invars[k]) for j in inner):
+                return True
+    return False
+
+
 class _Search:
     """The candidates among a loss jaxpr's scans, the reasons the others were refused
     (weighted by their per-layer inputs' bytes: the most promising scan's reason is the
@@ -194,9 +214,10 @@ class _Search:
         elif ncarry != 1:
             why = (f"the scan carries {ncarry} values; pipelining needs one carried "
                    f"activation")
-        elif not xs or any(s is None for s in stacked):
-            why = ("the scan's per-layer inputs include a value that is not a stacked "
-                   "parameter")
+        elif not xs or all(s is None for s in stacked):
+            why = "the scan has no stacked parameters as per-layer inputs"
+        elif (other := self._other_inputs(eqn, xs, stacked, on_batch)) is not None:
+            why = other
         elif np.ndim(aval) == 0 or aval.shape[0] != self.batch_size:
             why = (f"the scan's carried value {aval.str_short()} does not have the batch "
                    f"({self.batch_size}) as its leading dim")
@@ -211,8 +232,32 @@ class _Search:
             self._remat_only(eqn, param_of, carry, xs, weight, why, path)
             return
         self.found.append((weight, LayerScan(
-            length, tuple(int(s) for s in stacked), tuple(int(d) for d in aval.shape),
-            str(aval.dtype), self.batch_size, path)))
+            length, tuple(int(s) for s in stacked if s is not None),
+            tuple(int(d) for d in aval.shape), str(aval.dtype), self.batch_size, path,
+            extras=tuple(i for i, s in enumerate(stacked) if s is None))))
+
+    def _other_inputs(self, eqn: Any, xs: list[Any], stacked: list[int | None],
+                      on_batch: set[Any]) -> str | None:
+        """Why the scan's per-layer inputs that are not parameters keep it from a
+        pipeline, or None: a stage passes them whole and each layer reads its row, which
+        holds for a per-layer constant or flag, not for a key the layers draw random
+        numbers from (every micro-batch would draw the same) nor for a value with the
+        batch's rows (a micro-batch needs its own rows)."""
+        body = eqn.params["jaxpr"].jaxpr
+        inner = body.invars[len(body.invars) - len(xs):]
+        for x, s, v in zip(xs, stacked, inner, strict=True):
+            if s is not None:
+                continue
+            if not is_var(x):
+                return "a per-layer input of the scan is a literal"
+            if is_key_dtype(x.aval.dtype) and reads(body, v):
+                return (f"the layers draw random numbers from a per-layer key "
+                        f"({x.aval.str_short()}: dropout inside the stack), which a "
+                        f"pipeline stage would draw alike for every micro-batch")
+            if x in on_batch and x.aval.shape[1:2] == (self.batch_size,):
+                return (f"a per-layer input of the scan ({x.aval.str_short()}) has the "
+                        f"batch's rows")
+        return None
 
     def _remat_only(self, eqn: Any, param_of: dict[Any, int], carry: list[Any],
                     xs: list[Any], weight: int, why: str, path: tuple[int, ...]) -> None:
@@ -274,4 +319,4 @@ def equation_at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:
 
 __all__ = ["CALL_PRIMITIVES", "NO_SCAN", "LayerScan", "NoLayerScan", "abstract_values",
            "batch_size_of", "called_jaxpr", "equation_at", "find_in_jaxpr",
-           "find_layer_scan", "has_scan", "is_var", "trace_loss"]
+           "find_layer_scan", "has_scan", "is_var", "reads", "trace_loss"]

@@ -165,9 +165,14 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
                               f"stage's share of the stack cannot be priced on its own")
         eqn = equation_at(closed.jaxpr, found.path)
         shorter = eqn.replace(params={**eqn.params, "length": layers})
+        first = sum(scan_counts(eqn.params))
+        # the per-layer inputs that are not parameters come with the whole stack's rows:
+        # the cut stack reads as many of them as it has layers (cycled past L)
+        extras = {first + i for i in found.extras}
+        rows = jnp.arange(layers) % scan.length
 
         def run(ins: list[Any]) -> list[Any]:
-            return bind(shorter, ins)
+            return bind(shorter, [x[rows] if k in extras else x for k, x in enumerate(ins)])
         if remat_stack:
             checked = jax.checkpoint(lambda *ins: run(list(ins)),
                                      policy=jax.checkpoint_policies.nothing_saveable)
@@ -292,18 +297,31 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             if not any(isinstance(c, jax.core.Tracer) for c in body.consts):
                 bodies[key, rows] = body
         nc, nb = scan_counts(eqn.params)[0], len(body.consts)
+        extras, n_xs = set(found.extras), len(eqn.invars) - nc - 1
 
         def layer(w: list[Any], h: Any, *consts: Any) -> Any:
+            if extras:       # each layer's row of the inputs that are not parameters
+                *w, at = w
+                whole, consts = consts[nb + nc:], consts[:nb + nc]
+                ws, rows = iter(w), iter(x[at] for x in whole)
+                w = [next(rows) if i in extras else next(ws) for i in range(n_xs)]
             return evaluate_replacing(body.jaxpr, consts[:nb], [*consts[nb:], h, *w],
                                       in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
-                        data_axis=data_axis, param_specs=specs, stage_remat=stage_remat,
-                        layers=scan.length, carry_axis=MODEL)
+                        data_axis=data_axis,
+                        param_specs=specs + [()] if specs and extras else specs,
+                        stage_remat=stage_remat, layers=scan.length, carry_axis=MODEL)
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]
-            out = run(to_stages(list(xs), stages, repeats), h, *body.consts, *consts)
+            # the inputs that are not parameters go whole to every stage, beside the
+            # layer indices, stage-sharded as the parameters are, that pick their rows
+            ws = [x for i, x in enumerate(xs) if i not in extras]
+            if extras:
+                ws.append(jnp.arange(scan.length, dtype=jnp.int32))
+            out = run(to_stages(ws, stages, repeats), h, *body.consts, *consts,
+                      *(xs[i] for i in found.extras))
             # the per-layer outputs (unused: `find_in_jaxpr` checked) stay unmade
             return [out, *(None for _ in eqn.outvars[1:])]
 

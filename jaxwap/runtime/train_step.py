@@ -13,7 +13,10 @@ optax optimizer has two more knobs the planner may turn when memory is short:
 - **micro-batches**: the batch is split into `k` micro-batches whose gradients are summed
   in a `lax.scan` before one optimizer update. Micro-batch `i` is rows `i, i+k, i+2k, ...`,
   so a batch sharded over the data axis splits without moving data. With a loss that is
-  a mean over the batch, the result equals the full-batch step up to float rounding.
+  a mean over the batch, the result equals the full-batch step up to float rounding. A
+  PRNG key in the batch is folded with the micro-batch's index (`batch_keys`): each
+  micro-batch draws its own dropout, as the whole batch's draw is its own, where the
+  same key would repeat one micro-batch's mask in every other.
 
 The step's signature is the usual one, so `auto_shard` and plain `jax.jit` both take it:
 
@@ -35,6 +38,7 @@ import numpy as np
 
 from jaxwap.analysis.roles import batch_rows
 from jaxwap.core.records import DATA, REPLICA, StepVariant
+from jaxwap.runtime.batch_keys import fold_micro, key_leaves
 from jaxwap.runtime.stage_layout import micro_join, micro_split
 
 T = TypeVar("T")
@@ -140,16 +144,22 @@ class TrainStep:
             (loss, aux), g = vag(params, batch)
             return loss, aux, g
         # the leaves with the batch's leading dim are split; the rest (class weights, a
-        # temperature) go whole to every micro-batch
+        # temperature) go whole to every micro-batch, a PRNG key folded with its index
         flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
         b = batch_rows([x for _, x in flat])
         split = [np.ndim(x) > 0 and np.shape(x)[0] == b for _, x in flat]
         micro = [_split(p, x, k) for (p, x), cut in zip(flat, split, strict=True) if cut]
+        keys = key_leaves(lambda: self._loss_trace(params, batch), [x for _, x in flat],
+                          [not cut for cut in split])
+
+        def whole(x: Any, kind: Any, index: Any) -> Any:
+            return x if kind is False else fold_micro(x, index, kind)
 
         def body(acc: Any, parts: Any) -> tuple[Any, Any]:
-            it = iter(parts)
-            mb = jax.tree_util.tree_unflatten(treedef, [next(it) if cut else x for (_, x), cut
-                                                        in zip(flat, split, strict=True)])
+            index, it = parts[0], iter(parts[1])
+            mb = jax.tree_util.tree_unflatten(treedef, [
+                next(it) if cut else whole(x, kind, index)
+                for (_, x), cut, kind in zip(flat, split, keys, strict=True)])
             (loss, aux), g = vag(params, mb)
             acc_g, acc_l = acc
             return (jax.tree_util.tree_map(jnp.add, acc_g, g),
@@ -157,10 +167,18 @@ class TrainStep:
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
         # the loss sums in float32 (a mean loss is float32 in the usual step anyway)
-        (g, loss), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), micro)
+        (g, loss), auxs = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)),
+                                       (jnp.arange(k, dtype=jnp.uint32), micro))
         g = jax.tree_util.tree_map(lambda x: x / k, g)
         aux = jax.tree_util.tree_map(lambda x: _combine(x, (b or 0) // k), auxs)
         return loss / k, aux, g
+
+    def _loss_trace(self, params: Any, batch: Any) -> Any:
+        """The loss's closed jaxpr on the whole batch (`layer_scan.trace_loss`, kept: the
+        planner's layer searches trace the same)."""
+        from jaxwap.runtime.layer_scan import trace_loss
+
+        return trace_loss(self.loss_and_aux(), params, batch)[0]
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, ...]:
         loss, aux, g = self.grads(params, batch)
@@ -230,7 +248,9 @@ def make_train_step(loss_fn: Callable[..., Any], optimizer: Any, *,
     outputs (the batch's leading dim) reassembled, float metrics averaged, integers
     summed (counts), booleans and-ed; a float sum or an integer that is not a count would
     need the loss to return it per example. Batch leaves without the batch's leading dim
-    (class weights, a temperature) reach every micro-batch whole. `auto_shard` may
+    (class weights, a temperature) reach every micro-batch whole; a PRNG key among them
+    (typed, or raw data the loss wraps) is folded with the micro-batch's index, so the
+    micro-batches draw their dropout apart. `auto_shard` may
     restructure the step (micro-batches, remat policy) when a plan does not fit
     otherwise; calling it directly runs it as written."""
     return TrainStep(loss_fn, optimizer, has_aux=has_aux)

@@ -26,7 +26,7 @@ def stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
     """The step one stage runs, and its (params, opt_state, batch), abstract: the loss
     over `layers` of the stack's layers (`layer_scan_rewrite.stack_cut`, from the traced
     jaxpr: the user's loss is never called with fewer layers), the stacked leaves cut to
-    `layers` layers, the optimizer state made for them, the batch cut to `rows` rows."""
+    `layers` layers, the optimizer state made for them, the batch's rows cut to `rows`."""
     params, _, batch = args
     leaves, treedef = jax.tree_util.tree_flatten(params)
     stacked = set(scan.stacked)
@@ -36,8 +36,10 @@ def stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
     step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers, remat_stack), fn.optimizer,
                      has_aux=True)
     opt_state = jax.eval_shape(fn.init, stage_params)
+    # the leaves without the batch's rows (a PRNG key, class weights) stay whole
     abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
+        if x.shape[:1] == (scan.batch_size,) else x, batch)
     return step, (stage_params, opt_state, abstract)
 
 
