@@ -190,9 +190,11 @@ def _searched_plan(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanContex
     if options.store is not None and key is not None and not options.measure:
         options.store.put(key, plan)
     ver = found.verification
+    # the step the plan chose: a pipeline is weighed beside the step as written, so the
+    # chosen step can be a pipeline where the variant searched was the step as written
     return Planned(plan, layout, ctx, found.graph, found.search, ver,
                    ver.compiled_best if ver is not None and chosen_result(plan) == ver.best
-                   else None, None if found.rung.is_plain else found.fn, key)
+                   else None, variant_fn(fn, plan.step), key)
 
 
 def _given_plan(fn: Callable, args: Sequence[Any], kwargs: dict[str, Any], params: Any,

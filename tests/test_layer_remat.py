@@ -458,9 +458,10 @@ def test_no_micro_batch_count_is_traced_where_each_ones_floor_is_over_the_budget
 
 
 def _stack_loop(loop):
-    """An 8-layer MLP whose loop cannot be pipelined, with real arrays: a `fori_loop`
-    reading `w[i]` of its stacked weights, or a `lax.scan` over the weights and a dropout
-    key per layer (per-layer inputs that are not parameters)."""
+    """An 8-layer MLP run by a loop over its layers, with real arrays: a `fori_loop`
+    reading `w[i]` of its stacked weights or a `lax.scan` carrying a second value (neither
+    can be pipelined), or a `lax.scan` over the weights and a dropout key per layer (it
+    can)."""
     layers, width, rows = 8, 64, 256
     rng = np.random.default_rng(0)
     params = {"w": (rng.standard_normal((layers, width, width)) / 8).astype(np.float32),
@@ -476,6 +477,9 @@ def _stack_loop(loop):
     def loss(p, b):
         if loop == "fori_loop":
             h = jax.lax.fori_loop(0, layers, lambda i, h: layer(h, p["w"][i]), b["x"])
+        elif loop == "scan_two_carries":
+            (h, _), _ = jax.lax.scan(lambda c, w: ((layer(c[0], w), c[1] + 1.0), None),
+                                     (b["x"], 0.0), p["w"])
         else:
             def body(h, wk):
                 keep = jax.random.bernoulli(wk[1], 0.9, h.shape)
@@ -488,18 +492,20 @@ def _stack_loop(loop):
     return step, params, step.init(params), batch
 
 
-@pytest.mark.parametrize("loop", ["fori_loop", "scan_with_keys"])
-def test_a_loop_over_layers_that_cannot_be_pipelined_is_checkpointed_layer_by_layer(loop):
-    """Neither loop can be pipelined (the reason is kept), but each is a loop over
-    layers: per-layer remat checkpoints its body, computes the plain step's update on 8
-    devices, and is what the ladder takes when the step as written does not fit."""
+@pytest.mark.parametrize("loop", ["fori_loop", "scan_two_carries", "scan_with_keys"])
+def test_loops_over_layers_are_checkpointed_layer_by_layer_whether_or_not_they_pipeline(
+        loop):
+    """Two loops cannot be pipelined (the reason is kept), the scan with keys can; each
+    is a loop over layers: per-layer remat checkpoints its body (the dropout drawn again
+    alike in the backward pass), computes the plain step's update on 8 devices, and is
+    what the ladder takes when the step as written does not fit."""
     from jaxwap.runtime.layer_blocks import find_layers
     from jaxwap.runtime.layer_scan import trace_loss
 
     step, params, opt, batch = _stack_loop(loop)
     closed, _ = trace_loss(step.loss_and_aux(), params, batch)
     found = find_layers(closed.jaxpr, 2, 256)
-    assert found.length == 8 and found.not_pipelined
+    assert found.length == 8 and bool(found.not_pipelined) == (loop != "scan_with_keys")
     ref = jax.jit(step)(params, opt, batch)
     variant = step.with_variant(StepVariant(remat="layer_full"))
     sharded = jaxwap.auto_shard(variant, params, mesh_shape={"data": 8}, verify=0,

@@ -98,13 +98,6 @@ def _scans_data(params, batch):
     return jnp.mean(h)
 
 
-def _draws_per_layer(params, batch):
-    keys = jax.random.split(jax.random.key(0), L)
-    h, _ = jax.lax.scan(lambda h, wk: (jnp.tanh(h @ wk[0]["w"]) * jax.random.bernoulli(
-        wk[1], 0.9, h.shape), None), batch["x"] @ params["a_in"], (params["blocks"], keys))
-    return jnp.mean(h)
-
-
 def _rows_per_layer(params, batch):
     rows = jnp.broadcast_to(batch["y"][None, :, :1], (L, B, 1))
     h, _ = jax.lax.scan(lambda h, wr: (jnp.tanh(h @ wr[0]["w"]) * wr[1], None),
@@ -133,10 +126,8 @@ def _scan_in_checkpoint(params, batch):
     (_fori_loop, r"indexes its stacked parameters \(a fori_loop reading w\[i\]\); written "
                  r"as a lax.scan over them, it can be pipelined"),
     (_scans_data, "the scan has no stacked parameters as per-layer inputs"),
-    (_draws_per_layer, r"draw random numbers from a per-layer key \(key<fry>\[8\]"),
     (_rows_per_layer, r"a per-layer input of the scan \(float32\[8,16,1\]\) has the "
                       r"batch's rows"),
-    (_batch_const, "the scan's consts depend on the batch"),
     (_scan_in_checkpoint, "inside jax.checkpoint, not at the top level"),
 ])
 def test_a_scan_that_cannot_be_pipelined_says_why(fn, why):
@@ -246,6 +237,89 @@ def test_a_scan_with_per_layer_inputs_besides_its_parameters_is_pipelined_and_eq
     short = dict(params, blocks=jax.tree.map(lambda x: x[:3], params["blocks"]))
     assert float(cut(short, batch)) == pytest.approx(float(_per_layer_inputs(short, batch)),
                                                      rel=1e-6)
+
+
+def _dropout_layer(h, w, key):
+    keep = jax.random.bernoulli(key, 0.8, h.shape)
+    return h + jnp.where(keep, jnp.tanh(h @ w["w"]) * w["scale"] / 0.8, 0.0)
+
+
+def _dropout_layers(params, batch):
+    """Dropout inside the stack: a key per layer, split from the batch's key, as Flax's
+    `nn.scan(..., split_rngs={"dropout": True})` hands its layers."""
+    keys = jax.random.split(jax.random.wrap_key_data(batch["key"]), L)
+    h, _ = jax.lax.scan(lambda h, wk: (_dropout_layer(h, *wk), None),
+                        batch["x"] @ params["a_in"], (params["blocks"], keys))
+    return jnp.mean((h @ params["z_out"] - batch["y"]) ** 2)
+
+
+def _dropout_drawn_apart(params, batch, micro, data):
+    """The oracle, in plain loops: micro-batch b (rows b, b + micro, ...) split in
+    contiguous blocks over `data` shards, shard d's rows through layer l with
+    fold_in(fold_in(key_l, b), d)."""
+    keys = jax.random.split(jax.random.wrap_key_data(batch["key"]), L)
+    x = batch["x"] @ params["a_in"]
+    out, n = jnp.zeros_like(x), B // (micro * data)
+    for b in range(micro):
+        for d in range(data):
+            rows = np.arange(b, B, micro)[d * n:(d + 1) * n]
+            h = x[rows]
+            for layer in range(L):
+                w = jax.tree.map(lambda a, i=layer: a[i], params["blocks"])
+                key = jax.random.fold_in(jax.random.fold_in(keys[layer], b), d)
+                h = _dropout_layer(h, w, key)
+            out = out.at[rows].set(h)
+    return jnp.mean((out @ params["z_out"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("stages, micro, repeats", [(2, 2, 1), (2, 2, 2), (4, 4, 1)])
+def test_dropout_inside_a_pipelined_stack_draws_apart_for_each_micro_batch_and_shard(
+        stages, micro, repeats):
+    """It was refused (a stage would draw the same mask for every micro-batch and every
+    data shard): each layer's key is now folded with both indices, and the pipelined loss
+    equals the oracle that draws so, value and gradients."""
+    params, batch = _setup()
+    batch = dict(batch, key=jax.random.key_data(jax.random.key(5)))
+    scan = find_layer_scan(_dropout_layers, params, batch)
+    assert scan.extras == scan.draws == (2,)
+    fn = pipelined_loss(_dropout_layers, scan, stages=stages, micro_batches=micro,
+                        repeats=repeats, data_axis="data")
+    with jax.set_mesh(_mesh(stages, 8 // stages)):
+        got = jax.jit(jax.value_and_grad(fn))(params, batch)
+    want = jax.value_and_grad(_dropout_drawn_apart)(params, batch, micro, 8 // stages)
+    _assert_close(got, want)
+    assert abs(float(got[0]) - float(_dropout_layers(params, batch))) > 1e-4
+
+
+def _reads_the_batch(params, batch):
+    """Layers that close over values from the batch, as real decoders do: per-row
+    positions-like gates (MaxText passes segment ids and positions to every layer), a
+    mask made from the batch's shape (Flax's `make_causal_mask(x)` with
+    `in_axes=nn.broadcast`), and a batch statistic without rows."""
+    gate = jax.nn.sigmoid(batch["y"][:, :1])                    # [B, 1], from the batch
+    shaped = jnp.ones((batch["x"].shape[0], D)) * 0.5            # [B, D], its shape only
+    m = jnp.mean(batch["x"])                                     # no rows
+
+    def layer(h, w):
+        return h + jnp.tanh(h @ w["w"]) * w["scale"] * gate * shaped + 0.01 * m, None
+    h, _ = jax.lax.scan(layer, batch["x"] @ params["a_in"], params["blocks"])
+    return jnp.mean((h @ params["z_out"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("fn", [_reads_the_batch, _batch_const])
+@pytest.mark.parametrize("stages, micro, repeats", [(2, 4, 1), (2, 2, 2), (4, 4, 1)])
+def test_layers_that_close_over_the_batch_are_pipelined_and_equal_the_loss(
+        fn, stages, micro, repeats):
+    """They were refused ("the scan's consts depend on the batch"): a value with the
+    batch's rows is cut into micro-batches and split over the data axis as the activation
+    is, each layer reading its micro-batch's rows; one without rows goes whole."""
+    params, batch = _setup()
+    scan = find_layer_scan(fn, params, batch)
+    fn_p = pipelined_loss(fn, scan, stages=stages, micro_batches=micro, repeats=repeats,
+                          data_axis="data")
+    with jax.set_mesh(_mesh(stages, 8 // stages)):
+        got = jax.jit(jax.value_and_grad(fn_p))(params, batch)
+    _assert_close(got, jax.value_and_grad(fn)(params, batch))
 
 
 def test_the_rewritten_loss_keeps_the_output_tree():

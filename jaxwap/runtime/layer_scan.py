@@ -5,10 +5,12 @@ along a leading layer dim (`nn.scan`, `nnx.scan`, a hand-written scan). `find_la
 finds that scan in the loss function's jaxpr, from abstract arguments alone: a scan at
 the top level of the loss (or inside a `jax.jit` it calls) that carries one activation
 with the batch leading, iterates over stacked parameter leaves (directly, or through
-dtype casts for mixed precision), stacks no per-layer outputs anyone reads, and closes
-over nothing computed from the batch. Among several, the one whose stacked parameters
-hold the most bytes. A scan jaxwap cannot pipeline raises `NoLayerScan`, whose message
-says what is missing; the planner shows it in `explain()`.
+dtype casts for mixed precision) and per-layer values that have no batch rows (a flag per
+layer, a per-layer dropout key), and stacks no per-layer outputs anyone reads. What it
+closes over may come from the batch: a value with the batch's rows (positions, segment
+ids, a mask) is cut into micro-batches as the activation is. Among several, the one
+whose stacked parameters hold the most bytes. A scan jaxwap cannot pipeline raises
+`NoLayerScan`, whose message says what is missing; the planner shows it in `explain()`.
 
 Finding is kept apart from what is done with the scan once found
 (`runtime.layer_scan_rewrite`: the loss rewritten onto the pipeline, a stage's cut of the
@@ -61,6 +63,13 @@ class LayerScan:
     # per-layer flag or constant, a Flax dropout key the layers never draw from): a
     # pipeline passes them whole to every stage, each layer reading its own row
     extras: tuple[int, ...] = ()
+    # those of them that are PRNG keys the layers draw from (dropout inside the stack):
+    # a stage folds each micro-batch's and data shard's index into its layer's key
+    draws: tuple[int, ...] = ()
+    # positions among the scan's consts of those with the batch's rows leading (a mask,
+    # positions, segment ids the layers read): a stage reads its micro-batch's rows of
+    # them, where a trace at a micro-batch's rows shows them cut so (`_body_at`)
+    row_consts: tuple[int, ...] = ()
     # why it cannot be pipelined, where it is a loop over layers that can only be
     # checkpointed layer by layer (`find_in_jaxpr(..., remat=True)`); None: it can be
     not_pipelined: str | None = None
@@ -216,15 +225,13 @@ class _Search:
                    f"activation")
         elif not xs or all(s is None for s in stacked):
             why = "the scan has no stacked parameters as per-layer inputs"
-        elif (other := self._other_inputs(eqn, xs, stacked, on_batch)) is not None:
+        elif isinstance(other := self._other_inputs(eqn, xs, stacked, on_batch), str):
             why = other
         elif np.ndim(aval) == 0 or aval.shape[0] != self.batch_size:
             why = (f"the scan's carried value {aval.str_short()} does not have the batch "
                    f"({self.batch_size}) as its leading dim")
         elif any(v in used for v in eqn.outvars[ncarry:]):
             why = "the scan's stacked per-layer outputs are used"
-        elif any(is_var(v) and v in on_batch for v in consts):
-            why = "the scan's consts depend on the batch"
         elif length < 2:
             why = f"the scan has {length} layer"
         if why is not None:
@@ -234,30 +241,32 @@ class _Search:
         self.found.append((weight, LayerScan(
             length, tuple(int(s) for s in stacked if s is not None),
             tuple(int(d) for d in aval.shape), str(aval.dtype), self.batch_size, path,
-            extras=tuple(i for i, s in enumerate(stacked) if s is None))))
+            extras=tuple(i for i, s in enumerate(stacked) if s is None), draws=other,
+            row_consts=tuple(k for k, v in enumerate(consts)
+                             if is_var(v) and v.aval.shape[:1] == (self.batch_size,)))))
 
     def _other_inputs(self, eqn: Any, xs: list[Any], stacked: list[int | None],
-                      on_batch: set[Any]) -> str | None:
+                      on_batch: set[Any]) -> str | tuple[int, ...]:
         """Why the scan's per-layer inputs that are not parameters keep it from a
-        pipeline, or None: a stage passes them whole and each layer reads its row, which
-        holds for a per-layer constant or flag, not for a key the layers draw random
-        numbers from (every micro-batch would draw the same) nor for a value with the
-        batch's rows (a micro-batch needs its own rows)."""
+        pipeline, or the positions of the PRNG keys the layers draw from. A stage passes
+        them whole and each layer reads its row: a per-layer constant or flag as it is, a
+        key folded with the micro-batch's and the data shard's index (drawn as it was,
+        every micro-batch and shard would draw the same); a value with the batch's rows
+        cannot be (a micro-batch needs its own rows)."""
         body = eqn.params["jaxpr"].jaxpr
         inner = body.invars[len(body.invars) - len(xs):]
-        for x, s, v in zip(xs, stacked, inner, strict=True):
+        draws = []
+        for i, (x, s, v) in enumerate(zip(xs, stacked, inner, strict=True)):
             if s is not None:
                 continue
             if not is_var(x):
                 return "a per-layer input of the scan is a literal"
-            if is_key_dtype(x.aval.dtype) and reads(body, v):
-                return (f"the layers draw random numbers from a per-layer key "
-                        f"({x.aval.str_short()}: dropout inside the stack), which a "
-                        f"pipeline stage would draw alike for every micro-batch")
             if x in on_batch and x.aval.shape[1:2] == (self.batch_size,):
                 return (f"a per-layer input of the scan ({x.aval.str_short()}) has the "
                         f"batch's rows")
-        return None
+            if is_key_dtype(x.aval.dtype) and reads(body, v):
+                draws.append(i)
+        return tuple(draws)
 
     def _remat_only(self, eqn: Any, param_of: dict[Any, int], carry: list[Any],
                     xs: list[Any], weight: int, why: str, path: tuple[int, ...]) -> None:

@@ -32,6 +32,7 @@ from jax.sharding import AxisType
 
 from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, scan_counts
 from jaxwap.core.records import MODEL, STAGE
+from jaxwap.runtime.batch_keys import fold_micro
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
     LayerScan,
@@ -196,18 +197,23 @@ def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
 
 
 def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[int, ...],
-             rows: int) -> ClosedJaxpr:
-    """The scan's body for `rows` rows: `loss_fn` traced again with every batch leaf cut
-    to `rows` rows (the leaves without the batch's rows, a PRNG key, stay whole), in the
-    context of the pipeline's shard_map, where the body runs."""
+             rows: int, manual: frozenset[str]) -> tuple[ClosedJaxpr, tuple[int, ...]]:
+    """The scan's body for `rows` rows, and the positions of its consts that have the
+    batch's rows (a mask, positions, segment ids: cut to `rows` in this trace, as a stage
+    reads its micro-batch's rows of them): `loss_fn` traced again with every batch leaf
+    cut to `rows` rows (the leaves without the batch's rows, a PRNG key, stay whole), in
+    the context of the pipeline's shard_map, where the body runs (the `manual` axes, its
+    loop's own, manual; the others as they are). Any other const must keep its shape."""
     size = batch_size_of(batch)
     small = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype)
         if np.ndim(x) and np.shape(x)[0] == size else x, abstract_values(batch))
     mesh = jax.sharding.get_abstract_mesh()
-    # the context the body runs in: the mesh with every axis manual, as shard_map sets it
-    # (jax caches traces of jitted helpers and custom-derivative rules by that context)
-    inside = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names})
+    # the context the body runs in: the loop's axes manual, as its shard_map sets them
+    # (jax caches traces of jitted helpers and custom-derivative rules by that context,
+    # and a value the stage cuts from its inputs carries it)
+    inside = mesh.update_axis_types({a: AxisType.Manual for a in mesh.axis_names
+                                     if a in manual})
     try:
         with jax.sharding.use_abstract_mesh(inside):
             closed = jax.make_jaxpr(loss_fn)(abstract_values(params), small)
@@ -225,14 +231,33 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
 
     def shapes(e: Any) -> list[Any]:             # consts and per-layer inputs
         return [v.aval.shape for i, v in enumerate(e.invars) if i != nc]
-    if (again is None or again.primitive.name != "scan"
-            or again.params["length"] != scan.params["length"]
-            or scan_counts(again.params) != scan_counts(scan.params)
-            or shapes(again) != shapes(scan)):
+    same = (again is not None and again.primitive.name == "scan"
+            and again.params["length"] == scan.params["length"]
+            and scan_counts(again.params) == scan_counts(scan.params))
+    whole, cut = shapes(scan), shapes(again) if same else []
+    rowed = tuple(k for k in range(nc) if same and rows != size
+                  and whole[k][:1] == (size,) and cut[k] == (rows, *whole[k][1:]))
+    if not same or any(a != b for k, (a, b) in enumerate(zip(whole, cut, strict=True))
+                       if k not in rowed):
         raise NoLayerScan(f"traced with a micro-batch of {rows} rows, the loss function no "
                           f"longer has the same layer scan: its layers must not depend on "
-                          f"the batch size")
-    return again.params["jaxpr"]
+                          f"the batch size, and what they close over either has the "
+                          f"batch's rows leading or does not change with them")
+    return again.params["jaxpr"], rowed
+
+
+def check_micro_batches(loss_fn: Callable, scan: LayerScan, params: Any, batch: Any) -> None:
+    """Raise `NoLayerScan` where a stage could not run the layer scan on a micro-batch:
+    traced at half the batch's rows (one row for an odd batch), what the layers close
+    over must have those rows leading or not change (`_body_at`). Only a scan that
+    closes over a value with the batch's rows leading (`LayerScan.row_consts`) can fail
+    it; the pipeline search asks before pricing stages it could not run."""
+    size = batch_size_of(batch)
+    if not scan.row_consts or size < 2:
+        return
+    closed, _ = trace_loss(loss_fn, params, batch)
+    _body_at(loss_fn, params, batch, equation_at(closed.jaxpr, scan.path), scan.path,
+             size // 2 if size % 2 == 0 else 1, frozenset())
 
 
 def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_batches: int,
@@ -291,27 +316,45 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
         key, (closed, out_tree, found) = traced(params, batch)
         eqn = equation_at(closed.jaxpr, found.path)
         rows = _stage_rows(found.batch_size, micro_batches, data_axis)
-        body = bodies.get((key, rows))
-        if body is None:
-            body = _body_at(loss_fn, params, batch, eqn, found.path, rows)
-            if not any(isinstance(c, jax.core.Tracer) for c in body.consts):
-                bodies[key, rows] = body
+        got = bodies.get((key, rows))
+        if got is None:
+            data = () if data_axis is None else (
+                (data_axis,) if isinstance(data_axis, str) else tuple(data_axis))
+            got = _body_at(loss_fn, params, batch, eqn, found.path, rows,
+                           frozenset({STAGE, *data}))
+            if not any(isinstance(c, jax.core.Tracer) for c in got[0].consts):
+                bodies[key, rows] = got
+        body, rowed = got
         nc, nb = scan_counts(eqn.params)[0], len(body.consts)
         extras, n_xs = set(found.extras), len(eqn.invars) - nc - 1
+        # the scan's consts as the stages take them: whole ones first, those with the
+        # batch's rows last (`pipelined`'s row consts, cut to each micro-batch's rows)
+        order = [k for k in range(nc) if k not in rowed] + list(rowed)
 
-        def layer(w: list[Any], h: Any, *consts: Any) -> Any:
+        def layer(w: list[Any], h: Any, *passed: Any) -> Any:
+            if found.draws:
+                passed, micro = passed[:-1], passed[-1]
+            consts = [None] * nc
+            for k, v in zip(order, passed[nb:nb + nc - len(rowed)] + passed[len(passed)
+                            - len(rowed):], strict=True):
+                consts[k] = v
             if extras:       # each layer's row of the inputs that are not parameters
                 *w, at = w
-                whole, consts = consts[nb + nc:], consts[:nb + nc]
-                ws, rows = iter(w), iter(x[at] for x in whole)
+                ws = iter(w)
+                rows = iter(x[at] for x in passed[nb + nc - len(rowed):len(passed)
+                                                  - len(rowed)])
                 w = [next(rows) if i in extras else next(ws) for i in range(n_xs)]
-            return evaluate_replacing(body.jaxpr, consts[:nb], [*consts[nb:], h, *w],
+                for i in found.draws:   # its own draw for each micro-batch and shard
+                    shard = jax.lax.axis_index(data_axis) if data_axis else 0
+                    w[i] = fold_micro(fold_micro(w[i], micro, None), shard, None)
+            return evaluate_replacing(body.jaxpr, passed[:nb], [*consts, h, *w],
                                       in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
                         data_axis=data_axis,
                         param_specs=specs + [()] if specs and extras else specs,
-                        stage_remat=stage_remat, layers=scan.length, carry_axis=MODEL)
+                        stage_remat=stage_remat, layers=scan.length, carry_axis=MODEL,
+                        micro_index=bool(found.draws), row_consts=len(rowed))
 
         def replaced(ins: list[Any]) -> list[Any]:
             consts, h, xs = ins[:nc], ins[nc], ins[nc + 1:]
@@ -320,8 +363,9 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             ws = [x for i, x in enumerate(xs) if i not in extras]
             if extras:
                 ws.append(jnp.arange(scan.length, dtype=jnp.int32))
-            out = run(to_stages(ws, stages, repeats), h, *body.consts, *consts,
-                      *(xs[i] for i in found.extras))
+            out = run(to_stages(ws, stages, repeats), h, *body.consts,
+                      *(consts[k] for k in order[:nc - len(rowed)]),
+                      *(xs[i] for i in found.extras), *(consts[k] for k in rowed))
             # the per-layer outputs (unused: `find_in_jaxpr` checked) stay unmade
             return [out, *(None for _ in eqn.outvars[1:])]
 
@@ -332,4 +376,5 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     return loss
 
 
-__all__ = ["evaluate_replacing", "pipelined_loss", "rebound", "stack_cut"]
+__all__ = ["check_micro_batches", "evaluate_replacing", "pipelined_loss", "rebound",
+           "stack_cut"]

@@ -49,7 +49,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxwap.core.records import STAGE, bubble_idles
-from jaxwap.runtime.stage_layout import carry_split_dim, chunking, micro_join, micro_split
+from jaxwap.runtime.stage_layout import (
+    carry_split_dim,
+    chunking,
+    micro_join,
+    micro_split,
+    staged_in_specs,
+)
 from jaxwap.runtime.stage_policy import (
     LAYER_INPUT,
     keep_all_but_views,
@@ -62,8 +68,8 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
               micro_batches: int, repeats: int = 1,
               data_axis: str | tuple[str, ...] | None = None,
               param_specs: Any = None, stage_remat: bool = False,
-              layers: int | None = None,
-              carry_axis: str | None = None) -> Callable[..., jax.Array]:
+              layers: int | None = None, carry_axis: str | None = None,
+              micro_index: bool = False, row_consts: int = 0) -> Callable[..., jax.Array]:
     """`f(staged_params, x, *consts)`: `x` [B, ...] through every layer of the stack,
     `layer(params_l, h, *consts) -> h`, pipelined over the "stage" axis of `mesh` (None:
     the mesh of the context, `jax.set_mesh`). `staged_params` are the stacked parameters
@@ -105,7 +111,14 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
     layer keeps) is 1/size of it on each device; XLA partitions the layer around it. The
     loop's buffers, the stage-to-stage sends and the layers' kept inputs are then 1/size
     of the local batch's activation. Ignored where the mesh lacks the axis or no dim
-    divides."""
+    divides.
+
+    `micro_index`: the layer takes the micro-batch's index after the consts, which a
+    layer drawing random numbers folds into its key to draw its own for each.
+
+    `row_consts`: the last that many consts have the batch's rows leading (positions,
+    segment ids, a mask the layers read): cut into micro-batches and split over the data
+    axes as `x` is, each layer reading its micro-batch's rows."""
     m, r = micro_batches, repeats
     if m < 1 or r < 1:
         raise ValueError(f"micro_batches={m} and repeats={r} must be at least 1")
@@ -130,12 +143,16 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
             split = None if dim is None else (dim, carry_axis)
         stage_step = _stage_step(layer, r, manual, param_specs, stage_remat, a < p * r, skip,
                                  split)
-        params, specs = _stage_specs(params, param_specs, mesh, here, manual)
-        staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a, split, skip), mesh=mesh,
-                               in_specs=(specs, batch_spec, *(P() for _ in consts)),
+        params, specs = staged_in_specs(params, param_specs, mesh, here, manual)
+        n = len(consts) - row_consts
+        staged = jax.shard_map(_per_stage(stage_step, m, r, p, c, a, split, skip,
+                                          micro_index, row_consts), mesh=mesh,
+                               in_specs=(specs, batch_spec, *(P() for _ in consts[:n]),
+                                         *(batch_spec for _ in consts[n:])),
                                out_specs=batch_spec, check_vma=False,
                                axis_names=set(manual & set(here.axis_names)))
-        return micro_join(staged(params, micro_split(x, m), *consts))
+        return micro_join(staged(params, micro_split(x, m), *consts[:n],
+                                 *(micro_split(v, m) for v in consts[n:])))
 
     return f
 
@@ -275,8 +292,8 @@ def _stage_step(layer: Callable[..., jax.Array], r: int, manual: frozenset[str],
 
 
 def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: int,
-               a: int, split: tuple[int, str] | None = None,
-               skip: bool = True) -> Callable[..., jax.Array]:
+               a: int, split: tuple[int, str] | None = None, skip: bool = True,
+               micro_index: bool = False, row_consts: int = 0) -> Callable[..., jax.Array]:
     """What each device of the stage axis runs under `shard_map`: the schedule's loop of
     m r + p - 1 steps over its share of the layers (`local`, [r k, ...]) and the
     micro-batches `xs` [m, ...]. Each step it takes its work item's input (stage 0: a new
@@ -310,7 +327,11 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: 
             first = jnp.where(q == 0, xs[b], buf[0][b]) if buf else xs[b]
             h_in = keep(jnp.where(s == 0, first, recv), 1)
             busy = (w >= 0) & (w < m * r)
-            h = keep(stage_step(chunks, q, h_in, busy, consts, c - (q * p + s >= a)), 1)
+            # the row consts' rows of this micro-batch; its index, where asked for
+            cs = (*consts[:len(consts) - row_consts],
+                  *(v[b] for v in consts[len(consts) - row_consts:]))
+            h = keep(stage_step(chunks, q, h_in, busy, (*cs, b) if micro_index else cs,
+                                c - (q * p + s >= a)), 1)
             done = (s == p - 1) & (q == r - 1) & busy
             out = keep(out.at[b].set(jnp.where(done, h, out[b])), 2)
             recv = keep(lax.ppermute(h, STAGE, shift), 1)
@@ -334,29 +355,6 @@ def _per_stage(stage_step: Callable[..., jax.Array], m: int, r: int, p: int, c: 
     return per_stage
 
 
-def _stage_specs(params: Any, param_specs: Any, mesh: Mesh | None, here: Any,
-                 manual: frozenset[str]) -> tuple[Any, Any]:
-    """The staged parameters and their `shard_map` in-specs: split over the stage axis
-    along the layer dim; with `param_specs`, the layout asked for is pinned where the loop
-    takes the weights in, and the in-specs name the loop's own axes only, the rest
-    reaching it as they are (XLA's to partition)."""
-    if param_specs is None:
-        return params, P(STAGE)
-    _check_specs(params, param_specs, here)
-    params = jax.tree.map(
-        lambda x, spec: lax.with_sharding_constraint(x, _named(mesh, P(STAGE, *spec))),
-        params, param_specs)
-    specs = jax.tree.map(
-        lambda _, spec: P(STAGE, *(a if a in manual else None for a in spec)),
-        params, param_specs)
-    return params, specs
-
-
-def _named(mesh: Mesh | None, spec: P) -> Any:
-    """`spec` on `mesh`, or on the context's mesh (a bare spec) when None."""
-    return spec if mesh is None else jax.sharding.NamedSharding(mesh, spec)
-
-
 def _check_schedule(mesh: Any, m: int, r: int) -> int:
     """The stage count of `mesh`, checked against the schedule asked for."""
     if STAGE not in mesh.axis_names:
@@ -366,27 +364,6 @@ def _check_schedule(mesh: Any, m: int, r: int) -> int:
         raise ValueError(f"the circular schedule (repeats={r}) needs at least as many "
                          f"micro-batches as stages: micro_batches={m} < {p} stages")
     return p
-
-
-def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
-    """Each stacked parameter's `param_specs` entry names axes of `mesh` that divide it."""
-    leaves, treedef = jax.tree.flatten(params)
-    specs = treedef.flatten_up_to(param_specs)
-    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
-        if len(spec) != x.ndim - 1:
-            raise ValueError(f"stacked parameter {i} with shape {x.shape}: its stage spec "
-                             f"{spec} must name {x.ndim - 1} dims (all but the layer dim)")
-        for dim, axis in enumerate(spec, start=1):
-            if axis is None:
-                continue
-            if axis not in mesh.axis_names or axis == STAGE:
-                raise ValueError(f"stacked parameter {i}: stage spec {spec} names axis "
-                                 f"{axis!r}, not a non-stage axis of the mesh "
-                                 f"{mesh.axis_names}")
-            if x.shape[dim] % mesh.shape[axis]:
-                raise ValueError(f"stacked parameter {i} with shape {x.shape}: dim {dim} "
-                                 f"does not divide over {axis!r} of size "
-                                 f"{mesh.shape[axis]}")
 
 
 __all__ = ["STAGE", "pipelined"]

@@ -13,7 +13,9 @@ Micro-batch i holds rows i, i+m, i+2m, ... of the batch (`micro_split`), so a ba
 sharded over the data axis in contiguous blocks splits without moving data.
 
 The loop keeps the activations it holds split over the model axis along the first row
-dim that divides (`carry_split_dim`), where the mesh has one.
+dim that divides (`carry_split_dim`), where the mesh has one. The staged parameters enter
+the loop split over the stage axis, and beyond it as the plan lays out a stage's share
+(`staged_in_specs`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxwap.core.records import STAGE
 
 
 def chunking(num_layers: int, stages: int, repeats: int = 1) -> tuple[int, int]:
@@ -97,5 +104,49 @@ def carry_split_dim(row: Sequence[int], ways: int) -> int | None:
     return next((i for i, n in enumerate(row) if n % ways == 0), None)
 
 
+def staged_in_specs(params: Any, param_specs: Any, mesh: Mesh | None, here: Any,
+                 manual: frozenset[str]) -> tuple[Any, Any]:
+    """The staged parameters and their `shard_map` in-specs: split over the stage axis
+    along the layer dim; with `param_specs`, the layout asked for is pinned where the loop
+    takes the weights in, and the in-specs name the loop's own axes only, the rest
+    reaching it as they are (XLA's to partition)."""
+    if param_specs is None:
+        return params, P(STAGE)
+    _check_specs(params, param_specs, here)
+    params = jax.tree.map(
+        lambda x, spec: lax.with_sharding_constraint(x, _named(mesh, P(STAGE, *spec))),
+        params, param_specs)
+    specs = jax.tree.map(
+        lambda _, spec: P(STAGE, *(a if a in manual else None for a in spec)),
+        params, param_specs)
+    return params, specs
+
+
+def _named(mesh: Mesh | None, spec: P) -> Any:
+    """`spec` on `mesh`, or on the context's mesh (a bare spec) when None."""
+    return spec if mesh is None else jax.sharding.NamedSharding(mesh, spec)
+
+
+def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
+    """Each stacked parameter's `param_specs` entry names axes of `mesh` that divide it."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = treedef.flatten_up_to(param_specs)
+    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+        if len(spec) != x.ndim - 1:
+            raise ValueError(f"stacked parameter {i} with shape {x.shape}: its stage spec "
+                             f"{spec} must name {x.ndim - 1} dims (all but the layer dim)")
+        for dim, axis in enumerate(spec, start=1):
+            if axis is None:
+                continue
+            if axis not in mesh.axis_names or axis == STAGE:
+                raise ValueError(f"stacked parameter {i}: stage spec {spec} names axis "
+                                 f"{axis!r}, not a non-stage axis of the mesh "
+                                 f"{mesh.axis_names}")
+            if x.shape[dim] % mesh.shape[axis]:
+                raise ValueError(f"stacked parameter {i} with shape {x.shape}: dim {dim} "
+                                 f"does not divide over {axis!r} of size "
+                                 f"{mesh.shape[axis]}")
+
+
 __all__ = ["carry_split_dim", "chunking", "micro_join", "micro_split", "stage_order",
-           "to_stages"]
+           "staged_in_specs", "to_stages"]

@@ -59,6 +59,7 @@ from jaxwap.runtime.layer_scan import (
     find_layer_scan,
     has_scan,
 )
+from jaxwap.runtime.layer_scan_rewrite import check_micro_batches
 from jaxwap.runtime.stage_layout import chunking
 from jaxwap.runtime.train_step import TrainStep
 from jaxwap.search.constraints import LayoutRules
@@ -132,6 +133,7 @@ def plan_pipelines(fn: Callable, layout: ArgLayout, cluster: Cluster, objective:
         return none(NO_SCAN)
     try:
         scan = find_layer_scan(fn.loss_and_aux(), params, batch_tree)
+        check_micro_batches(fn.loss_and_aux(), scan, params, batch_tree)
     except NoLayerScan as e:
         return none(str(e))
     L = scan.length
