@@ -170,10 +170,10 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
         # the per-layer inputs that are not parameters come with the whole stack's rows:
         # the cut stack reads as many of them as it has layers (cycled past L)
         extras = {first + i for i in found.extras}
-        rows = jnp.arange(layers) % scan.length
+        picks = jnp.arange(layers) % scan.length
 
         def run(ins: list[Any]) -> list[Any]:
-            return bind(shorter, [x[rows] if k in extras else x for k, x in enumerate(ins)])
+            return bind(shorter, [x[picks] if k in extras else x for k, x in enumerate(ins)])
         if remat_stack:
             checked = jax.checkpoint(lambda *ins: run(list(ins)),
                                      policy=jax.checkpoint_policies.nothing_saveable)
@@ -270,10 +270,15 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     (`to_stages`) inside. `param_specs`, one per stacked parameter in `scan.stacked`'s
     order (empty: none), shards a stage's share of it beyond the layer dim
     (`pipelined`'s FSDP inside a stage); `stage_remat` keeps only each loop step's input
-    (`pipelined`). The layers need not divide into the stages' chunks: `to_stages` pads
-    each short chunk with an empty slot, laid out over the stage axis inside the step,
-    so the parameters themselves keep the user's shapes (and whatever layout the plan
-    stores them in). On a mesh with a model axis the loop keeps the activations it holds
+    (`pipelined`). What the layers read besides their parameters reaches every stage:
+    per-layer inputs that are not parameters whole, each layer reading its row by its
+    index in the stack (a key it draws from folded with the micro-batch's and the data
+    shard's index, so each draws its own); consts with the batch's rows cut into
+    micro-batches as the activation is (found by tracing the loss at a micro-batch's
+    rows); other consts whole. The layers need not divide into the stages' chunks:
+    `to_stages` pads each short chunk with an empty slot, laid out over the stage axis
+    inside the step, so the parameters themselves keep the user's shapes (and whatever
+    layout the plan stores them in). On a mesh with a model axis the loop keeps the activations it holds
     and sends split over it (`pipelined`'s `carry_axis`). The returned function takes
     `(params, batch)` and returns what `loss_fn` does; it traces `loss_fn` once per
     argument shapes and mesh."""
@@ -327,28 +332,32 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
         body, rowed = got
         nc, nb = scan_counts(eqn.params)[0], len(body.consts)
         extras, n_xs = set(found.extras), len(eqn.invars) - nc - 1
-        # the scan's consts as the stages take them: whole ones first, those with the
-        # batch's rows last (`pipelined`'s row consts, cut to each micro-batch's rows)
+        # what each stage takes besides its layers' parameters, in `pipelined`'s order:
+        # the body's own consts, the scan's consts that go whole, the per-layer inputs
+        # that are not parameters (whole), the consts with the batch's rows (`pipelined`'s
+        # row consts, cut to the micro-batch's rows), and the micro-batch's index where a
+        # layer draws random numbers
         order = [k for k in range(nc) if k not in rowed] + list(rowed)
+        n_whole, n_extra = nc - len(rowed), len(found.extras)
 
         def layer(w: list[Any], h: Any, *passed: Any) -> Any:
-            if found.draws:
-                passed, micro = passed[:-1], passed[-1]
-            consts = [None] * nc
-            for k, v in zip(order, passed[nb:nb + nc - len(rowed)] + passed[len(passed)
-                            - len(rowed):], strict=True):
+            own, rest = passed[:nb], passed[nb:]
+            whole, per_layer = rest[:n_whole], rest[n_whole:n_whole + n_extra]
+            cut = rest[n_whole + n_extra:n_whole + n_extra + len(rowed)]
+            consts: list[Any] = [None] * nc
+            for k, v in zip(order, (*whole, *cut), strict=True):
                 consts[k] = v
             if extras:       # each layer's row of the inputs that are not parameters
                 *w, at = w
-                ws = iter(w)
-                rows = iter(x[at] for x in passed[nb + nc - len(rowed):len(passed)
-                                                  - len(rowed)])
-                w = [next(rows) if i in extras else next(ws) for i in range(n_xs)]
-                for i in found.draws:   # its own draw for each micro-batch and shard
-                    shard = jax.lax.axis_index(data_axis) if data_axis else 0
+                params_in, its_rows = iter(w), iter(x[at] for x in per_layer)
+                w = [next(its_rows) if i in extras else next(params_in)
+                     for i in range(n_xs)]
+            if found.draws:  # its own draw for each micro-batch and data shard
+                micro = rest[-1]
+                shard = jax.lax.axis_index(data_axis) if data_axis else 0
+                for i in found.draws:
                     w[i] = fold_micro(fold_micro(w[i], micro, None), shard, None)
-            return evaluate_replacing(body.jaxpr, passed[:nb], [*consts, h, *w],
-                                      in_stage=True)[0]
+            return evaluate_replacing(body.jaxpr, own, [*consts, h, *w], in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
                         data_axis=data_axis,
