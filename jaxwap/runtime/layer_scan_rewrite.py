@@ -278,10 +278,10 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
     rows); other consts whole. The layers need not divide into the stages' chunks:
     `to_stages` pads each short chunk with an empty slot, laid out over the stage axis
     inside the step, so the parameters themselves keep the user's shapes (and whatever
-    layout the plan stores them in). On a mesh with a model axis the loop keeps the activations it holds
-    and sends split over it (`pipelined`'s `carry_axis`). The returned function takes
-    `(params, batch)` and returns what `loss_fn` does; it traces `loss_fn` once per
-    argument shapes and mesh."""
+    layout the plan stores them in). On a mesh with a model axis the loop keeps the
+    activations it holds and sends split over it (`pipelined`'s `carry_axis`). The
+    returned function takes `(params, batch)` and returns what `loss_fn` does; it traces
+    `loss_fn` once per argument shapes and mesh."""
     if min(stages, micro_batches, repeats) < 1:
         raise ValueError(f"stages={stages}, micro_batches={micro_batches} and "
                          f"repeats={repeats} must be at least 1")
