@@ -46,7 +46,7 @@ from jaxwap.runtime.layer_scan import (
     trace_loss,
 )
 from jaxwap.runtime.schedule import pipelined
-from jaxwap.runtime.stage_layout import chunking, to_stages
+from jaxwap.runtime.stage_layout import chunking, data_axes, to_stages
 
 # inside a stage the rows are the stage's own: their layout constraints do not apply
 _STAGE_IDENTITY = frozenset({"sharding_constraint"})
@@ -186,10 +186,9 @@ def stack_cut(loss_fn: Callable, scan: LayerScan, layers: int,
 
 def _stage_rows(batch_size: int, micro_batches: int, data_axis: Any) -> int:
     """The rows of one micro-batch on one device of the data axes (context mesh)."""
-    names = () if data_axis is None else (
-        (data_axis,) if isinstance(data_axis, str) else tuple(data_axis))
     mesh = jax.sharding.get_abstract_mesh()
-    shards = int(np.prod([mesh.shape[a] for a in names if a in mesh.axis_names]))
+    shards = int(np.prod([mesh.shape[a] for a in data_axes(data_axis)
+                          if a in mesh.axis_names]))
     if batch_size % (micro_batches * shards):
         raise ValueError(f"a batch of {batch_size} rows does not split into "
                          f"{micro_batches} micro-batches x {shards} data shards")
@@ -323,10 +322,8 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
         rows = _stage_rows(found.batch_size, micro_batches, data_axis)
         got = bodies.get((key, rows))
         if got is None:
-            data = () if data_axis is None else (
-                (data_axis,) if isinstance(data_axis, str) else tuple(data_axis))
             got = _body_at(loss_fn, params, batch, eqn, found.path, rows,
-                           frozenset({STAGE, *data}))
+                           frozenset({STAGE, *data_axes(data_axis)}))
             if not any(isinstance(c, jax.core.Tracer) for c in got[0].consts):
                 bodies[key, rows] = got
         body, rowed = got

@@ -52,6 +52,7 @@ from jaxwap.core.records import STAGE, bubble_idles
 from jaxwap.runtime.stage_layout import (
     carry_split_dim,
     chunking,
+    data_axes,
     micro_join,
     micro_split,
     staged_in_specs,
@@ -126,8 +127,7 @@ def pipelined(layer: Callable[..., jax.Array], mesh: Mesh | None = None, *,
         _check_schedule(mesh, m, r)
     batch_spec = P(None, data_axis) if data_axis else P()
     # the axes the loop runs by hand; the rest of the mesh is XLA's to partition
-    manual = frozenset({STAGE, *((data_axis,) if isinstance(data_axis, str)
-                                 else (data_axis or ()))})
+    manual = frozenset({STAGE, *data_axes(data_axis)})
 
     def f(params: Any, x: jax.Array, *consts: Any) -> jax.Array:
         here = mesh if mesh is not None else jax.sharding.get_abstract_mesh()

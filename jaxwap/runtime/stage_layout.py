@@ -32,6 +32,15 @@ from jax.sharding import PartitionSpec as P
 from jaxwap.core.records import STAGE
 
 
+def data_axes(data_axis: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A pipeline's data axes as names: what it splits each micro-batch over (a name, a
+    tuple of names, or None for none), and, with the stage axis, what its loop runs by
+    hand."""
+    if data_axis is None:
+        return ()
+    return (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+
+
 def chunking(num_layers: int, stages: int, repeats: int = 1) -> tuple[int, int]:
     """(c, a): the slots of each of the p x r chunks, and how many of the chunks (the
     first, in layer order) fill all c with layers; the others hold c - 1 and an empty
@@ -148,5 +157,5 @@ def _check_specs(params: Any, param_specs: Any, mesh: Any) -> None:
                                  f"{mesh.shape[axis]}")
 
 
-__all__ = ["carry_split_dim", "chunking", "micro_join", "micro_split", "stage_order",
+__all__ = ["carry_split_dim", "chunking", "data_axes", "micro_join", "micro_split", "stage_order",
            "staged_in_specs", "to_stages"]
