@@ -144,8 +144,9 @@ def unrolled():
 def test_an_unrolled_models_layers_are_found_as_its_repeated_blocks(unrolled):
     """Eight repeats, each starting at the layer's input (the RMSNorm of the residual
     stream, right after the embedding), each reading a layer's weights of its own."""
+    from jaxwap.analysis.flatten import is_value
     from jaxwap.runtime.layer_blocks import RepeatedBlocks, find_layers
-    from jaxwap.runtime.layer_scan import is_var, trace_loss
+    from jaxwap.runtime.layer_scan import trace_loss
 
     step, params, _, batch = unrolled
     closed, _ = trace_loss(step.loss_fn, params, batch)
@@ -156,7 +157,7 @@ def test_an_unrolled_models_layers_are_found_as_its_repeated_blocks(unrolled):
     assert eqns[found.start].primitive.name == "square"       # RMSNorm's first op
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[:len(leaves)])}
     owned = [{param_vars[v] for e in eqns[a:b] for v in e.invars
-              if is_var(v) and v in param_vars} for a, b in found.bounds()]
+              if is_value(v) and v in param_vars} for a, b in found.bounds()]
     assert all(owned) and sum(map(len, owned)) == len(set().union(*owned))  # disjoint
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
     assert all(len({names[i].split("]")[0] for i in o}) == 1 for o in owned)   # one layer

@@ -10,6 +10,8 @@ The model's layer is written the way real ones are: it reshapes with its own bat
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,20 +246,26 @@ def _dropout_layer(h, w, key):
     return h + jnp.where(keep, jnp.tanh(h @ w["w"]) * w["scale"] / 0.8, 0.0)
 
 
-def _dropout_layers(params, batch):
+def _layer_keys(batch, raw):
+    """A key per layer split from the batch's: typed, or raw data (`PRNGKey`'s uint32[2]
+    each, which the layers' `jax.random` calls wrap)."""
+    return jax.random.split(batch["key"] if raw else jax.random.wrap_key_data(batch["key"]), L)
+
+
+def _dropout_layers(params, batch, raw=False):
     """Dropout inside the stack: a key per layer, split from the batch's key, as Flax's
     `nn.scan(..., split_rngs={"dropout": True})` hands its layers."""
-    keys = jax.random.split(jax.random.wrap_key_data(batch["key"]), L)
+    keys = _layer_keys(batch, raw)
     h, _ = jax.lax.scan(lambda h, wk: (_dropout_layer(h, *wk), None),
                         batch["x"] @ params["a_in"], (params["blocks"], keys))
     return jnp.mean((h @ params["z_out"] - batch["y"]) ** 2)
 
 
-def _dropout_drawn_apart(params, batch, micro, data):
+def _dropout_drawn_apart(params, batch, micro, data, raw):
     """The oracle, in plain loops: micro-batch b (rows b, b + micro, ...) split in
     contiguous blocks over `data` shards, shard d's rows through layer l with
     fold_in(fold_in(key_l, b), d)."""
-    keys = jax.random.split(jax.random.wrap_key_data(batch["key"]), L)
+    keys = _layer_keys(batch, raw)
     x = batch["x"] @ params["a_in"]
     out, n = jnp.zeros_like(x), B // (micro * data)
     for b in range(micro):
@@ -272,23 +280,25 @@ def _dropout_drawn_apart(params, batch, micro, data):
     return jnp.mean((out @ params["z_out"] - batch["y"]) ** 2)
 
 
-@pytest.mark.parametrize("stages, micro, repeats", [(2, 2, 1), (2, 2, 2), (4, 4, 1)])
+@pytest.mark.parametrize("stages, micro, repeats, raw", [
+    (2, 2, 1, False), (2, 2, 2, False), (4, 4, 1, True)])
 def test_dropout_inside_a_pipelined_stack_draws_apart_for_each_micro_batch_and_shard(
-        stages, micro, repeats):
+        stages, micro, repeats, raw):
     """It was refused (a stage would draw the same mask for every micro-batch and every
-    data shard): each layer's key is now folded with both indices, and the pipelined loss
-    equals the oracle that draws so, value and gradients."""
+    data shard): each layer's key, typed or raw data, is now folded with both indices,
+    and the pipelined loss equals the oracle that draws so, value and gradients."""
     params, batch = _setup()
     batch = dict(batch, key=jax.random.key_data(jax.random.key(5)))
-    scan = find_layer_scan(_dropout_layers, params, batch)
-    assert scan.extras == scan.draws == (2,)
-    fn = pipelined_loss(_dropout_layers, scan, stages=stages, micro_batches=micro,
-                        repeats=repeats, data_axis="data")
+    loss = functools.partial(_dropout_layers, raw=raw)
+    scan = find_layer_scan(loss, params, batch)
+    assert scan.extras == (2,) and scan.draws == ((2, "threefry2x32" if raw else None),)
+    fn = pipelined_loss(loss, scan, stages=stages, micro_batches=micro, repeats=repeats,
+                        data_axis="data")
     with jax.set_mesh(_mesh(stages, 8 // stages)):
         got = jax.jit(jax.value_and_grad(fn))(params, batch)
-    want = jax.value_and_grad(_dropout_drawn_apart)(params, batch, micro, 8 // stages)
+    want = jax.value_and_grad(_dropout_drawn_apart)(params, batch, micro, 8 // stages, raw)
     _assert_close(got, want)
-    assert abs(float(got[0]) - float(_dropout_layers(params, batch))) > 1e-4
+    assert abs(float(got[0]) - float(loss(params, batch))) > 1e-4
 
 
 def _reads_the_batch(params, batch):

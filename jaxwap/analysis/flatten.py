@@ -250,10 +250,10 @@ def group_ios(jaxpr: Any, bounds: Sequence[tuple[int, int]]
     where: an unrolled model's 100 layers, each asking what every equation after it
     reads, would read the jaxpr 100 times."""
     end = len(jaxpr.eqns)
-    last: dict[Any, int] = {v: end for v in jaxpr.outvars if _is_value(v)}
+    last: dict[Any, int] = {v: end for v in jaxpr.outvars if is_value(v)}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if _is_value(v) and last.get(v, -1) < k:
+            if is_value(v) and last.get(v, -1) < k:
                 last[v] = k
     out = []
     for first, past in bounds:
@@ -261,16 +261,19 @@ def group_ios(jaxpr: Any, bounds: Sequence[tuple[int, int]]
         ins: dict[Any, None] = {}
         for eqn in jaxpr.eqns[first:past]:
             for v in eqn.invars:
-                if _is_value(v) and v not in made:
+                if is_value(v) and v not in made:
                     ins.setdefault(v)
             made.update(eqn.outvars)
         outs = [v for e in jaxpr.eqns[first:past] for v in e.outvars
-                if _is_value(v) and last.get(v, -1) >= past]
+                if is_value(v) and last.get(v, -1) >= past]
         out.append((list(ins), outs))
     return out
 
 
-def _is_value(v: Any) -> bool:
+def is_value(v: Any) -> bool:
+    """Whether an equation's input or output is a value (not a literal, not dropped):
+    only values are read, written, or traced through. (By class name: this module reads
+    jaxprs without importing jax.)"""
     return type(v).__name__ not in ("Literal", "DropVar")
 
 

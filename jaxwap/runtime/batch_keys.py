@@ -24,29 +24,42 @@ import jax
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from jaxwap.analysis.flatten import sub_jaxprs
+from jaxwap.analysis.flatten import is_value, sub_jaxprs
 from jaxwap.analysis.roles import is_key_dtype
 
 #: a key leaf: typed (None) or raw data wrapped with this implementation's name
 KeyKind = str | None
 
 
-def _wrapped(jaxpr: Jaxpr, targets: dict[Any, int], found: dict[int, str]) -> None:
-    """Record in `found` (leaf index -> implementation name) the `targets` values (the
-    jaxpr's inputs: leaf index by value) that a `random_wrap` reads, through calls whose
-    body takes their inputs one to one (jit, checkpoint, custom derivatives, a scan's)."""
-    for eqn in jaxpr.eqns:
-        ins = [(v, targets[v]) for v in eqn.invars if not hasattr(v, "val") and v in targets]
-        if not ins:
-            continue
-        if eqn.primitive.name == "random_wrap":
-            found.setdefault(ins[0][1], eqn.params["impl"].name)
-            continue
-        for inner in sub_jaxprs(eqn.params):
-            if len(inner.invars) == len(eqn.invars):
-                _wrapped(inner, {i: targets[o] for o, i in zip(eqn.invars, inner.invars,
+def maybe_raw_key(aval: Any) -> bool:
+    """Whether a value could be raw key data: uint32 with a trailing dim of 2 (threefry)
+    or 4 (rbg); only a `random_wrap` reading it says it is (`wrapped_keys`)."""
+    return str(getattr(aval, "dtype", "")) == "uint32" and np.ndim(aval) > 0 \
+        and np.shape(aval)[-1] in (2, 4)
+
+
+def wrapped_keys(jaxpr: Jaxpr, targets: dict[Any, int]) -> dict[int, str]:
+    """Which of `targets` (values of `jaxpr`, by an index of the caller's) a `random_wrap`
+    reads as raw key data, with the implementation it names: looked for through calls
+    whose body takes their inputs one to one (jit, checkpoint, custom derivatives, a
+    scan's body)."""
+    found: dict[int, str] = {}
+
+    def walk(jaxpr: Jaxpr, targets: dict[Any, int]) -> None:
+        for eqn in jaxpr.eqns:
+            ins = [targets[v] for v in eqn.invars if is_value(v) and v in targets]
+            if not ins:
+                continue
+            if eqn.primitive.name == "random_wrap":
+                found.setdefault(ins[0], eqn.params["impl"].name)
+                continue
+            for inner in sub_jaxprs(eqn.params):
+                if len(inner.invars) == len(eqn.invars):
+                    walk(inner, {i: targets[o] for o, i in zip(eqn.invars, inner.invars,
                                                                strict=True)
-                                 if not hasattr(o, "val") and o in targets}, found)
+                                 if is_value(o) and o in targets})
+    walk(jaxpr, targets)
+    return found
 
 
 def key_leaves(trace: Callable[[], Any], leaves: Sequence[Any],
@@ -64,14 +77,12 @@ def key_leaves(trace: Callable[[], Any], leaves: Sequence[Any],
             continue
         if is_key_dtype(dtype):
             kinds[i] = None
-        elif str(dtype) == "uint32" and np.ndim(x) and np.shape(x)[-1] in (2, 4):
+        elif maybe_raw_key(x):
             raw[i] = x
     if raw:
         jaxpr = trace().jaxpr
         first = len(jaxpr.invars) - len(leaves)
-        found: dict[int, str] = {}
-        _wrapped(jaxpr, {jaxpr.invars[first + i]: i for i in raw}, found)
-        for i, impl in found.items():
+        for i, impl in wrapped_keys(jaxpr, {jaxpr.invars[first + i]: i for i in raw}).items():
             kinds[i] = impl
     return kinds
 
@@ -85,4 +96,4 @@ def fold_micro(x: Any, index: Any, kind: KeyKind) -> Any:
     return folded if kind is None else jax.random.key_data(folded)
 
 
-__all__ = ["KeyKind", "fold_micro", "key_leaves"]
+__all__ = ["KeyKind", "fold_micro", "key_leaves", "maybe_raw_key", "wrapped_keys"]

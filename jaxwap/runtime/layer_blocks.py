@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jaxwap.analysis.flatten import group_ios
+from jaxwap.analysis.flatten import group_ios, is_value
 from jaxwap.analysis.primitives import prim_info
 from jaxwap.runtime.layer_scan import (
     CALL_PRIMITIVES,
@@ -39,7 +39,6 @@ from jaxwap.runtime.layer_scan import (
     called_jaxpr,
     equation_at,
     find_in_jaxpr,
-    is_var,
 )
 
 
@@ -119,15 +118,15 @@ def _crossing_bytes(jaxpr: Jaxpr, own: set[Any]) -> np.ndarray:
     carries. Values computed from parameters alone (`own`: cast weights) are left out,
     as their layer's weights are."""
     n = len(jaxpr.eqns)
-    last: dict[Any, int] = {v: n for v in jaxpr.outvars if is_var(v)}
+    last: dict[Any, int] = {v: n for v in jaxpr.outvars if is_value(v)}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if is_var(v):
+            if is_value(v):
                 last[v] = max(last.get(v, k), k)
     delta = np.zeros(n + 2)
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.outvars:
-            if is_var(v) and v in last and v not in own and last[v] > k:
+            if is_value(v) and v in last and v not in own and last[v] > k:
                 size = int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
                 delta[k + 1] += size          # live from t = k + 1 ...
                 delta[last[v] + 1] -= size    # ... to its last reader
@@ -147,7 +146,7 @@ class _BlockSearch:
         param_of = dict(param_of)
         own: set[Any] = set()
         for k, eqn in enumerate(jaxpr.eqns):
-            ins = [v for v in eqn.invars if is_var(v)]
+            ins = [v for v in eqn.invars if is_value(v)]
             if ins and all(v in param_of or v in own for v in ins):
                 own.update(eqn.outvars)     # cast / reshaped weights
                 if eqn.primitive.name == "convert_element_type":
@@ -155,7 +154,7 @@ class _BlockSearch:
             if eqn.primitive.name in CALL_PRIMITIVES:
                 inner = called_jaxpr(eqn).jaxpr
                 self.walk(inner, {i: param_of[o] for o, i in zip(
-                    eqn.invars, inner.invars, strict=True) if is_var(o) and o in param_of},
+                    eqn.invars, inner.invars, strict=True) if is_value(o) and o in param_of},
                     (*path, k))
         self.judge(jaxpr, param_of, own, path)
 
@@ -192,7 +191,7 @@ class _BlockSearch:
         # what makes a repeat a layer: a matmul the primitive table gives a layer rule
         # (it multiplies by a weight), reading a weight of its own
         return prim_info(eqn.primitive.name).layer is not None and any(
-            is_var(v) and (v in param_of or v in own) for v in eqn.invars)
+            is_value(v) and (v in param_of or v in own) for v in eqn.invars)
 
     def best(self) -> RepeatedBlocks:
         if self.found:
@@ -229,16 +228,16 @@ class _Wiring:
         made = 0
         key: list[Any] = []
         for e in eqns:
-            args = tuple(ids[v] if is_var(v) else self._literal(v) for v in e.invars)
+            args = tuple(ids[v] if is_value(v) else self._literal(v) for v in e.invars)
             for v in e.outvars:
-                if is_var(v):
+                if is_value(v):
                     ids[v], made = made, made + 1
             key.append((e.primitive.name, args,
                         tuple((tuple(v.aval.shape), str(v.aval.dtype))
                               if hasattr(v.aval, "shape") else str(v.aval)
                               for v in e.outvars),
                         tuple(sorted((k, self._param(p)) for k, p in e.params.items()))))
-        key.append(tuple(ids[v] if is_var(v) else self._literal(v) for v in outs))
+        key.append(tuple(ids[v] if is_value(v) else self._literal(v) for v in outs))
         return tuple(key)
 
     def _jaxpr(self, jaxpr: Jaxpr) -> Any:

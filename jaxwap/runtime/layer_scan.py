@@ -27,11 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jaxwap.analysis.flatten import scan_counts, sub_jaxprs
+from jaxwap.analysis.flatten import is_value, scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.roles import batch_rows, is_key_dtype
+from jaxwap.runtime.batch_keys import maybe_raw_key, wrapped_keys
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -63,9 +64,10 @@ class LayerScan:
     # per-layer flag or constant, a Flax dropout key the layers never draw from): a
     # pipeline passes them whole to every stage, each layer reading its own row
     extras: tuple[int, ...] = ()
-    # those of them that are PRNG keys the layers draw from (dropout inside the stack):
-    # a stage folds each micro-batch's and data shard's index into its layer's key
-    draws: tuple[int, ...] = ()
+    # those of them that are PRNG keys the layers draw from (dropout inside the stack),
+    # each with None (typed keys) or the implementation raw key data is wrapped with: a
+    # stage folds each micro-batch's and data shard's index into its layer's key
+    draws: tuple[tuple[int, str | None], ...] = ()
     # positions among the scan's consts of those with the batch's rows leading (a mask,
     # positions, segment ids the layers read): a stage reads its micro-batch's rows of
     # them, where a trace at a micro-batch's rows shows them cut so (`_body_at`)
@@ -134,16 +136,10 @@ def has_scan(jaxpr: Jaxpr) -> bool:
                for e in jaxpr.eqns)
 
 
-def is_var(v: Any) -> bool:
-    """Whether an equation's input or output is a value (not a literal, not dropped):
-    only values can be parameters, be computed from the batch, or be read."""
-    return not isinstance(v, Literal | DropVar)
-
-
 def _indexed_stacks(consts: list[Any], param_of: dict[Any, int], length: int) -> list[Any]:
     """The consts of a scan of `length` iterations that are stacked parameters of as many
     layers: what a `fori_loop` over layers indexes (`w[i]`) where a layer scan slices."""
-    return [v for v in consts if is_var(v) and v in param_of and v.aval.shape[:1] == (length,)]
+    return [v for v in consts if is_value(v) and v in param_of and v.aval.shape[:1] == (length,)]
 
 
 def reads(jaxpr: Jaxpr, var: Any) -> bool:
@@ -182,11 +178,11 @@ class _Search:
         """Scan `jaxpr`'s equations in order: `param_of` maps the values that are
         parameter leaves (or casts of them) to their leaf index, `on_batch` holds the
         values computed from the batch, `live` the outputs the caller reads."""
-        used = {v for v in jaxpr.outvars if is_var(v) and v in live}
+        used = {v for v in jaxpr.outvars if is_value(v) and v in live}
         for eqn in jaxpr.eqns:
-            used.update(v for v in eqn.invars if is_var(v))
+            used.update(v for v in eqn.invars if is_value(v))
         for k, eqn in enumerate(jaxpr.eqns):
-            ins = [v for v in eqn.invars if is_var(v)]
+            ins = [v for v in eqn.invars if is_value(v)]
             name = eqn.primitive.name
             if name == "convert_element_type" and ins and ins[0] in param_of:
                 param_of[eqn.outvars[0]] = param_of[ins[0]]
@@ -196,8 +192,8 @@ class _Search:
                 inner = called_jaxpr(eqn).jaxpr
                 pairs = list(zip(eqn.invars, inner.invars, strict=True))
                 self.walk(inner,
-                          {i: param_of[o] for o, i in pairs if is_var(o) and o in param_of},
-                          {i for o, i in pairs if is_var(o) and o in on_batch},
+                          {i: param_of[o] for o, i in pairs if is_value(o) and o in param_of},
+                          {i for o, i in pairs if is_value(o) and o in on_batch},
                           {i for o, i in zip(eqn.outvars, inner.outvars, strict=True)
                            if o in used}, (*path, k))
             elif any(has_scan(j) for j in sub_jaxprs(eqn.params)):
@@ -211,7 +207,7 @@ class _Search:
         (nc, ncarry), length = scan_counts(p), int(p["length"])
         consts, carry = eqn.invars[:nc], eqn.invars[nc:nc + ncarry]
         xs = eqn.invars[nc + ncarry:]
-        stacked = [param_of.get(v) if is_var(v) else None for v in xs]
+        stacked = [param_of.get(v) if is_value(v) else None for v in xs]
         weight = sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize for v in xs)
         aval = carry[0].aval if ncarry == 1 else None
         why = None
@@ -243,30 +239,35 @@ class _Search:
             tuple(int(d) for d in aval.shape), str(aval.dtype), self.batch_size, path,
             extras=tuple(i for i, s in enumerate(stacked) if s is None), draws=other,
             row_consts=tuple(k for k, v in enumerate(consts)
-                             if is_var(v) and v.aval.shape[:1] == (self.batch_size,)))))
+                             if is_value(v) and v.aval.shape[:1] == (self.batch_size,)))))
 
     def _other_inputs(self, eqn: Any, xs: list[Any], stacked: list[int | None],
-                      on_batch: set[Any]) -> str | tuple[int, ...]:
+                      on_batch: set[Any]) -> str | tuple[tuple[int, str | None], ...]:
         """Why the scan's per-layer inputs that are not parameters keep it from a
-        pipeline, or the positions of the PRNG keys the layers draw from. A stage passes
+        pipeline, or the PRNG keys the layers draw from (position; None for typed keys,
+        else the implementation raw key data is wrapped with). A stage passes
         them whole and each layer reads its row: a per-layer constant or flag as it is, a
         key folded with the micro-batch's and the data shard's index (drawn as it was,
         every micro-batch and shard would draw the same); a value with the batch's rows
         cannot be (a micro-batch needs its own rows)."""
         body = eqn.params["jaxpr"].jaxpr
         inner = body.invars[len(body.invars) - len(xs):]
-        draws = []
+        draws: list[tuple[int, str | None]] = []
+        raw = {}
         for i, (x, s, v) in enumerate(zip(xs, stacked, inner, strict=True)):
             if s is not None:
                 continue
-            if not is_var(x):
+            if not is_value(x):
                 return "a per-layer input of the scan is a literal"
             if x in on_batch and x.aval.shape[1:2] == (self.batch_size,):
                 return (f"a per-layer input of the scan ({x.aval.str_short()}) has the "
                         f"batch's rows")
             if is_key_dtype(x.aval.dtype) and reads(body, v):
-                draws.append(i)
-        return tuple(draws)
+                draws.append((i, None))
+            elif maybe_raw_key(v.aval):
+                raw[v] = i
+        draws += [(i, impl) for i, impl in wrapped_keys(body, raw).items()]
+        return tuple(sorted(draws))
 
     def _remat_only(self, eqn: Any, param_of: dict[Any, int], carry: list[Any],
                     xs: list[Any], weight: int, why: str, path: tuple[int, ...]) -> None:
@@ -275,7 +276,7 @@ class _Search:
         as its consts), with an activation of the batch's rows carried."""
         length = int(eqn.params["length"])
         consts = eqn.invars[:scan_counts(eqn.params)[0]]
-        stacked = [param_of[v] for v in xs if is_var(v) and v in param_of]
+        stacked = [param_of[v] for v in xs if is_value(v) and v in param_of]
         indexed = _indexed_stacks(consts, param_of, length)
         rows = [v.aval for v in carry if np.ndim(v.aval) and v.aval.shape[0] == self.batch_size]
         if length < 2 or not (stacked or indexed) or not rows:
@@ -308,7 +309,7 @@ def find_in_jaxpr(jaxpr: Jaxpr, n_params: int, batch_size: int,
     layer (`LayerScan.not_pipelined` says why it cannot be pipelined)."""
     search = _Search(batch_size)
     search.walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars[:n_params])},
-                set(jaxpr.invars[n_params:]), {v for v in jaxpr.outvars if is_var(v)}, ())
+                set(jaxpr.invars[n_params:]), {v for v in jaxpr.outvars if is_value(v)}, ())
     return search.best(remat)
 
 
@@ -328,4 +329,4 @@ def equation_at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:
 
 __all__ = ["CALL_PRIMITIVES", "NO_SCAN", "LayerScan", "NoLayerScan", "abstract_values",
            "batch_size_of", "called_jaxpr", "equation_at", "find_in_jaxpr",
-           "find_layer_scan", "has_scan", "is_var", "reads", "trace_loss"]
+           "find_layer_scan", "has_scan", "reads", "trace_loss"]

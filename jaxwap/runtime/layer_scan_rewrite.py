@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType
 
-from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, scan_counts
+from jaxwap.analysis.flatten import REMAT_PRIMITIVES, bind, evaluate, is_value, scan_counts
 from jaxwap.core.records import MODEL, STAGE
 from jaxwap.runtime.batch_keys import fold_micro
 from jaxwap.runtime.layer_scan import (
@@ -42,7 +42,6 @@ from jaxwap.runtime.layer_scan import (
     called_jaxpr,
     equation_at,
     find_in_jaxpr,
-    is_var,
     trace_loss,
 )
 from jaxwap.runtime.schedule import pipelined
@@ -95,13 +94,13 @@ def _outside_uses(jaxpr: Jaxpr, param_of: dict[Any, int], stacked: set[int],
     param_of = dict(param_of)
     out = []
     for k, eqn in enumerate(jaxpr.eqns):
-        ins = [v for v in eqn.invars if is_var(v)]
+        ins = [v for v in eqn.invars if is_value(v)]
         name = eqn.primitive.name
         if path and k == path[0]:
             if len(path) > 1:            # a call on the way to the scan: look inside
                 inner = called_jaxpr(eqn).jaxpr
                 out += _outside_uses(inner, {i: param_of[o] for o, i in zip(
-                    eqn.invars, inner.invars, strict=True) if is_var(o) and o in param_of},
+                    eqn.invars, inner.invars, strict=True) if is_value(o) and o in param_of},
                     stacked, path[1:])
         elif name == "convert_element_type" and ins and ins[0] in param_of:
             param_of[eqn.outvars[0]] = param_of[ins[0]]
@@ -352,8 +351,8 @@ def pipelined_loss(loss_fn: Callable, scan: LayerScan, *, stages: int, micro_bat
             if found.draws:  # its own draw for each micro-batch and data shard
                 micro = rest[-1]
                 shard = jax.lax.axis_index(data_axis) if data_axis else 0
-                for i in found.draws:
-                    w[i] = fold_micro(fold_micro(w[i], micro, None), shard, None)
+                for i, kind in found.draws:
+                    w[i] = fold_micro(fold_micro(w[i], micro, kind), shard, kind)
             return evaluate_replacing(body.jaxpr, own, [*consts, h, *w], in_stage=True)[0]
 
         run = pipelined(layer, None, micro_batches=micro_batches, repeats=repeats,
