@@ -105,7 +105,7 @@ def steps_of(variant: StepVariant) -> int:
 
 
 def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
-                variant: StepVariant) -> float:
+                variant: StepVariant, row_consts_bytes: float = 0.0) -> float:
     """Bytes per device the pipeline's loop holds beyond its stage step (on batch / p
     rows), whatever the layouts: the stack's residuals for the rest of the local batch
     (the stage step kept `stack_live`, all devices' bytes, for 1/p of it) and for the
@@ -113,9 +113,14 @@ def loop_memory(stack_live: float, carry_row_bytes: float, batch: int, d: int,
     keeps its input alone (one micro-batch's rows of the carried activation, every step
     of the loop), and the stage's residuals (`stack_live`: what its recomputation holds)
     live for one micro-batch at a time, beyond the stage step's where a micro-batch has
-    more rows than it (fewer micro-batches than stages)."""
+    more rows than it (fewer micro-batches than stages). `row_consts_bytes`: a batch
+    row's bytes of what the layers close over with the batch's rows (positions, a mask):
+    the loop takes them in cut into micro-batches, the local batch's rows of them, and
+    holds them through the forward and the backward loop (each loop step reads its
+    micro-batch's; the stage step holds one micro-batch's)."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
     buffers = (_LOOP_BUFFERS - (_ROUND_BUFFERS if rr == 1 else 0)) * carry_row_bytes * batch / d
+    buffers += row_consts_bytes * batch / d
     if variant.remat == "stage":
         inputs = carry_row_bytes * batch / (d * mb) * (mb * rr + p - 1)
         return inputs + stack_live / d * max(0.0, p / mb - 1) + buffers
@@ -158,7 +163,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
                         strategies: Sequence[Strategy], stacked: Sequence[int],
                         variant: StepVariant, layers_per_stage: int, carry_row_bytes: float,
                         batch: int, stack_live: float, stack_layers: int | None = None,
-                        carry_split: int = 1) -> Prediction:
+                        carry_split: int = 1, row_consts_bytes: float = 0.0) -> Prediction:
     """The pipelined step's prediction on p x d x m devices, from the stage graph's
     (`graph`: the step with `layers_per_stage` layers on batch / p rows) prediction
     `stage` on its (d, m) mesh with `strategies`; `stacked` indexes the stacked
@@ -166,7 +171,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
     devices' bytes). `stack_layers`: the stack's layers, where they do not fill the p
     stages' `layers_per_stage` slots (None: they do). `carry_split`: the ways the loop
     keeps its carried activations split over the model axis (`schedule.pipelined`'s
-    `carry_axis`; 1: whole)."""
+    `carry_axis`; 1: whole). `row_consts_bytes`: `loop_memory`'s."""
     p, mb, rr = variant.stages, variant.micro_batches, variant.repeats
     n = p * d * m
     # the stage was priced as if its d*m devices were all the job used
@@ -256,7 +261,7 @@ def pipeline_prediction(graph: Graph, cluster: Cluster, stage: Prediction, d: in
         comm_bytes += 2 * a_b
     memory = (stage.peak_memory_bytes
               + loop_held(stage_stack, whole, layers_per_stage, variant, uneven)
-              + loop_memory(stack_live, row, batch, d, variant))
+              + loop_memory(stack_live, row, batch, d, variant, row_consts_bytes))
     parts = StepParts(
         compute=stage.compute_time_s * ratio + delta + bubble,
         busy=stage.busy_time_s * ratio + delta_busy,

@@ -72,6 +72,8 @@ class LayerScan:
     # positions, segment ids the layers read): a stage reads its micro-batch's rows of
     # them, where a trace at a micro-batch's rows shows them cut so (`_body_at`)
     row_consts: tuple[int, ...] = ()
+    # a batch row's bytes of them: what the pipeline's loop holds per row it takes in
+    row_const_bytes: int = 0
     # why it cannot be pipelined, where it is a loop over layers that can only be
     # checkpointed layer by layer (`find_in_jaxpr(..., remat=True)`); None: it can be
     not_pipelined: str | None = None
@@ -234,12 +236,14 @@ class _Search:
             self.reasons.append((weight, why))
             self._remat_only(eqn, param_of, carry, xs, weight, why, path)
             return
+        rowed = [v for v in consts if is_value(v) and v.aval.shape[:1] == (self.batch_size,)]
         self.found.append((weight, LayerScan(
             length, tuple(int(s) for s in stacked if s is not None),
             tuple(int(d) for d in aval.shape), str(aval.dtype), self.batch_size, path,
             extras=tuple(i for i, s in enumerate(stacked) if s is None), draws=other,
-            row_consts=tuple(k for k, v in enumerate(consts)
-                             if is_value(v) and v.aval.shape[:1] == (self.batch_size,)))))
+            row_consts=tuple(k for k, v in enumerate(consts) if v in rowed),
+            row_const_bytes=sum(int(np.prod(v.aval.shape[1:])) * v.aval.dtype.itemsize
+                                for v in rowed))))
 
     def _other_inputs(self, eqn: Any, xs: list[Any], stacked: list[int | None],
                       on_batch: set[Any]) -> str | tuple[tuple[int, str | None], ...]:

@@ -224,7 +224,7 @@ def _inputs_only_may_fit(best: MeshResult, stack_live: float, graph: Graph | Non
     share, gathered = stack_shares(graph, best.strategies, scan.stacked, best.d, best.m)
 
     def holds(v: StepVariant) -> float:
-        return (loop_memory(stack_live, row, B, best.d, v)
+        return (loop_memory(stack_live, row, B, best.d, v, scan.row_const_bytes)
                 + loop_held(share, gathered, k, v, relaid))
     lean = min(holds(dataclasses.replace(step, remat="stage", repeats=r))
                for r in {step.repeats, 1})
@@ -313,7 +313,8 @@ def _solved(graph: Graph, twice: Graph, cluster: Cluster, d: int, m: int, stacke
     split = carry_split(scan, m)
     row = scan.carry_row_bytes / split
     least = inputs_split(stack_live, scan, k, B / variants[0].stages, split)
-    room = budget - min(loop_memory(least, row, B, d, v) for v in variants)
+    room = budget - min(loop_memory(least, row, B, d, v, scan.row_const_bytes)
+                        for v in variants)
     out: list[MeshResult] = []
     for _ in range(RESOLVES + 1):
         stage = solve_mesh(graph, cluster, d, m, max(room, 0.0), offload, rules)
@@ -349,7 +350,7 @@ def _candidates(graph: Graph, twice: Graph, cluster: Cluster, stage: MeshResult,
         variant = dataclasses.replace(variant, stage_specs=specs)
         pred = pipeline_prediction(graph, cluster, stage.predicted, d, m, stage.strategies,
                                    sorted(stacked), variant, k, scan.carry_row_bytes, B, kept,
-                                   scan.length, carry_split(scan, m))
+                                   scan.length, carry_split(scan, m), scan.row_const_bytes)
         out.append(MeshResult(d, m, strategies, pred, stage.fits and
                               pred.peak_memory_bytes <= budget, step=variant))
     return out
