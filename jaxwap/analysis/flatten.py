@@ -127,6 +127,13 @@ def sub_jaxprs(params: Mapping[str, Any]) -> Iterator[Any]:
                 yield x
 
 
+def bodies_one_to_one(eqn: Any) -> list[Any]:
+    """The jaxprs `eqn` runs that take its inputs one to one (a jit's or checkpoint's
+    body, a custom derivative's function, a scan's body): input k of the equation is
+    input k of each, so a walk can follow one input into them."""
+    return [j for j in sub_jaxprs(eqn.params) if len(j.invars) == len(eqn.invars)]
+
+
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """(consts, carried values) at the head of a `scan` equation's inputs, in either form
     jax writes them: `num_consts`/`num_carry` up to jax 0.10; from jax 0.11 the inputs'

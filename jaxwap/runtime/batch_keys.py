@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from jaxwap.analysis.flatten import is_value, sub_jaxprs
+from jaxwap.analysis.flatten import bodies_one_to_one, is_value
 from jaxwap.analysis.roles import is_key_dtype
 
 #: a key leaf: typed (None) or raw data wrapped with this implementation's name
@@ -53,11 +53,10 @@ def wrapped_keys(jaxpr: Jaxpr, targets: dict[Any, int]) -> dict[int, str]:
             if eqn.primitive.name == "random_wrap":
                 found.setdefault(ins[0], eqn.params["impl"].name)
                 continue
-            for inner in sub_jaxprs(eqn.params):
-                if len(inner.invars) == len(eqn.invars):
-                    walk(inner, {i: targets[o] for o, i in zip(eqn.invars, inner.invars,
-                                                               strict=True)
-                                 if is_value(o) and o in targets})
+            for inner in bodies_one_to_one(eqn):
+                walk(inner, {i: targets[o] for o, i in zip(eqn.invars, inner.invars,
+                                                           strict=True)
+                             if is_value(o) and o in targets})
     walk(jaxpr, targets)
     return found
 

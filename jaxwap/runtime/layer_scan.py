@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from jaxwap.analysis.flatten import is_value, scan_counts, sub_jaxprs
+from jaxwap.analysis.flatten import bodies_one_to_one, is_value, scan_counts, sub_jaxprs
 from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.roles import batch_rows, is_key_dtype
 from jaxwap.runtime.batch_keys import maybe_raw_key, wrapped_keys
@@ -105,6 +105,16 @@ def batch_size_of(batch: Any) -> int:
     return size
 
 
+def batch_at_rows(batch: Any, rows: int) -> Any:
+    """The batch, abstract, with the leaves that have its rows (`batch_size_of`) cut to
+    `rows`: what a pipeline stage's micro-batch is; the others (a PRNG key, class
+    weights, a scalar) stay whole."""
+    size = batch_size_of(batch)
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype)
+        if np.ndim(x) and np.shape(x)[0] == size else x, abstract_values(batch))
+
+
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> tuple[ClosedJaxpr, Any]:
     """(closed jaxpr, output tree) of the loss on abstract arguments. Kept
     (`graph_cache.kept`) by loss, argument shapes and context (the abstract mesh it is
@@ -154,7 +164,7 @@ def reads(jaxpr: Jaxpr, var: Any) -> bool:
         for k, v in enumerate(eqn.invars):
             if v is not var:
                 continue
-            inner = [j for j in sub_jaxprs(eqn.params) if len(j.invars) == len(eqn.invars)]
+            inner = bodies_one_to_one(eqn)
             if not inner or any(reads(j, j.invars[k]) for j in inner):
                 return True
     return False
@@ -236,14 +246,15 @@ class _Search:
             self.reasons.append((weight, why))
             self._remat_only(eqn, param_of, carry, xs, weight, why, path)
             return
-        rowed = [v for v in consts if is_value(v) and v.aval.shape[:1] == (self.batch_size,)]
+        rowed = [k for k, v in enumerate(consts)
+                 if is_value(v) and v.aval.shape[:1] == (self.batch_size,)]
         self.found.append((weight, LayerScan(
             length, tuple(int(s) for s in stacked if s is not None),
             tuple(int(d) for d in aval.shape), str(aval.dtype), self.batch_size, path,
             extras=tuple(i for i, s in enumerate(stacked) if s is None), draws=other,
-            row_consts=tuple(k for k, v in enumerate(consts) if v in rowed),
-            row_const_bytes=sum(int(np.prod(v.aval.shape[1:])) * v.aval.dtype.itemsize
-                                for v in rowed))))
+            row_consts=tuple(rowed),
+            row_const_bytes=sum(int(np.prod(consts[k].aval.shape[1:]))
+                                * consts[k].aval.dtype.itemsize for k in rowed))))
 
     def _other_inputs(self, eqn: Any, xs: list[Any], stacked: list[int | None],
                       on_batch: set[Any]) -> str | tuple[tuple[int, str | None], ...]:
@@ -332,5 +343,5 @@ def equation_at(jaxpr: Jaxpr, path: tuple[int, ...]) -> Any:
 
 
 __all__ = ["CALL_PRIMITIVES", "NO_SCAN", "LayerScan", "NoLayerScan", "abstract_values",
-           "batch_size_of", "called_jaxpr", "equation_at", "find_in_jaxpr",
+           "batch_at_rows", "batch_size_of", "called_jaxpr", "equation_at", "find_in_jaxpr",
            "find_layer_scan", "has_scan", "reads", "trace_loss"]

@@ -38,6 +38,7 @@ from jaxwap.runtime.layer_scan import (
     LayerScan,
     NoLayerScan,
     abstract_values,
+    batch_at_rows,
     batch_size_of,
     called_jaxpr,
     equation_at,
@@ -202,10 +203,7 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
     cut to `rows` rows (the leaves without the batch's rows, a PRNG key, stay whole), in
     the context of the pipeline's shard_map, where the body runs (the `manual` axes, its
     loop's own, manual; the others as they are). Any other const must keep its shape."""
-    size = batch_size_of(batch)
-    small = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, *np.shape(x)[1:]), x.dtype)
-        if np.ndim(x) and np.shape(x)[0] == size else x, abstract_values(batch))
+    size, small = batch_size_of(batch), batch_at_rows(batch, rows)
     mesh = jax.sharding.get_abstract_mesh()
     # the context the body runs in: the loop's axes manual, as its shard_map sets them
     # (jax caches traces of jitted helpers and custom-derivative rules by that context,

@@ -114,7 +114,7 @@ def carry_split_dim(row: Sequence[int], ways: int) -> int | None:
 
 
 def staged_in_specs(params: Any, param_specs: Any, mesh: Mesh | None, here: Any,
-                 manual: frozenset[str]) -> tuple[Any, Any]:
+                    manual: frozenset[str]) -> tuple[Any, Any]:
     """The staged parameters and their `shard_map` in-specs: split over the stage axis
     along the layer dim; with `param_specs`, the layout asked for is pinned where the loop
     takes the weights in, and the in-specs name the loop's own axes only, the rest

@@ -16,7 +16,7 @@ import jax
 from jaxwap.analysis.graph import Graph, analyze
 from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.trace import layout_of
-from jaxwap.runtime.layer_scan import LayerScan
+from jaxwap.runtime.layer_scan import LayerScan, batch_at_rows
 from jaxwap.runtime.layer_scan_rewrite import stack_cut
 from jaxwap.runtime.train_step import TrainStep
 
@@ -36,11 +36,7 @@ def stage_step(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
     step = TrainStep(stack_cut(fn.loss_and_aux(), scan, layers, remat_stack), fn.optimizer,
                      has_aux=True)
     opt_state = jax.eval_shape(fn.init, stage_params)
-    # the leaves without the batch's rows (a PRNG key, class weights) stay whole
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)
-        if x.shape[:1] == (scan.batch_size,) else x, batch)
-    return step, (stage_params, opt_state, abstract)
+    return step, (stage_params, opt_state, batch_at_rows(batch, rows))
 
 
 def stage_graph(fn: TrainStep, args: Sequence[Any], scan: LayerScan, layers: int,
