@@ -1,0 +1,95 @@
+"""The optimizers people write, not just `optax.adam`: chains with clipping and masked
+weight decay, schedules, gradient accumulation inside the optimizer (`optax.MultiSteps`),
+per-group optimizers (`optax.multi_transform`, whose state holds `MaskedNode`s),
+hyperparameters in the state (`inject_hyperparams`), integer and boolean counters
+(`apply_if_finite`) and factored moments whose shapes are not the parameters'
+(`adafactor`). Each step, sharded with FSDP and tensor parallelism on 8 CPU devices,
+gives the single-device numbers; and a step micro-batched by the planner around an
+optimizer that accumulates gradients itself gives them too."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from models import MLP, copy_tree, setup
+
+import jaxwap
+
+RTOL, ATOL = 2e-5, 2e-6   # f32 sums in another order (`test_equivalence`)
+
+
+def _kernels(params):
+    return jax.tree_util.tree_map(lambda x: x.ndim > 1, params)
+
+
+def _groups(params):
+    return jax.tree_util.tree_map(lambda x: "kernel" if x.ndim > 1 else "bias", params)
+
+
+OPTIMIZERS = {
+    "clip+adamw(schedule, masked decay)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 1, 10),
+                    weight_decay=0.1, mask=_kernels)),
+    "MultiSteps(adam)": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "multi_transform": lambda: optax.multi_transform(
+        {"kernel": optax.adam(1e-2), "bias": optax.sgd(1e-2)}, _groups),
+    "inject_hyperparams(adamw)": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=1e-2, weight_decay=1e-3),
+    "apply_if_finite(adam)": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+}
+
+
+def _close(a, b):
+    # leaves compared as float64 (integer and boolean counters among them)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(
+        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=RTOL, atol=ATOL), a, b)
+
+
+def _both(step, params, opt, batch, steps=2, **options):
+    ref_p, ref_o = copy_tree(params), copy_tree(opt)
+    for _ in range(steps):
+        ref_p, ref_o, ref_m = jax.jit(step)(ref_p, ref_o, batch)
+    sharded = jaxwap.auto_shard(step, params, cache=False, verify=0, **options)
+    p, o = copy_tree(params), copy_tree(opt)
+    for _ in range(steps):
+        p, o, m = sharded(p, o, batch)
+    _close((ref_p, ref_o, ref_m), (p, o, m))
+    return sharded.plan
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_optimizers_state_shards_with_its_parameters_and_the_step_is_unchanged(name):
+    step, params, opt, batch = setup(MLP(), (32, 16), tx=OPTIMIZERS[name]())
+    plan = _both(step, params, opt, batch, mesh_shape={"data": 4, "model": 2},
+                 strategies=("fsdp", "tp"))
+    assert dict(plan.mesh_shape) == {"data": 4, "model": 2}
+    used = {p.strategy for p in plan.params}
+    assert any("fsdp" in s for s in used) and any("tp" in s for s in used), used
+
+
+def test_micro_batches_around_an_optimizer_that_accumulates_gradients_itself():
+    # MultiSteps averages two steps' gradients before one update; the planner's
+    # micro-batches average each step's first: an update every second step, equal
+    tx = optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), every_k_schedule=2)
+    model = MLP()
+
+    def loss(p, b):
+        logits = model.apply(p, b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    _, params, opt, batch = setup(model, (2048, 16), tx=tx)
+    step = jaxwap.make_train_step(loss, tx)
+    # a budget under the step as written's predicted peak on one device and over its
+    # state: only micro-batches make it fit
+    whole = jaxwap.plan(step, params, opt, batch, params=params, num_devices=1, verify=0,
+                        cache=False, offload=False)
+    state = sum(x.nbytes for x in jax.tree.leaves((params, opt)))
+    peak = whole.predicted.peak_memory_bytes
+    assert whole.step.is_plain and peak > 2 * state, (peak, state)
+    plan = _both(step, params, opt, batch, steps=4, num_devices=1, offload=False,
+                 memory_budget=(peak + 2 * state) / 3)
+    assert plan.step.micro_batches > 1, plan.step.describe()
