@@ -58,17 +58,39 @@ def _both(step, params, opt, batch, steps=2, **options):
     for _ in range(steps):
         p, o, m = sharded(p, o, batch)
     _close((ref_p, ref_o, ref_m), (p, o, m))
-    return sharded.plan
+    return sharded.plan, o
+
+
+def _mirrors(plan, params, opt_state):
+    """(each FSDP parameter's path, the sharding of every optimizer-state leaf that
+    mirrors it: a leaf of its shape at a path ending in the parameter's)."""
+    fsdp = {jax.tree_util.keystr(path) for (path, _), pl in zip(
+        jax.tree_util.tree_leaves_with_path(params), plan.params, strict=True)
+        if "fsdp" in pl.strategy}
+    shapes = {jax.tree_util.keystr(path): x.shape
+              for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    out = []
+    for path, x in jax.tree_util.tree_leaves_with_path(opt_state):
+        key = jax.tree_util.keystr(path)
+        out += [(name, x.sharding) for name in fsdp
+                if key.endswith(name) and x.shape == shapes[name]]
+    return out
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_an_optimizers_state_shards_with_its_parameters_and_the_step_is_unchanged(name):
     step, params, opt, batch = setup(MLP(), (32, 16), tx=OPTIMIZERS[name]())
-    plan = _both(step, params, opt, batch, mesh_shape={"data": 4, "model": 2},
-                 strategies=("fsdp", "tp"))
+    plan, state = _both(step, params, opt, batch, mesh_shape={"data": 4, "model": 2},
+                        strategies=("fsdp", "tp"))
     assert dict(plan.mesh_shape) == {"data": 4, "model": 2}
     used = {p.strategy for p in plan.params}
     assert any("fsdp" in s for s in used) and any("tp" in s for s in used), used
+    # the moments (and MultiSteps' accumulated gradients) of an FSDP parameter are
+    # sharded as it is, not held whole on every device
+    mirrors = _mirrors(plan, params, state)
+    assert mirrors
+    for path, sharding in mirrors:
+        assert not sharding.is_fully_replicated, (path, sharding)
 
 
 def test_micro_batches_around_an_optimizer_that_accumulates_gradients_itself():
@@ -90,6 +112,6 @@ def test_micro_batches_around_an_optimizer_that_accumulates_gradients_itself():
     state = sum(x.nbytes for x in jax.tree.leaves((params, opt)))
     peak = whole.predicted.peak_memory_bytes
     assert whole.step.is_plain and peak > 2 * state, (peak, state)
-    plan = _both(step, params, opt, batch, steps=4, num_devices=1, offload=False,
+    plan, _ = _both(step, params, opt, batch, steps=4, num_devices=1, offload=False,
                  memory_budget=(peak + 2 * state) / 3)
     assert plan.step.micro_batches > 1, plan.step.describe()
