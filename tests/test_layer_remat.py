@@ -460,9 +460,9 @@ def test_no_micro_batch_count_is_traced_where_each_ones_floor_is_over_the_budget
 
 def _stack_loop(loop):
     """An 8-layer MLP run by a loop over its layers, with real arrays: a `fori_loop`
-    reading `w[i]` of its stacked weights or a `lax.scan` carrying a second value (neither
-    can be pipelined), or a `lax.scan` over the weights and a dropout key per layer (it
-    can)."""
+    reading `w[7 - i]` of its stacked weights (one reading `w[i]` is the layer scan it
+    is: `indexed_stacks`) or a `lax.scan` carrying a second value (neither can be
+    pipelined), or a `lax.scan` over the weights and a dropout key per layer (it can)."""
     layers, width, rows = 8, 64, 256
     rng = np.random.default_rng(0)
     params = {"w": (rng.standard_normal((layers, width, width)) / 8).astype(np.float32),
@@ -476,8 +476,9 @@ def _stack_loop(loop):
         return h + jax.numpy.sin(a) * jax.numpy.cos(a) + a * a
 
     def loss(p, b):
-        if loop == "fori_loop":
-            h = jax.lax.fori_loop(0, layers, lambda i, h: layer(h, p["w"][i]), b["x"])
+        if loop == "fori_loop_reversed":
+            h = jax.lax.fori_loop(0, layers, lambda i, h: layer(h, p["w"][layers - 1 - i]),
+                                  b["x"])
         elif loop == "scan_two_carries":
             (h, _), _ = jax.lax.scan(lambda c, w: ((layer(c[0], w), c[1] + 1.0), None),
                                      (b["x"], 0.0), p["w"])
@@ -493,7 +494,8 @@ def _stack_loop(loop):
     return step, params, step.init(params), batch
 
 
-@pytest.mark.parametrize("loop", ["fori_loop", "scan_two_carries", "scan_with_keys"])
+@pytest.mark.parametrize("loop", ["fori_loop_reversed", "scan_two_carries",
+                                  "scan_with_keys"])
 def test_loops_over_layers_are_checkpointed_layer_by_layer_whether_or_not_they_pipeline(
         loop):
     """Two loops cannot be pipelined (the reason is kept), the scan with keys can; each

@@ -171,10 +171,27 @@ def _lax(layers: int = L):
     return loss, params
 
 
+def _fori(layers: int = L):
+    """The hand-written stack run by a `fori_loop` reading layer i of each stacked leaf
+    (`w[i]`), the odd layers' branch scaled by a half (a flag read from the counter)."""
+    _, params = _lax(layers)
+
+    def loss(p, b):
+        def layer(i, h):
+            w = jax.tree.map(lambda x: x[i], p["blocks"])
+            return h + jnp.where(i % 2 == 0, 1.0, 0.5) * jnp.tanh(
+                h @ w["w1"] + w["b1"]) @ w["w2"]
+
+        h = jax.lax.fori_loop(0, p["blocks"]["w1"].shape[0], layer,
+                              jnp.take(p["embed"], b["x"], axis=0).mean(1))
+        return _xent(h @ p["head"], b["y"])
+    return loss, params
+
+
 FORMS = {"linen_scan_remat": lambda n=L: _linen(True, n),
          "linen_scan": lambda n=L: _linen(False, n), "linen_decoder": _decoder,
          "linen_dropout_keys": _dropout_keys,
-         "nnx_vmap_scan": _nnx, "lax_scan": _lax}
+         "nnx_vmap_scan": _nnx, "lax_scan": _lax, "lax_fori_loop": _fori}
 # Adam's first step divides each gradient element by its own size, so an element whose
 # gradient is near Adam's eps moves by rounding noise at full scale (up to lr): the
 # attention decoder, with many such elements, is compared under SGD, whose update is
@@ -239,7 +256,8 @@ def test_a_stack_used_outside_its_scan_is_not_cut_and_says_why():
         plan.notes
 
 
-@pytest.mark.parametrize("form", ["linen_decoder", "nnx_vmap_scan", "lax_scan"])
+@pytest.mark.parametrize("form", ["linen_decoder", "nnx_vmap_scan", "lax_scan",
+                                  "lax_fori_loop"])
 def test_pipelines_are_weighed_for_a_cluster_of_nodes(form):
     step, params, opt, batch = _setup(form)
     cluster = jaxwap.Cluster("h100-sxm", 16, devices_per_node=8, inter_node_bandwidth=1e9)
@@ -260,7 +278,7 @@ def test_a_tight_memory_budget_is_planned_with_pipelines_weighed(form):
 
 
 @pytest.mark.parametrize("form", ["linen_scan_remat", "linen_scan", "linen_decoder",
-                                  "nnx_vmap_scan", "linen_dropout_keys"])
+                                  "nnx_vmap_scan", "linen_dropout_keys", "lax_fori_loop"])
 def test_the_pipelined_step_equals_the_plain_step(form):
     """2 stages x data 4, 4 micro-batches (the hand-written scan's pipelines are run by
     `test_pipeline_plan.py`)."""
@@ -326,3 +344,54 @@ def test_a_step_variant_that_cannot_be_built_is_skipped_and_named():
     said = str(e.value)
     assert "micro-batches: could not be built (TypeError" in said
     assert "(estimated)" not in said and "(predicted)" not in said.split("Also tried")[1]
+
+
+def _abstract_stack(loop: str):
+    """A 32-layer MLP stack (d 2048, bf16 compute, 256 x 2048 tokens) as abstract
+    arguments, run by a `lax.scan` over its stacked weights or a `fori_loop` reading
+    `w[i]`: on 8 H100s the step as written does not fit unpipelined."""
+    layers, d, vocab = 32, 2048, 32000
+    sds = jax.ShapeDtypeStruct
+    params = {"embed": sds((vocab, d), jnp.float32), "head": sds((d, vocab), jnp.float32),
+              "w_in": sds((layers, d, 4 * d), jnp.float32),
+              "w_out": sds((layers, 4 * d, d), jnp.float32)}
+
+    def block(h, w_in, w_out):
+        return h + jax.nn.gelu(h @ w_in.astype(jnp.bfloat16)) @ w_out.astype(jnp.bfloat16)
+
+    def loss(p, b):
+        h = p["embed"].astype(jnp.bfloat16)[b["x"]]
+        if loop == "scan":
+            h, _ = jax.lax.scan(lambda h, w: (block(h, *w), None), h, (p["w_in"], p["w_out"]))
+        else:
+            h = jax.lax.fori_loop(0, layers, lambda i, h: block(h, p["w_in"][i],
+                                                                  p["w_out"][i]), h)
+        return _xent((h @ p["head"].astype(jnp.bfloat16)).astype(jnp.float32), b["y"])
+    step = jaxwap.make_train_step(loss, optax.adam(1e-4))
+    tokens = sds((256, 2048), jnp.int32)
+    return step, params, jax.eval_shape(step.init, params), {"x": tokens, "y": tokens}
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop"])
+def test_where_only_pipelines_fit_the_ladders_restructurings_are_weighed_against_them(loop):
+    """The step as written fits 8 H100s only pipelined (stages checkpointed, many
+    micro-batches); per-layer remat over the 8 devices without stages is predicted
+    faster, and is what the plan takes, saying what it weighed."""
+    step, params, opt, batch = _abstract_stack(loop)
+    h100 = jaxwap.Cluster("h100-sxm", 8)
+    plan = jaxwap.plan(step, params, opt, batch, hardware=h100, verify=0, cache=False,
+                       objective="throughput")
+    assert plan.step.stages == 1 and plan.step.remat.startswith("layer_"), plan.step
+    # every pipeline that fits, forced: each predicted slower than the plan taken
+    piped = []
+    for stages in (2, 4, 8):
+        try:
+            piped.append(jaxwap.plan(step, params, opt, batch, hardware=h100, verify=0,
+                                     cache=False, objective="throughput",
+                                     pipeline={"stages": stages}))
+        except MemoryError:
+            pass
+    assert piped and all(p.step.stages > 1 for p in piped)
+    assert plan.predicted.step_time_s < min(p.predicted.step_time_s for p in piped)
+    assert any(n.startswith("as written, only pipelined candidates fit; the best, stage=")
+               and "lost to" in n for n in plan.notes), plan.notes

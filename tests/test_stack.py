@@ -88,8 +88,8 @@ def _two_carries(params, batch):
     return jnp.mean(h)
 
 
-def _fori_loop(params, batch):
-    h = jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ params["blocks"]["w"][i]),
+def _fori_loop_reversed(params, batch):   # layer L - 1 - i at iteration i
+    h = jax.lax.fori_loop(0, L, lambda i, h: jnp.tanh(h @ params["blocks"]["w"][L - 1 - i]),
                           batch["x"] @ params["a_in"])
     return jnp.mean(h)
 
@@ -118,8 +118,9 @@ def _scan_in_checkpoint(params, batch):
 @pytest.mark.parametrize("fn, why", [
     (_no_scan, "no lax.scan over stacked parameters at its top level"),
     (_two_carries, "carries 2 values; pipelining needs one carried activation"),
-    (_fori_loop, r"indexes its stacked parameters \(a fori_loop reading w\[i\]\); written "
-                 r"as a lax.scan over them, it can be pipelined"),
+    (_fori_loop_reversed, r"reads its stacked parameters other than as layer i at "
+                          r"iteration i \(a fori_loop reading w\[L - 1 - i\], say\); written "
+                          r"as a lax.scan over them, it can be pipelined"),
     (_scans_data, "the scan has no stacked parameters as per-layer inputs"),
     (_rows_per_layer, r"a per-layer input of the scan \(float32\[8,16,1\]\) has the "
                       r"batch's rows"),
@@ -231,6 +232,43 @@ def test_a_scan_with_per_layer_inputs_besides_its_parameters_is_pipelined_and_eq
     short = dict(params, blocks=jax.tree.map(lambda x: x[:3], params["blocks"]))
     assert float(cut(short, batch)) == pytest.approx(float(_per_layer_inputs(short, batch)),
                                                      rel=1e-6)
+
+
+def _fori_loops(params, batch):
+    """The stack run by `fori_loop`s reading layer i at iteration i, as loops are
+    written: `w[i]` (its index wrapped for negative values), `dynamic_index_in_dim` (a
+    jitted call) under a checkpointed body counting from 1 (`scale[i - 1]`), and the
+    counter read by the layer itself (a flag by parity)."""
+    blocks = params["blocks"]
+    n = blocks["w"].shape[0]
+
+    def first(i, h):
+        return h + jnp.where(i % 2 == 0, 1.0, 0.5) * jnp.tanh(h @ blocks["w"][i])
+
+    @jax.checkpoint
+    def second(i, h):
+        w = jax.lax.dynamic_index_in_dim(blocks["w"], i - 1, keepdims=False)
+        return h + jnp.tanh(h @ w) * blocks["scale"][i - 1]
+    h = jax.lax.fori_loop(0, n, first, batch["x"] @ params["a_in"])
+    h = jax.lax.fori_loop(1, n + 1, second, h)
+    return jnp.mean((h @ params["z_out"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("layers, stages, micro, repeats", [(7, 2, 2, 2), (6, 4, 4, 1)])
+def test_a_fori_loop_reading_layer_i_at_iteration_i_is_the_layer_scan_it_is(
+        layers, stages, micro, repeats):
+    """Each loop is found as a layer scan (its counter a per-layer input) and pipelined
+    equal to the loss in value and gradients, even and uneven splits; one that reads
+    another layer stays a loop, and says why (`test_a_scan_that_cannot_be_pipelined_...`)."""
+    params, batch = _setup(layers)
+    scan = find_layer_scan(_fori_loops, params, batch)   # the second: more bytes
+    assert scan.length == layers and scan.extras == (2,)
+    assert _paths(params, scan.stacked) == ["['blocks']['scale']", "['blocks']['w']"]
+    fn = pipelined_loss(_fori_loops, scan, stages=stages, micro_batches=micro,
+                        repeats=repeats, data_axis="data")
+    with jax.set_mesh(_mesh(stages, 8 // stages)):
+        got = jax.jit(jax.value_and_grad(fn))(params, batch)
+    _assert_close(got, jax.value_and_grad(_fori_loops)(params, batch))
 
 
 def _dropout_layer(h, w, key):

@@ -2,7 +2,8 @@
 (with its pipelined candidates beside it), then, for a step built by `make_train_step`,
 the ladder of restructurings (`train_step.ladder`: per-layer remat policies where the loss
 has layers, a layer scan or an unrolled model's repeated blocks, then micro-batches, the
-fewest found by bisection).
+fewest found by bisection). Where only pipelined candidates fit the step as written, the
+ladder is climbed too and the objective takes the better of the two.
 
 Each variant is traced and analysed, searched (`verified_search.step_searcher`) and, with
 `verify=`, checked by XLA (`verified_search.verify_finalists`, `verified_search.tighten`):
@@ -87,7 +88,15 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     # candidates, weighed beside it, need its search)
     found = trials.attempt(StepVariant(), bounded=restructurable and not pipes.results)
     no_layers = None
-    if found is None and restructurable:
+    # where only a pipeline fits, the ladder's rungs are weighed against it: a pipeline
+    # that fits by checkpointing its stages and many micro-batches can be slower than the
+    # step with its layers checkpointed over the same devices without stages
+    staged_only = found is not None and not any(
+        r.fits and r.stages == 1 for r in found.search.results)
+    if (found is None or staged_only) and restructurable:
+        pipelined, found = found, None
+        if staged_only:
+            trials.tried.insert(0, "as written: only pipelined candidates fit")
         # the pipelined search found the layer scan when it considered pipelines at all
         layers, no_layers = ("scan", None) if pipes.reason is None else _layers(fn, layout)
         rungs = ladder(layout.inputs.batch_size, platform, layers=layers,
@@ -114,6 +123,10 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
             full = trials.graphs.get(StepVariant(remat="layer_full"))
             found = _preferred(ctx, found, fewest_micro_batches(
                 trials, remat, base=full, floor=full is not None) if layered else None)
+        if pipelined is not None and found is not None:
+            notes.append(_weighed(ctx, pipelined, found))
+            found = _preferred(ctx, pipelined, found)
+        found = found or pipelined
     if found is None:
         raise trials.no_fit()
     if found.graph.unmodeled:
@@ -177,6 +190,19 @@ def _shard_rows(trials: Trials) -> int | None:
         return None
     shapes = trials.meshes(graph)
     return graph.batch_size // max(d for d, _ in shapes) if shapes else None
+
+
+def _weighed(ctx: PlanContext, pipelined: FoundVariant, rung: FoundVariant) -> str:
+    """The note where only pipelines fit the step as written and a restructuring was
+    weighed against them: each one's best, predicted, and which the objective took."""
+    def best(f: FoundVariant) -> str:
+        r = f.search.results[f.search.best]
+        return (f"{' x '.join(f'{a}={n}' for a, n in r.mesh)} "
+                f"{(r.step or f.rung).describe()} at "
+                f"{r.predicted.step_time_s * 1e3:.1f} ms (predicted)")
+    won = _preferred(ctx, pipelined, rung) is rung
+    return (f"as written, only pipelined candidates fit; the best, {best(pipelined)}, "
+            f"{'lost to' if won else 'beat'} {best(rung)}")
 
 
 def _preferred(ctx: PlanContext, *found: FoundVariant | None) -> FoundVariant | None:

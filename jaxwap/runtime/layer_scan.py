@@ -1,7 +1,8 @@
 """The layer stack of a loss function, found in its jaxpr.
 
 Most large JAX models run their repeated blocks as one `lax.scan` over parameters stacked
-along a leading layer dim (`nn.scan`, `nnx.scan`, a hand-written scan). `find_layer_scan`
+along a leading layer dim (`nn.scan`, `nnx.scan`, a hand-written scan; a `fori_loop`
+reading `w[i]` is read as the scan it is, `indexed_stacks`). `find_layer_scan`
 finds that scan in the loss function's jaxpr, from abstract arguments alone: a scan at
 the top level of the loss (or inside a `jax.jit` it calls) that carries one activation
 with the batch leading, iterates over stacked parameter leaves (directly, or through
@@ -33,6 +34,7 @@ from jaxwap.analysis.flatten import bodies_one_to_one, is_value, scan_counts, su
 from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.roles import batch_rows, is_key_dtype
 from jaxwap.runtime.batch_keys import maybe_raw_key, wrapped_keys
+from jaxwap.runtime.indexed_stacks import as_layer_scans
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -125,7 +127,8 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> tuple[ClosedJaxpr,
 
     def build() -> tuple[ClosedJaxpr, Any]:
         closed, out = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-        return closed, jax.tree_util.tree_structure(out)
+        # a fori_loop over stacked layers, as the layer scan it is
+        return as_layer_scans(closed), jax.tree_util.tree_structure(out)
     return kept(("loss trace", loss_fn, *abstract_key(args)), build,
                 keep=lambda got: not any(isinstance(c, jax.core.Tracer)
                                          for c in got[0].consts))
@@ -150,7 +153,8 @@ def has_scan(jaxpr: Jaxpr) -> bool:
 
 def _indexed_stacks(consts: list[Any], param_of: dict[Any, int], length: int) -> list[Any]:
     """The consts of a scan of `length` iterations that are stacked parameters of as many
-    layers: what a `fori_loop` over layers indexes (`w[i]`) where a layer scan slices."""
+    layers: what a `fori_loop` over layers indexes where a layer scan slices (one that
+    reads layer i at iteration i, `w[i]`, was made a layer scan: `trace_loss`)."""
     return [v for v in consts if is_value(v) and v in param_of and v.aval.shape[:1] == (length,)]
 
 
@@ -226,8 +230,9 @@ class _Search:
         if p.get("reverse", False):
             why = "the scan runs in reverse"
         elif not xs and _indexed_stacks(consts, param_of, length):
-            why = ("the loop indexes its stacked parameters (a fori_loop reading w[i]); "
-                   "written as a lax.scan over them, it can be pipelined")
+            why = ("the loop reads its stacked parameters other than as layer i at "
+                   "iteration i (a fori_loop reading w[L - 1 - i], say); written as a "
+                   "lax.scan over them, it can be pipelined")
         elif ncarry != 1:
             why = (f"the scan carries {ncarry} values; pipelining needs one carried "
                    f"activation")

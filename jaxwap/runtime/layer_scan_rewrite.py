@@ -212,7 +212,7 @@ def _body_at(loss_fn: Callable, params: Any, batch: Any, scan: Any, path: tuple[
                                      if a in manual})
     try:
         with jax.sharding.use_abstract_mesh(inside):
-            closed = jax.make_jaxpr(loss_fn)(abstract_values(params), small)
+            closed = trace_loss(loss_fn, params, small)[0]
     except ValueError as e:
         raise NoLayerScan(f"the loss function does not trace inside the pipeline's "
                           f"shard_map, for a micro-batch of {rows} rows ({e}). A sharding "
