@@ -256,8 +256,7 @@ def test_a_stack_used_outside_its_scan_is_not_cut_and_says_why():
         plan.notes
 
 
-@pytest.mark.parametrize("form", ["linen_decoder", "nnx_vmap_scan", "lax_scan",
-                                  "lax_fori_loop"])
+@pytest.mark.parametrize("form", ["linen_decoder", "nnx_vmap_scan", "lax_scan"])
 def test_pipelines_are_weighed_for_a_cluster_of_nodes(form):
     step, params, opt, batch = _setup(form)
     cluster = jaxwap.Cluster("h100-sxm", 16, devices_per_node=8, inter_node_bandwidth=1e9)

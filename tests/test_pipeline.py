@@ -73,14 +73,13 @@ def test_an_uneven_stack_is_spread_as_evenly_as_it_goes():
                                   [0, 1, 2, 6, 7, 0, 3, 4, 5, 8, 9, 0])
 
 
+# GPipe and circular, 2 and 4 stages, stages checkpointed or not, even and uneven splits
 @pytest.mark.parametrize("layers, stages, data, micro, repeats, stage_remat", [
-    (L, 2, 4, 4, 1, False), (L, 4, 2, 4, 1, False), (L, 2, 4, 2, 2, False),
-    (L, 4, 2, 4, 2, False), (L, 4, 2, 4, 1, True), (L, 2, 4, 2, 2, True),
-    (7, 4, 2, 4, 1, False), (10, 2, 4, 2, 2, False), (11, 2, 4, 4, 2, True),
-    (7, 4, 2, 4, 1, True)])
+    (L, 2, 4, 4, 1, False), (L, 4, 2, 4, 2, False), (L, 4, 2, 4, 1, True),
+    (L, 2, 4, 2, 2, True), (7, 4, 2, 4, 1, False), (11, 2, 4, 4, 2, True)])
 def test_pipelined_stack_equals_the_scan_forward_and_backward(layers, stages, data, micro,
                                                               repeats, stage_remat):
-    """Even splits and uneven ones (7 layers over 4 stages, 10 over 2 stages x 2 rounds):
+    """Even splits and uneven ones (7 layers over 4 stages, 11 over 2 stages x 2 rounds):
     the padded slots run no layer and get a zero gradient."""
     params, x = _setup(layers)
     mesh = jax.make_mesh((stages, data), (STAGE, "data"), axis_types=(AUTO, AUTO))
