@@ -96,7 +96,7 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
     if (found is None or staged_only) and restructurable:
         pipelined, found = found, None
         if staged_only:
-            trials.tried.insert(0, "as written: only pipelined candidates fit")
+            trials.tried.insert(0, "as written: it fits only pipelined")
         # the pipelined search found the layer scan when it considered pipelines at all
         layers, no_layers = ("scan", None) if pipes.reason is None else _layers(fn, layout)
         rungs = ladder(layout.inputs.batch_size, platform, layers=layers,
@@ -124,8 +124,9 @@ def search_variants(fn: Callable, layout: ArgLayout, closed: Any, ctx: PlanConte
             found = _preferred(ctx, found, fewest_micro_batches(
                 trials, remat, base=full, floor=full is not None) if layered else None)
         if pipelined is not None and found is not None:
-            notes.append(_weighed(ctx, pipelined, found))
-            found = _preferred(ctx, pipelined, found)
+            won = _preferred(ctx, pipelined, found)
+            notes.append(_weighed(pipelined, found, won is found))
+            found = won
         found = found or pipelined
     if found is None:
         raise trials.no_fit()
@@ -192,15 +193,15 @@ def _shard_rows(trials: Trials) -> int | None:
     return graph.batch_size // max(d for d, _ in shapes) if shapes else None
 
 
-def _weighed(ctx: PlanContext, pipelined: FoundVariant, rung: FoundVariant) -> str:
+def _weighed(pipelined: FoundVariant, rung: FoundVariant, won: bool) -> str:
     """The note where only pipelines fit the step as written and a restructuring was
-    weighed against them: each one's best, predicted, and which the objective took."""
+    weighed against them: each one's best, predicted, and whether the restructuring
+    `won` (the objective's choice)."""
     def best(f: FoundVariant) -> str:
         r = f.search.results[f.search.best]
         return (f"{' x '.join(f'{a}={n}' for a, n in r.mesh)} "
                 f"{(r.step or f.rung).describe()} at "
                 f"{r.predicted.step_time_s * 1e3:.1f} ms (predicted)")
-    won = _preferred(ctx, pipelined, rung) is rung
     return (f"as written, only pipelined candidates fit; the best, {best(pipelined)}, "
             f"{'lost to' if won else 'beat'} {best(rung)}")
 
