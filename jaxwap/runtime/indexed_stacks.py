@@ -76,12 +76,14 @@ def as_layer_scans(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def _has_loop(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` runs a loop over indexed stacks, at its top level or in a call."""
     return any(_loop(e) is not None if e.primitive.name == "scan"
                else e.primitive.name in _CALLS - REMAT_PRIMITIVES
                and _has_loop(_called(e).jaxpr) for e in jaxpr.eqns)
 
 
 def _called(eqn: Any) -> ClosedJaxpr:
+    """The body a call (`_CALLS`) runs, closed (a checkpoint's is an open jaxpr)."""
     j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
 
