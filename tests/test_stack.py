@@ -152,11 +152,7 @@ def test_a_batch_with_leaves_without_its_rows_is_pipelined_and_equals_the_loss(
                  w=jnp.asarray([1.0, 2.0, 0.5], jnp.float32))
     scan = find_layer_scan(_loss_with_extras, params, batch)
     assert scan.batch_size == B and scan.length == L
-    fn = pipelined_loss(_loss_with_extras, scan, stages=stages, micro_batches=micro,
-                        repeats=repeats, data_axis="data")
-    with jax.set_mesh(_mesh(stages, 8 // stages)):
-        got = jax.jit(jax.value_and_grad(fn))(params, batch)
-    _assert_close(got, jax.value_and_grad(_loss_with_extras)(params, batch))
+    _assert_pipelined_equal(_loss_with_extras, scan, params, batch, stages, micro, repeats)
     with pytest.raises(NoLayerScan, match="no array with a leading"):
         find_layer_scan(_loss, params, {"t": jnp.float32(0.5)})
 
@@ -178,6 +174,16 @@ def _assert_close(got, want):
     jax.tree_util.tree_map_with_path(check, got, want)
 
 
+def _assert_pipelined_equal(loss, scan, params, batch, stages, micro, repeats, data=None):
+    """`loss` pipelined over `stages` (x `data`, the rest of the 8 devices) equals itself
+    in value and gradients (`_assert_close`)."""
+    fn = pipelined_loss(loss, scan, stages=stages, micro_batches=micro, repeats=repeats,
+                        data_axis="data")
+    with jax.set_mesh(_mesh(stages, data or 8 // stages)):
+        got = jax.jit(jax.value_and_grad(fn))(params, batch)
+    _assert_close(got, jax.value_and_grad(loss)(params, batch))
+
+
 @pytest.mark.parametrize("layers, stages, data, micro, repeats", [
     (L, 2, 4, 4, 1), (L, 4, 2, 4, 2), (6, 4, 2, 4, 1), (7, 2, 4, 2, 2)])
 def test_the_rewritten_loss_equals_the_loss_value_and_gradients(layers, stages, data, micro,
@@ -186,11 +192,7 @@ def test_the_rewritten_loss_equals_the_loss_value_and_gradients(layers, stages, 
     parameters keep their shapes, the gradients too."""
     params, batch = _setup(layers)
     scan = find_layer_scan(_loss, params, batch)
-    fn = pipelined_loss(_loss, scan, stages=stages, micro_batches=micro, repeats=repeats,
-                        data_axis="data")
-    with jax.set_mesh(_mesh(stages, data)):
-        got = jax.jit(jax.value_and_grad(fn))(params, batch)
-    _assert_close(got, jax.value_and_grad(_loss)(params, batch))
+    _assert_pipelined_equal(_loss, scan, params, batch, stages, micro, repeats, data)
 
 
 def _per_layer_inputs(params, batch):
@@ -221,11 +223,7 @@ def test_a_scan_with_per_layer_inputs_besides_its_parameters_is_pipelined_and_eq
     scan = find_layer_scan(_per_layer_inputs, params, batch)
     assert scan.extras == (2, 3, 4) and scan.length == layers   # after scale, w
     assert _paths(params, scan.stacked) == ["['blocks']['scale']", "['blocks']['w']"]
-    fn = pipelined_loss(_per_layer_inputs, scan, stages=stages, micro_batches=micro,
-                        repeats=repeats, data_axis="data")
-    with jax.set_mesh(_mesh(stages, 8 // stages)):
-        got = jax.jit(jax.value_and_grad(fn))(params, batch)
-    _assert_close(got, jax.value_and_grad(_per_layer_inputs)(params, batch))
+    _assert_pipelined_equal(_per_layer_inputs, scan, params, batch, stages, micro, repeats)
     # a stage's cut of the stack (what the pipeline search prices) reads as many rows
     cut = stack_cut(_per_layer_inputs, scan, 3)
     short = dict(params, blocks=jax.tree.map(lambda x: x[:3], params["blocks"]))
@@ -263,11 +261,7 @@ def test_a_fori_loop_reading_layer_i_at_iteration_i_is_the_layer_scan_it_is(
     scan = find_layer_scan(_fori_loops, params, batch)   # the second: more bytes
     assert scan.length == layers and scan.extras == (2,)
     assert _paths(params, scan.stacked) == ["['blocks']['scale']", "['blocks']['w']"]
-    fn = pipelined_loss(_fori_loops, scan, stages=stages, micro_batches=micro,
-                        repeats=repeats, data_axis="data")
-    with jax.set_mesh(_mesh(stages, 8 // stages)):
-        got = jax.jit(jax.value_and_grad(fn))(params, batch)
-    _assert_close(got, jax.value_and_grad(_fori_loops)(params, batch))
+    _assert_pipelined_equal(_fori_loops, scan, params, batch, stages, micro, repeats)
 
 
 def _dropout_layer(h, w, key):
