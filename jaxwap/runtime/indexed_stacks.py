@@ -79,12 +79,13 @@ def _has_loop(jaxpr: Jaxpr) -> bool:
     """Whether `jaxpr` runs a loop over indexed stacks, at its top level or in a call."""
     return any(_loop(e) is not None if e.primitive.name == "scan"
                else e.primitive.name in _CALLS - REMAT_PRIMITIVES
-               and _has_loop(_called(e).jaxpr) for e in jaxpr.eqns)
+               and _has_loop(called_jaxpr(e).jaxpr) for e in jaxpr.eqns)
 
 
-def _called(eqn: Any) -> ClosedJaxpr:
-    """The body a call (`_CALLS`) runs, closed (a checkpoint's is an open jaxpr)."""
-    j = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+def called_jaxpr(eqn: Any) -> ClosedJaxpr:
+    """The closed jaxpr a call equation (a jit, a closed call, a checkpoint, whose body is
+    open: closed over nothing) runs."""
+    j = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
     return j if isinstance(j, ClosedJaxpr) else ClosedJaxpr(j, ())
 
 
@@ -94,8 +95,8 @@ def _run(k: int, eqn: Any, ins: list[Any]) -> list[Any]:
     name = eqn.primitive.name
     if name == "scan" and (loop := _loop(eqn)) is not None:
         return _scan_over_stacks(eqn, ins, loop)
-    if name in _CALLS - REMAT_PRIMITIVES and _has_loop(_called(eqn).jaxpr):
-        inner = _called(eqn)
+    if name in _CALLS - REMAT_PRIMITIVES and _has_loop(called_jaxpr(eqn).jaxpr):
+        inner = called_jaxpr(eqn)
         return evaluate(inner.jaxpr, inner.consts, ins, run=_run)
     return bind(eqn, ins)
 
@@ -164,7 +165,7 @@ def _indices(jaxpr: Jaxpr, known: dict[Any, Any], stacks: dict[Any, int], length
                 bad.add(v)
             continue
         if name in _CALLS and held:
-            inner = _called(eqn).jaxpr
+            inner = called_jaxpr(eqn).jaxpr
             pairs = list(zip(eqn.invars, inner.invars, strict=True))
             fine = _indices(inner, {i: known[o] for o, i in pairs if is_value(o) and o in known},
                             {i: 0 for o, i in pairs if is_value(o) and o in stacks}, length)
@@ -233,7 +234,7 @@ def _sliced(k: int, eqn: Any, ins: list[Any]) -> list[Any]:
         return bind(eqn, ins)
     if name == "dynamic_slice":
         return [lax.expand_dims(ins[0].value, (0,))]
-    inner = _called(eqn)
+    inner = called_jaxpr(eqn)
 
     def run(*xs: Any) -> list[Any]:
         return evaluate(inner.jaxpr, inner.consts, xs, run=_sliced)
@@ -248,4 +249,4 @@ def _sliced(k: int, eqn: Any, ins: list[Any]) -> list[Any]:
     return run(*ins)
 
 
-__all__ = ["as_layer_scans"]
+__all__ = ["as_layer_scans", "called_jaxpr"]

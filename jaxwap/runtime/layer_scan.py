@@ -34,7 +34,7 @@ from jaxwap.analysis.flatten import bodies_one_to_one, is_value, scan_counts, su
 from jaxwap.analysis.graph_cache import abstract_key, kept
 from jaxwap.analysis.roles import batch_rows, is_key_dtype
 from jaxwap.runtime.batch_keys import maybe_raw_key, wrapped_keys
-from jaxwap.runtime.indexed_stacks import as_layer_scans
+from jaxwap.runtime.indexed_stacks import as_layer_scans, called_jaxpr
 
 # calls the search looks through and the rewrite inlines: the scan may sit inside one
 CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call"})
@@ -132,11 +132,6 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> tuple[ClosedJaxpr,
     return kept(("loss trace", loss_fn, *abstract_key(args)), build,
                 keep=lambda got: not any(isinstance(c, jax.core.Tracer)
                                          for c in got[0].consts))
-
-
-def called_jaxpr(eqn: Any) -> ClosedJaxpr:
-    """The closed jaxpr a call equation (`CALL_PRIMITIVES`) runs."""
-    return eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
 
 
 #: why a loss has no layer scan, where it has no scan at all
