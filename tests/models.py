@@ -107,6 +107,24 @@ def copy_tree(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
 
 
+def run_both(step: Any, params: Any, opt_state: Any, batch: Any, n_steps: int = 3,
+             pass_params: bool = True, **options: Any) -> tuple[Any, Any, Any]:
+    """`n_steps` of `step` under `jax.jit` on one device and under `jaxwap.auto_shard`
+    with `options`, each from its own copy of the state: (the plain step's (params,
+    opt_state, metrics), the sharded step's, the sharded step)."""
+    import jaxwap
+
+    ref_p, ref_o = copy_tree(params), copy_tree(opt_state)
+    single = jax.jit(step)
+    for _ in range(n_steps):
+        ref_p, ref_o, ref_m = single(ref_p, ref_o, batch)
+    sharded = jaxwap.auto_shard(step, params if pass_params else None, **options)
+    p, o = copy_tree(params), copy_tree(opt_state)
+    for _ in range(n_steps):
+        p, o, m = sharded(p, o, batch)
+    return (ref_p, ref_o, ref_m), (p, o, m), sharded
+
+
 def abstract_setup(widths: Sequence[int], batch: int, in_dim: int, *,
                    regression: bool = False,
                    tx: optax.GradientTransformation | None = None) -> tuple:

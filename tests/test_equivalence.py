@@ -8,7 +8,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from models import CNN, MLP, BNNet, copy_tree, make_bn_step, setup
+from models import CNN, MLP, BNNet, copy_tree, make_bn_step, run_both, setup
 
 import jaxwap
 
@@ -20,18 +20,6 @@ SLOW_LINKS = jaxwap.DeviceSpec(
     "slow-link-test", peak_flops=1e12, memory_bandwidth=1e11, memory_bytes=3e6,
     idle_watts=10, max_watts=100, kernel_overhead_s=1e-6, link_bandwidth=1e9,
     link_latency_s=1e-6)
-
-
-def run_both(step, params, opt_state, batch, n_steps=3, pass_params=True, **kw):
-    ref_p, ref_o = copy_tree(params), copy_tree(opt_state)
-    single = jax.jit(step)
-    for _ in range(n_steps):
-        ref_p, ref_o, ref_m = single(ref_p, ref_o, batch)
-    sharded = jaxwap.auto_shard(step, params if pass_params else None, **kw)
-    p, o = copy_tree(params), copy_tree(opt_state)
-    for _ in range(n_steps):
-        p, o, m = sharded(p, o, batch)
-    return (ref_p, ref_o, ref_m), (p, o, m), sharded
 
 
 def assert_trees_close(a, b):

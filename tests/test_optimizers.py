@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import MLP, copy_tree, setup
+from models import MLP, run_both, setup
 
 import jaxwap
 
@@ -50,15 +50,12 @@ def _close(a, b):
 
 
 def _both(step, params, opt, batch, steps=2, **options):
-    ref_p, ref_o = copy_tree(params), copy_tree(opt)
-    for _ in range(steps):
-        ref_p, ref_o, ref_m = jax.jit(step)(ref_p, ref_o, batch)
-    sharded = jaxwap.auto_shard(step, params, cache=False, verify=0, **options)
-    p, o = copy_tree(params), copy_tree(opt)
-    for _ in range(steps):
-        p, o, m = sharded(p, o, batch)
-    _close((ref_p, ref_o, ref_m), (p, o, m))
-    return sharded.plan, o
+    """(the plan, the optimizer state after `steps`), the sharded step's every output
+    equal to the plain step's (`models.run_both`)."""
+    want, got, sharded = run_both(step, params, opt, batch, steps, cache=False, verify=0,
+                                  **options)
+    _close(want, got)
+    return sharded.plan, got[1]
 
 
 def _mirrors(plan, params, opt_state):
