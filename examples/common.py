@@ -128,11 +128,17 @@ def parse_args(
                    help="plan for this much memory per device (--auto only): a tight budget "
                         "shows the memory planning (ZeRO-1, FSDP, optimizer state in host "
                         "memory); default: the device's memory less 10%%")
+    p.add_argument("--verify", type=int, default=None, metavar="N",
+                   help="compile the best candidates until N fit by XLA's memory analysis "
+                        "and choose on XLA's figures; 0 trusts the model (--auto only); "
+                        "default: auto_shard's")
     args = p.parse_args(argv)
     if args.frontier and not args.auto:
         p.error("--frontier needs --auto")
     if args.memory_budget_gib is not None and (not args.auto or args.memory_budget_gib <= 0):
         p.error("--memory-budget-gib needs --auto and a positive size")
+    if args.verify is not None and (not args.auto or args.verify < 0):
+        p.error("--verify needs --auto and a count of candidates, 0 or more")
     if args.steps < 1 or args.batch_size < 1 or args.image_size < 1:
         p.error("--steps, --batch-size and --image-size must be positive")
     return args
@@ -370,8 +376,9 @@ def main(
             hardware = jaxwap.Cluster(args.hardware, num_devices=len(devices))
         opt_state = tx.init(params)
         budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2**30
+        verify = {} if args.verify is None else {"verify": args.verify}
         step = jaxwap.auto_shard(train_step, params, objective=args.objective,
-                                 hardware=hardware, memory_budget=budget)
+                                 hardware=hardware, memory_budget=budget, **verify)
         # Plan from shapes alone (the first call would do the same), so the data pool can be
         # laid out over the plan's data axis once, as the single-device path puts it on its
         # device once; otherwise every step would re-shard its batch from host memory.

@@ -2,21 +2,35 @@
 
 import os
 
-# LLVM's optimisation of the CPU code is off (--xla_backend_optimization_level=0): it is
-# about a third of the suite's time, and no test depends on how fast the generated code
-# runs. XLA's HLO passes (sharding, collectives, buffer assignment, what the tests check)
-# are untouched by it.
+from processes import FAST_COMPILE  # imports no jax
+
+# 8 simulated devices; LLVM's optimisation off (why: `processes.FAST_COMPILE`)
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Plans made by the tests never go to the user's cache: module-scoped fixtures plan into
 # one fresh directory per session, and each test into its own (`fresh_plan_cache` below).
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 os.environ["JAXWAP_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxwap-test-cache-")
+
+# One persistent compilation cache for the session's processes (both workers and the
+# processes tests start, which inherit it): many tests compile the same program (a
+# model's plain step, the reference each sharded step is compared with), each from a
+# function object of its own, which jax's in-memory caches do not share; a fifth of the
+# suite's time. Programs of every size are kept; the process that made the directory
+# removes it when it ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxwap-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import random  # noqa: E402 - after the environment above, which must come first
 

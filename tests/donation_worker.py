@@ -20,10 +20,10 @@ if mode == "one":   # JAX_PLATFORMS=cuda: on a GPU, whose one-device call is unc
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 else:
     os.environ["JAX_PLATFORMS"] = "cpu"
-if mode == "two":
-    os.environ["XLA_FLAGS"] = ""
-else:
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from processes import FAST_COMPILE  # noqa: E402 - imports no jax
+
+os.environ["XLA_FLAGS"] = FAST_COMPILE if mode == "two" else \
+    f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
 
 import jax  # noqa: E402
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = ""
+from processes import FAST_COMPILE  # imports no jax
+
+os.environ["XLA_FLAGS"] = FAST_COMPILE
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

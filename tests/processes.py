@@ -11,6 +11,13 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 
+# LLVM's optimisation of the CPU code off: it is about a third of a test's time, and no
+# test depends on how fast the generated code runs (XLA's HLO passes, sharding,
+# collectives, buffer assignment, are untouched by it). Every process a test starts that
+# compiles steps without timing them sets it too; a calibration, which times the code it
+# compiles, does not.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
 
 def worker_env() -> dict[str, str]:
     """The environment a worker script needs: the tests' helpers and jaxwap importable."""
