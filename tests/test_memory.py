@@ -462,6 +462,31 @@ def test_repair_shards_optimizer_state_first():
     assert after <= peak - 1e6
 
 
+def test_the_micro_batch_floor_kept_with_the_graph_is_the_bound_computed_afresh():
+    # the planner asks one graph's floor for count after count: what is kept of each mesh
+    # (the bound's rest and its batched values, which a count scales) gives, at every
+    # count and on every mesh the search would try, the bound `memory_floor` computes
+    # from the layouts afresh
+    from jaxwap.search.memory_repair import memory_floor, micro_batch_floor
+    from jaxwap.search.meshes import mesh_shapes
+    from jaxwap.search.strategies import param_strategies, shard_replicas
+
+    step, params, opt, batch = mlp_problem((1024, 1024, 10), 1024, 2048)
+    layout, closed = layout_of(step, (params, opt, batch), {}, None)
+    g = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, 2048)
+    floors = []
+    for k in (1, 2, 4, 8, 2, 1):      # again: from what was kept
+        afresh = min(
+            memory_floor(g, [param_strategies(g, j, d // r, m) for j in range(len(g.params))],
+                         d, m, 1.0 / k, r)[0]
+            for d, m in mesh_shapes(8, 2048, g, None, k, None, H100X8.mesh_node_size)[0]
+            for r in {1, shard_replicas(g, d, m)})
+        floors.append(micro_batch_floor(g, H100X8, 8, k))
+        assert floors[-1] == pytest.approx(afresh, rel=1e-9)
+    assert any(key[0] == "mesh floor" for key in g.memo if isinstance(key, tuple))
+    assert floors[0] > floors[1] > floors[2] > floors[3]   # activations shrink with k
+
+
 def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     # under Auto sharding XLA all-reduces the gradient inside the scan, once per
     # micro-batch: the model charges it k times, the HLO parser counts the loop's trips

@@ -126,6 +126,26 @@ def _inverse_rows(strategies: Sequence[Sequence[Strategy]], d: int, m: int
     return np.split(inv, ends[:-1])
 
 
+def _floor_curves(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int, m: int,
+                 r: int = 1) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """`memory_floor`'s bound at every point, in two parts, (the rest, the batched
+    values at the full batch), and each parameter's inverse rows (`_inverse_rows`): the
+    bytes are linear in the weights, so the bound with the batched values at a share s is
+    `rest + s * batched`, for any number of micro-batches at once."""
+    P = len(graph.params)
+    invs = _inverse_rows(strategies, d // r, m)
+    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
+    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
+    batched = np.zeros_like(weights)
+    # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
+    batched[0] = 1.0 / d
+    batched[2 + P * NUM_CLASSES:] = 1.0 / (d * m)
+    weights[0] = 0.0
+    weights[2 + P * NUM_CLASSES:] = 0.0
+    weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
+    return graph.live_at(weights), graph.live_at(batched), invs
+
+
 def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
                   m: int, activation_share: float = 1.0, r: int = 1
                   ) -> tuple[float, list[int]]:
@@ -135,14 +155,8 @@ def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
     `activation_share` scales the batched values (1/k: k micro-batches, estimated from
     the step as written). With r replicas (HSDP) parameters shard d/r ways."""
     P = len(graph.params)
-    invs = _inverse_rows(strategies, d // r, m)
-    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
-    weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
-    # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
-    weights[0] = activation_share / d
-    weights[2 + P * NUM_CLASSES:] = activation_share / (d * m)
-    weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
-    per_point = graph.live_at(weights)
+    rest, batched, invs = _floor_curves(graph, strategies, d, m, r)
+    per_point = rest + activation_share * batched
     k = int(np.argmax(per_point))
     at_peak = graph.live[k, 2:2 + P * NUM_CLASSES].reshape(NUM_CLASSES, P).T
     choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
@@ -156,7 +170,8 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     """An estimate, from the step as written, of the least peak memory per device the
     step split into `micro_batches` could reach on any mesh: the activations held at once
     shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
-    fit."""
+    fit, asking it of one graph for count after count: each mesh's bound is kept with
+    the graph (`Graph.memo`) in `_floor_curves`' two parts, which any count then scales."""
     node = cluster.mesh_node_size
     shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                             micro_batches, mesh, node)
@@ -167,11 +182,27 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
         # as the search tries it: over the whole data axis, and hybrid-sharded where the
         # axis divides too few of the weights (`shard_replicas`)
         for r in {1, shard_replicas(graph, d, m, allowed)}:
-            strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
-                          for j in range(len(graph.params))]
-            best = min(best, memory_floor(graph, strategies, d, m, 1.0 / micro_batches,
-                                          r)[0])
+            rest, batched = _mesh_floor(graph, d, m, r, offload, allowed)
+            best = min(best, float(np.max(rest + batched / micro_batches)))
     return best
+
+
+def _mesh_floor(graph: Graph, d: int, m: int, r: int, offload: bool,
+                allowed: LayoutRules | None) -> tuple[np.ndarray, np.ndarray]:
+    """`_floor_curves`' two parts on one mesh, over the layouts the search would weigh
+    there, kept with the graph where the rules can be a key."""
+    def build() -> tuple[np.ndarray, np.ndarray]:
+        strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
+                      for j in range(len(graph.params))]
+        return _floor_curves(graph, strategies, d, m, r)[:2]
+    key = ("mesh floor", d, m, r, offload, allowed)
+    try:
+        hash(key)
+    except TypeError:
+        return build()
+    if key not in graph.memo:
+        graph.memo[key] = build()
+    return graph.memo[key]
 
 
 __all__ = ["memory_floor", "micro_batch_floor", "repair"]
