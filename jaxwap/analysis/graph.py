@@ -26,7 +26,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +248,18 @@ class Graph:
         keys naming the function and its other arguments: a search asks the same of one
         graph on every mesh and micro-batch count (`strategies.shard_replicas`)."""
         return {}
+
+    def memoized(self, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+        """`build()`, kept in `memo` under `key` (its first item names the function, the
+        rest its other arguments); built afresh each time where the key cannot be hashed
+        (layout rules holding a dict)."""
+        try:
+            hash(key)
+        except TypeError:
+            return build()
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]
 
     def param_changes(self, j: int) -> scipy.sparse.csc_array:
         """`live_changes`' columns of parameter j's classes ([points, NUM_CLASSES]),

@@ -171,7 +171,7 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
     step split into `micro_batches` could reach on any mesh: the activations held at once
     shrink with the micro-batch. The planner uses it to skip tracing counts that cannot
     fit, asking it of one graph for count after count: each mesh's bound is kept with
-    the graph (`Graph.memo`) in `_floor_curves`' two parts, which any count then scales."""
+    the graph in `_floor_curves`' two parts, which any count then scales."""
     node = cluster.mesh_node_size
     shapes, _ = mesh_shapes(num_devices, graph.batch_size, graph, num_devices_exact,
                             micro_batches, mesh, node)
@@ -190,19 +190,12 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
 def _mesh_floor(graph: Graph, d: int, m: int, r: int, offload: bool,
                 allowed: LayoutRules | None) -> tuple[np.ndarray, np.ndarray]:
     """`_floor_curves`' two parts on one mesh, over the layouts the search would weigh
-    there, kept with the graph where the rules can be a key."""
+    there, kept with the graph (`Graph.memoized`)."""
     def build() -> tuple[np.ndarray, np.ndarray]:
         strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
                       for j in range(len(graph.params))]
         return _floor_curves(graph, strategies, d, m, r)[:2]
-    key = ("mesh floor", d, m, r, offload, allowed)
-    try:
-        hash(key)
-    except TypeError:
-        return build()
-    if key not in graph.memo:
-        graph.memo[key] = build()
-    return graph.memo[key]
+    return graph.memoized(("mesh floor", d, m, r, offload, allowed), build)
 
 
 __all__ = ["memory_floor", "micro_batch_floor", "repair"]

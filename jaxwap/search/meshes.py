@@ -97,12 +97,11 @@ def even_split_counts(num_devices: int, batch_size: int, graph: Graph, micro_bat
     with the graph: a search asks it of every micro-batch count."""
     if num_devices <= EXHAUSTIVE_DEVICES or batch_size % micro_batches:
         return set()
-    key = ("even_split_counts", num_devices, batch_size, micro_batches, node_size,
-           tuple(counts))
-    if key not in graph.memo:
-        graph.memo[key] = _even_split_counts(num_devices, batch_size // micro_batches, graph,
-                                             node_size, counts)
-    return graph.memo[key]
+    return graph.memoized(
+        ("even_split_counts", num_devices, batch_size, micro_batches, node_size,
+         tuple(counts)),
+        lambda: _even_split_counts(num_devices, batch_size // micro_batches, graph,
+                                   node_size, counts))
 
 
 def _even_split_counts(num_devices: int, per_micro_batch: int, graph: Graph,

@@ -147,14 +147,8 @@ def shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None = Non
     asks it on every mesh of every micro-batch count."""
     if d <= 1:
         return 1
-    try:
-        key = ("shard_replicas", d, m, rules)
-        hash(key)
-    except TypeError:
-        return _shard_replicas(graph, d, m, rules)
-    if key not in graph.memo:
-        graph.memo[key] = _shard_replicas(graph, d, m, rules)
-    return graph.memo[key]
+    return graph.memoized(("shard_replicas", d, m, rules),
+                          lambda: _shard_replicas(graph, d, m, rules))
 
 
 def _shard_replicas(graph: Graph, d: int, m: int, rules: LayoutRules | None) -> int:
