@@ -5,7 +5,6 @@ import os
 from processes import FAST_COMPILE  # imports no jax
 
 # 8 simulated devices; LLVM's optimisation off (why: `processes.FAST_COMPILE`)
-
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + f" --xla_force_host_platform_device_count=8 {FAST_COMPILE}"
