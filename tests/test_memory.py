@@ -487,6 +487,35 @@ def test_the_micro_batch_floor_kept_with_the_graph_is_the_bound_computed_afresh(
     assert floors[0] > floors[1] > floors[2] > floors[3]   # activations shrink with k
 
 
+@pytest.mark.parametrize("mesh", [(4, 2, 1), (8, 1, 1), (8, 1, 2)])
+def test_the_memory_floor_tightened_by_layout_is_under_every_layouts_peak(mesh):
+    # the bound by class mixes layouts (one's weight share, another's nothing gathered
+    # whole); tightened at its peak point to each parameter's least bytes there of any one
+    # layout, it is higher with replicas (HSDP: FSDP's weights gathered whole at the
+    # peak, where the bound by class took a replicated layout's nothing), and no layout
+    # of any mix of parameters' layouts peaks under it (without replicas, where a layer
+    # XLA moves keeps nothing whole, it is the bound by class here)
+    from jaxwap.cost.layout_memory import peak_memory
+    from jaxwap.search.memory_repair import _floor_curves, memory_floor
+    from jaxwap.search.strategies import param_strategies
+
+    d, m, r = mesh
+    step, params, opt, batch = mlp_problem((1024, 1024, 1024, 10), 1024, 256)
+    layout, closed = layout_of(step, (params, opt, batch), {}, None)
+    g = analyze(closed, layout.inputs.roles, layout.outputs.roles, layout.params, 256)
+    strategies = [param_strategies(g, j, d // r, m) for j in range(len(g.params))]
+    floor, _ = memory_floor(g, strategies, d, m, r=r)
+    rest, batched, _ = _floor_curves(g, strategies, d, m, r)
+    by_class = float(np.max(rest + batched))
+    assert floor > 1.01 * by_class if r > 1 else floor >= by_class
+    rng = np.random.default_rng(0)
+    peaks = [peak_memory(g, d, m, [s[rng.integers(len(s))] for s in strategies], r)[0]
+             for _ in range(300)]
+    peaks += [peak_memory(g, d, m, [s[i % len(s)] for s in strategies], r)[0]
+              for i in range(max(len(s) for s in strategies))]   # each layout everywhere
+    assert min(peaks) >= floor * (1 - 1e-9)
+
+
 def test_micro_batches_reduce_gradients_every_iteration_in_model_and_hlo():
     # under Auto sharding XLA all-reduces the gradient inside the scan, once per
     # micro-batch: the model charges it k times, the HLO parser counts the loop's trips
