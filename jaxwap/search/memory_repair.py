@@ -135,6 +135,8 @@ def _floor_curves(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int
     P = len(graph.params)
     invs = _inverse_rows(strategies, d // r, m)
     floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
+    if r == 1:   # a layer XLA moves keeps nothing whole, by the others' choices (`_floor_at`)
+        floor[:, WHOLE] = 0.0
     weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
     batched = np.zeros_like(weights)
     # batched values: 1/d, and those a tensor-parallel layout may split, 1/(d*m) at best
@@ -170,14 +172,15 @@ def _floor_at(graph: Graph, per_point: np.ndarray, invs: Sequence[np.ndarray], r
     (a 310 B model at 9 micro-batches on 240 x 8 devices, 15 replicas: 71 GB by
     class, 149 GB by layout, where the search's best layout needs 183 GB). Without
     replicas a layer whose activations XLA moves keeps nothing whole, by what the other
-    layers chose (`collectives.moved_in`): what is gathered whole counts as nothing."""
+    layers chose (`collectives.moved_in`): there what is gathered whole counts as
+    nothing, in both bounds (`_floor_curves`)."""
     P = len(graph.params)
     k = int(np.argmax(per_point))
     at_peak = np.asarray(graph.live[k, 2:2 + P * NUM_CLASSES], float).reshape(NUM_CLASSES, P).T
     held = at_peak.copy()
     if r == 1:
         held[:, WHOLE] = 0.0
-    by_class = sum(float(inv.min(axis=0) @ at_peak[j]) for j, inv in enumerate(invs))
+    by_class = sum(float(inv.min(axis=0) @ held[j]) for j, inv in enumerate(invs))
     by_layout = sum(float(np.min(inv @ held[j])) for j, inv in enumerate(invs))
     choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
     return float(per_point[k]) + max(by_layout - by_class, 0.0), choice
