@@ -127,14 +127,19 @@ def _inverse_rows(strategies: Sequence[Sequence[Strategy]], d: int, m: int
 
 
 def _floor_curves(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int, m: int,
-                 r: int = 1) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-    """`memory_floor`'s bound at every point, in two parts, (the rest, the batched
-    values at the full batch), and each parameter's inverse rows (`_inverse_rows`): the
-    bytes are linear in the weights, so the bound with the batched values at a share s is
-    `rest + s * batched`, for any number of micro-batches at once."""
+                 r: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`memory_floor`'s bound by class at every point, in two parts, (the rest, the
+    batched values at the full batch), each parameter's inverse rows (`_inverse_rows`,
+    [P, layouts, classes], a parameter with fewer layouts padded with copies of its
+    first) and its smallest share by class ([P, classes], what the rest holds it at):
+    the bytes are linear in the weights, so the bound with the batched values at a share
+    s is `rest + s * batched`, for any number of micro-batches at once."""
     P = len(graph.params)
     invs = _inverse_rows(strategies, d // r, m)
-    floor = np.stack([inv.min(axis=0) for inv in invs])                 # [P, classes]
+    most = max((len(inv) for inv in invs), default=1)
+    rows = np.stack([np.concatenate([inv, np.repeat(inv[:1], most - len(inv), axis=0)])
+                     for inv in invs]) if invs else np.zeros((0, most, NUM_CLASSES))
+    floor = rows.min(axis=1)                                            # [P, classes]
     if r == 1:   # a layer XLA moves keeps nothing whole, by the others' choices (`_floor_at`)
         floor[:, WHOLE] = 0.0
     weights = memory_weights(graph, d, [strategies[j][0] for j in range(P)], m, r)
@@ -145,7 +150,7 @@ def _floor_curves(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int
     weights[0] = 0.0
     weights[2 + P * NUM_CLASSES:] = 0.0
     weights[2:2 + P * NUM_CLASSES] = floor.T.reshape(-1)
-    return graph.live_at(weights), graph.live_at(batched), invs
+    return graph.live_at(weights), graph.live_at(batched), rows, floor
 
 
 def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
@@ -158,12 +163,12 @@ def memory_floor(graph: Graph, strategies: Sequence[Sequence[Strategy]], d: int,
     there of any one of its layouts (`_floor_at`). `activation_share` scales the
     batched values (1/k: k micro-batches, estimated from the step as written). With r
     replicas (HSDP) parameters shard d/r ways."""
-    rest, batched, invs = _floor_curves(graph, strategies, d, m, r)
-    return _floor_at(graph, rest + activation_share * batched, invs, r)
+    rest, batched, rows, floor = _floor_curves(graph, strategies, d, m, r)
+    return _floor_at(graph, rest + activation_share * batched, rows, floor, r)
 
 
-def _floor_at(graph: Graph, per_point: np.ndarray, invs: Sequence[np.ndarray], r: int
-              ) -> tuple[float, list[int]]:
+def _floor_at(graph: Graph, per_point: np.ndarray, rows: np.ndarray, floor: np.ndarray,
+              r: int) -> tuple[float, list[int]]:
     """The bound `per_point` (`_floor_curves`' at some share) at its peak, tightened there,
     and per parameter the layout least at that point. Each class at its smallest share
     mixes layouts: an FSDP layout's weight share with a replicated one's nothing gathered
@@ -177,13 +182,15 @@ def _floor_at(graph: Graph, per_point: np.ndarray, invs: Sequence[np.ndarray], r
     P = len(graph.params)
     k = int(np.argmax(per_point))
     at_peak = np.asarray(graph.live[k, 2:2 + P * NUM_CLASSES], float).reshape(NUM_CLASSES, P).T
-    held = at_peak.copy()
-    if r == 1:
-        held[:, WHOLE] = 0.0
-    by_class = sum(float(inv.min(axis=0) @ held[j]) for j, inv in enumerate(invs))
-    by_layout = sum(float(np.min(inv @ held[j])) for j, inv in enumerate(invs))
-    choice = [int(np.argmin(inv @ at_peak[j])) for j, inv in enumerate(invs)]
-    return float(per_point[k]) + max(by_layout - by_class, 0.0), choice
+    held = np.einsum("psc,pc->ps", rows, at_peak)      # [P, layouts] at the peak
+    if r == 1:   # what is gathered whole counted as nothing (`floor` holds none either)
+        least = held - rows[:, :, WHOLE] * at_peak[:, WHOLE, None]
+    else:
+        least = held
+    by_class = float(np.sum(floor * at_peak))
+    by_layout = float(least.min(axis=1).sum())
+    return (float(per_point[k]) + max(by_layout - by_class, 0.0),
+            [int(c) for c in held.argmin(axis=1)])
 
 
 def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_batches: int,
@@ -205,25 +212,25 @@ def micro_batch_floor(graph: Graph, cluster: Cluster, num_devices: int, micro_ba
         # as the search tries it: over the whole data axis, and hybrid-sharded where the
         # axis divides too few of the weights (`shard_replicas`)
         for r in {1, shard_replicas(graph, d, m, allowed)}:
-            rest, batched, invs = _mesh_floor(graph, d, m, r, offload, allowed)
+            rest, batched, rows, floor = _mesh_floor(graph, d, m, r, offload, allowed)
             per_point = rest + batched / micro_batches
-            bounds.append((float(np.max(per_point)), per_point, invs, r))
+            bounds.append((float(np.max(per_point)), per_point, rows, floor, r))
     # tightened from the least by class up: a mesh whose bound by class is over the
     # least tightened one cannot be less once tightened
     best = float("inf")
-    for by_class, per_point, invs, r in sorted(bounds, key=lambda b: b[0]):
+    for by_class, per_point, rows, floor, r in sorted(bounds, key=lambda b: b[0]):
         if by_class >= best:
             break
-        best = min(best, _floor_at(graph, per_point, invs, r)[0])
+        best = min(best, _floor_at(graph, per_point, rows, floor, r)[0])
     return best
 
 
 def _mesh_floor(graph: Graph, d: int, m: int, r: int, offload: bool,
                 allowed: LayoutRules | None
-                ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """`_floor_curves` on one mesh, over the layouts the search would weigh there, kept
     with the graph (`Graph.memoized`)."""
-    def build() -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    def build() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         strategies = [param_strategies(graph, j, d // r, m, offload, allowed)
                       for j in range(len(graph.params))]
         return _floor_curves(graph, strategies, d, m, r)
